@@ -1,0 +1,93 @@
+"""Fused-MoE linearisation: fused 3-D expert tensors -> one ``nn.Linear`` per expert projection.
+
+transformers 5 stores Qwen3-MoE experts fused (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``),
+which no per-layer quantizer can see: tools that only swap ``nn.Linear`` silently leave most of
+an MoE model unquantized. Here each expert becomes ``gate_proj`` / ``up_proj`` / ``down_proj``
+linears named exactly like the per-expert keys ``save_pretrained`` writes
+(``mlp.experts.{e}.gate_proj.weight``), so checkpoint keys and module names agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import ContextManager
+
+import torch
+from torch import nn
+
+_FUSED_ATTRS = ("gate_up_proj", "down_proj", "num_experts", "hidden_dim", "intermediate_dim", "act_fn")
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """Duck-typed: any module with the fused-expert attributes (Qwen3-MoE and its relatives)."""
+    return all(hasattr(module, a) for a in _FUSED_ATTRS) and isinstance(getattr(module, "gate_up_proj"), nn.Parameter)
+
+
+class ExpertMLP(nn.Module):
+    """One expert: ``down(act(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, inter: int, act_fn: Callable, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(hidden, inter, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(inter, hidden, bias=False, dtype=dtype)
+        self.act_fn = act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LinearizedMoeExperts(nn.ModuleList):
+    """Drop-in replacement of a fused experts module with the same forward signature.
+
+    Every expert runs on every call, also with zero tokens: under ZeRO-3 each expert call gathers
+    its parameters, and ranks whose routing differs must still issue the same collectives in the
+    same order, or they deadlock. A zero-token expert call costs one empty matmul.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, act_fn: Callable, dtype: torch.dtype | None = None):
+        super().__init__([ExpertMLP(hidden, inter, act_fn, dtype) for _ in range(num_experts)])
+        self.num_experts = num_experts
+        self.hidden_dim = hidden
+        self.intermediate_dim = inter
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for e, expert in enumerate(self):
+            token_idx, k_pos = torch.where(top_k_index == e)
+            y = expert(hidden_states[token_idx])
+            y = y * top_k_weights[token_idx, k_pos, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+
+def linearize_moe_experts(
+    model: nn.Module,
+    *,
+    copy_weights: bool = True,
+    init_context: Callable[[], ContextManager] = contextlib.nullcontext,
+) -> int:
+    """Replace every fused experts module in ``model`` in place; returns how many were replaced.
+
+    ``copy_weights`` copies the fused tensors into the new linears (plain models). The ZeRO-3
+    path passes ``copy_weights=False`` and ``init_context=zero.Init`` so the new linears are
+    partitioned at creation and later filled by the streaming loader.
+    """
+    targets = [(name, m) for name, m in model.named_modules() if is_fused_experts(m)]
+    for name, fused in targets:
+        dtype = fused.gate_up_proj.dtype
+        with init_context():
+            lin = LinearizedMoeExperts(fused.num_experts, fused.hidden_dim, fused.intermediate_dim, fused.act_fn, dtype)
+        if copy_weights:
+            inter = fused.intermediate_dim
+            with torch.no_grad():
+                for e, expert in enumerate(lin):
+                    expert.gate_proj.weight.copy_(fused.gate_up_proj[e, :inter])
+                    expert.up_proj.weight.copy_(fused.gate_up_proj[e, inter:])
+                    expert.down_proj.weight.copy_(fused.down_proj[e])
+            lin.to(fused.gate_up_proj.device)
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, lin)
+    return len(targets)

@@ -1,0 +1,288 @@
+"""`QuantLinear` and the two verbs: `prepare` (swap linears for fake-quantized ones) and
+`convert` (bake weights into deployable codes + scales)."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import ContextManager
+
+import torch
+import torch.nn.functional as TF
+from torch import nn
+
+from ..moe import linearize_moe_experts
+from . import functional as F
+from .quantizer import Quantizer
+from .spec import Granularity, QuantScheme, QuantSpec
+
+
+def weight_readable(w: torch.Tensor) -> bool:
+    """False for a ZeRO-3 shard (``ds_id``), a meta tensor or an empty placeholder: then scales are
+    initialised from shape + init value and filled later from a PTQ checkpoint."""
+    return not hasattr(w, "ds_id") and w.device.type != "meta" and w.numel() > 0
+
+
+class QuantLinear(nn.Module):
+    """``nn.Linear`` with weight, input-activation and optional output (q/k/v) fake-quantizers.
+
+    Holds the very same ``weight`` / ``bias`` Parameter objects as the linear it replaces, so
+    ZeRO-3 partitioned parameters (and optimizer references) survive the swap.
+    """
+
+    def __init__(
+        self,
+        linear: nn.Linear,
+        scheme: QuantScheme,
+        *,
+        output_spec: QuantSpec | None = None,
+        weight_init_value: float = 1.0,
+        act_init_value: float = 1.0,
+        lwc_init: float | None = None,
+        clamp_grad: str = "mask",
+        init_from_weight: bool = True,
+    ) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        wshape = (self.out_features, self.in_features)
+        self.weight_quantizer = (
+            Quantizer(scheme.weight, wshape, init_value=weight_init_value, lwc_init=lwc_init, clamp_grad=clamp_grad)
+            if scheme.weight is not None
+            else None
+        )
+        self.input_quantizer = (
+            Quantizer(scheme.input, (self.in_features,), init_value=act_init_value, clamp_grad=clamp_grad)
+            if scheme.input is not None
+            else None
+        )
+        self.output_quantizer = (
+            Quantizer(output_spec, (self.out_features,), init_value=act_init_value, clamp_grad=clamp_grad)
+            if output_spec is not None
+            else None
+        )
+        if init_from_weight and self.weight_quantizer is not None and weight_readable(self.weight):
+            self.weight_quantizer.init_from(self.weight)
+
+    def quantizers(self) -> Iterator[tuple[str, Quantizer]]:
+        for role in ("weight_quantizer", "input_quantizer", "output_quantizer"):
+            q = getattr(self, role)
+            if q is not None:
+                yield role, q
+
+    def fake_quant_weight(self) -> torch.Tensor:
+        wq = self.weight_quantizer
+        return self.weight if wq is None else wq(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.fake_quant_weight()
+        if self.input_quantizer is not None:
+            x = self.input_quantizer(x)
+        # Compute in the weight's dtype: under DeepSpeed's autocast-wrapped linear an fp32 x against
+        # bf16 weights would otherwise mix dtypes.
+        out = TF.linear(x.to(w.dtype), w, None if self.bias is None else self.bias.to(w.dtype))
+        if self.output_quantizer is not None:
+            out = self.output_quantizer(out)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class QDQLinear(nn.Module):
+    """The converted (deployable) form: weight stored as codes (int8 / fp8) + fp32 scales.
+
+    Its forward dequantizes the codes and applies the frozen activation quantizers, which is what
+    a runtime computes; `prepare -> convert` parity tests compare it with `QuantLinear`.
+    """
+
+    def __init__(self, ql: QuantLinear, weight: torch.Tensor | None = None) -> None:
+        super().__init__()
+        w = ql.weight if weight is None else weight
+        self.in_features, self.out_features = ql.in_features, ql.out_features
+        self.dtype = w.dtype
+        wq = ql.weight_quantizer
+        self.weight_spec = None if wq is None else wq.spec
+        with torch.no_grad():
+            if wq is None:
+                self.register_buffer("weight", w.detach().clone())
+                self.weight_scale = self.weight_zero_point = None
+            else:
+                scale, zp = wq.qparams(w)
+                scale = scale.detach().float().clone()
+                zp = None if zp is None else torch.round(zp.detach().float()).clone()
+                self.register_buffer("weight", F.quantize(w, scale, zp, wq.spec))
+                self.register_buffer("weight_scale", scale)
+                self.register_buffer("weight_zero_point", zp)
+        self.bias = None if ql.bias is None else nn.Parameter(ql.bias.detach().clone(), requires_grad=False)
+        self.input_quantizer = ql.input_quantizer
+        self.output_quantizer = ql.output_quantizer
+
+    def dequantized_weight(self) -> torch.Tensor:
+        if self.weight_spec is None:
+            return self.weight
+        return F.dequantize(self.weight, self.weight_scale, self.weight_zero_point, self.weight_spec, self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.dequantized_weight()
+        if self.input_quantizer is not None:
+            x = self.input_quantizer(x)
+        out = TF.linear(x.to(w.dtype), w, None if self.bias is None else self.bias.to(w.dtype))
+        if self.output_quantizer is not None:
+            out = self.output_quantizer(out)
+        return out
+
+
+# --------------------------------------------------------------------------- selection
+def matches_any(name: str, patterns: Sequence[str]) -> bool:
+    """Does the module ``name`` match one of the user's ``ignore_layers`` patterns?
+
+    A pattern matches whole dotted components at the end of the name (``lm_head``, ``mlp.gate``,
+    upstream's ``gate.weight`` with its ``.weight`` dropped) or, with a ``re:`` prefix, as a full
+    regular expression (compressed-tensors' convention). ``gate`` never matches ``gate_proj``, the
+    substring bug that made the upstream toolkit skip every expert gate projection.
+    """
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.fullmatch(p[3:], name):
+                return True
+            continue
+        p = p.removesuffix(".weight").removesuffix(".bias")
+        if name == p or name.endswith("." + p):
+            return True
+    return False
+
+
+def _is_router(parent: nn.Module, child_name: str) -> bool:
+    """A router gate (the ``gate`` linear of a module that also holds ``experts``) is never
+    quantized by default: its logits pick experts, and deployment runtimes keep it in high precision."""
+    return child_name == "gate" and hasattr(parent, "experts")
+
+
+def _attention_role(parent: nn.Module, child_name: str) -> str | None:
+    """'q' / 'k' / 'v' for the projections of an attention module (found by structure)."""
+    if child_name in ("q_proj", "k_proj", "v_proj") and all(hasattr(parent, a) for a in ("q_proj", "k_proj", "v_proj")):
+        return child_name[0]
+    return None
+
+
+def _output_spec(scheme: QuantScheme, role: str | None, parent: nn.Module, linear: nn.Linear) -> QuantSpec | None:
+    if role is None:
+        return None
+    spec = getattr(scheme, role)
+    if spec is None or spec.granularity is not Granularity.HEAD or spec.num_heads is not None:
+        return spec
+    head_dim = getattr(parent, "head_dim", None)
+    if not head_dim:
+        raise ValueError(f"per-head {role} quantization needs the attention module's head_dim")
+    return spec.replace(num_heads=linear.out_features // head_dim)
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    """How new quantizers are initialised (from `compression.QAT.plugin_config.quant_config`)."""
+
+    weight_init_value: float = 1.0
+    act_init_value: float = 1.0
+    lwc_init: float | None = None  # None: no LWC parameters are created
+    clamp_grad: str = "mask"
+    init_from_weight: bool = True
+
+
+def prepare(
+    model: nn.Module,
+    scheme: QuantScheme,
+    *,
+    ignore: Sequence[str] = ("lm_head",),
+    options: PrepareOptions = PrepareOptions(),
+    init_context: Callable[[], ContextManager] = contextlib.nullcontext,
+) -> nn.Module:
+    """Swap every ``nn.Linear`` (except ignored layers and router gates) for a `QuantLinear`, in place.
+
+    Fused MoE experts are linearised first so every expert is quantized. ``init_context`` wraps
+    the creation of new parameters (the ZeRO-3 path passes ``deepspeed.zero.Init`` so scales are
+    partitioned like everything else). Raises ValueError naming the layers whose in_features a
+    per-group size does not divide, before anything is swapped.
+    """
+    linearize_moe_experts(model, init_context=init_context)
+    todo = []
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            if type(child) is not nn.Linear:
+                continue
+            full = f"{name}.{child_name}" if name else child_name
+            if matches_any(full, ignore) or _is_router(module, child_name):
+                continue
+            todo.append((module, child_name, child, full))
+    w = scheme.weight
+    if w is not None and w.granularity is Granularity.GROUP:
+        bad = [f"{full} (in_features={c.in_features})" for _, _, c, full in todo if c.in_features % w.group_size]
+        if bad:
+            raise ValueError(f"group_size {w.group_size} does not divide in_features of: {', '.join(bad[:10])}"
+                             + (f" and {len(bad) - 10} more" if len(bad) > 10 else ""))
+    for parent, child_name, child, _ in todo:
+        out_spec = _output_spec(scheme, _attention_role(parent, child_name), parent, child)
+        with init_context():
+            ql = QuantLinear(
+                child,
+                scheme,
+                output_spec=out_spec,
+                weight_init_value=options.weight_init_value,
+                act_init_value=options.act_init_value,
+                lwc_init=options.lwc_init,
+                clamp_grad=options.clamp_grad,
+                init_from_weight=options.init_from_weight,
+            )
+        ql.to(child.weight.device)
+        setattr(parent, child_name, ql)
+    if scheme.fp8_attn:
+        from .attention import enable_fp8_attention
+
+        enable_fp8_attention(model)
+    return model
+
+
+def quant_linears(model: nn.Module) -> Iterator[tuple[str, QuantLinear]]:
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            yield name, m
+
+
+def quantizers(model: nn.Module) -> Iterator[tuple[str, Quantizer]]:
+    for name, m in model.named_modules():
+        if isinstance(m, Quantizer):
+            yield name, m
+
+
+@contextlib.contextmanager
+def quantization_disabled(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` unquantized inside the block (the KD teacher is the same model, no copy)."""
+    qs = [q for _, q in quantizers(model)]
+    before = [q.enabled for q in qs]
+    try:
+        for q in qs:
+            q.enabled = False
+        yield
+    finally:
+        for q, b in zip(qs, before):
+            q.enabled = b
+
+
+def convert(model: nn.Module) -> nn.Module:
+    """Replace every `QuantLinear` by its `QDQLinear` (codes + scales), in place.
+
+    Needs readable weights: under ZeRO-3 use ``qatlib.zero3_io`` (gathers, rank 0 only)."""
+    todo = [(name, m) for name, m in quant_linears(model)]
+    if not todo:
+        raise ValueError("convert: the model has no QuantLinear layers (was it prepared?)")
+    for name, ql in todo:
+        if not weight_readable(ql.weight):
+            raise ValueError(f"convert: weight of {name} is not readable (ZeRO-3 shard or meta); use zero3_io")
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, QDQLinear(ql))
+    return model

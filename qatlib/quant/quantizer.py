@@ -1,0 +1,162 @@
+"""`Quantizer`: one tensor's fake-quantizer with fp32 learnable scale / zero point, lazy
+(observer-based) calibration, and LWC (learnable weight clipping)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import functional as F
+from .spec import QuantSpec
+
+# Parameter roles, so optimizers and `learnable` switches select parameters by role, not by name.
+ROLE_SCALE = "scale"
+ROLE_LWC = "lwc"
+
+
+class Quantizer(nn.Module):
+    """Fake-quantizes one tensor according to ``spec``.
+
+    Static specs own an fp32 ``scale`` (and ``zero_point`` when asymmetric) shaped as in
+    docs/design.md; dynamic specs own nothing and compute qparams per call. With ``lwc_init``
+    (weights only) the scale is not a parameter of its own but derived every call from the weight's
+    range shrunk by ``sigmoid(clip_factor_w_max/min)`` (OmniQuant's LWC); that derived scale is
+    what `qparams` returns and therefore what gets exported.
+
+    The parameters stay fp32 when the model is cast to bf16/fp16 (`_apply` below): a bf16 scale of
+    ~1e-3 cannot move by a 1e-5 learning-rate step.
+    """
+
+    def __init__(
+        self,
+        spec: QuantSpec,
+        tensor_shape: tuple[int, ...] | torch.Size | None = None,
+        *,
+        init_value: float = 1.0,
+        lwc_init: float | None = None,
+        clamp_grad: str = "mask",
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.enabled = True
+        self.clamp_grad = clamp_grad
+        self.calibrating = False
+        self._obs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.register_buffer("initialized", torch.tensor(False), persistent=False)
+        self.scale: nn.Parameter | None = None
+        self.zero_point: nn.Parameter | None = None
+        self.clip_factor_w_max: nn.Parameter | None = None
+        self.clip_factor_w_min: nn.Parameter | None = None
+        if spec.dynamic:
+            if lwc_init is not None:
+                raise ValueError("LWC needs a static weight quantizer")
+            return
+        if tensor_shape is None:
+            raise ValueError("a static quantizer needs the tensor shape to size its scale")
+        shape = F.scale_shape(tuple(tensor_shape), spec)
+        if lwc_init is not None:
+            self.clip_factor_w_max = nn.Parameter(torch.full(shape, float(lwc_init), dtype=torch.float32))
+            self.clip_factor_w_min = nn.Parameter(torch.full(shape, float(lwc_init), dtype=torch.float32))
+            self.clip_factor_w_max.qat_role = ROLE_LWC
+            self.clip_factor_w_min.qat_role = ROLE_LWC
+            return
+        self.scale = nn.Parameter(torch.full(shape, float(init_value), dtype=torch.float32))
+        self.scale.qat_role = ROLE_SCALE
+        if spec.has_zero_point:
+            self.zero_point = nn.Parameter(torch.zeros(shape, dtype=torch.float32))
+            self.zero_point.qat_role = ROLE_SCALE
+
+    # ------------------------------------------------------------------ dtype
+    def _apply(self, fn, recurse=True):  # noqa: D401 - nn.Module hook
+        """Keep fp32 masters through ``model.to(bfloat16)``; device moves still apply."""
+        super()._apply(fn, recurse)
+        for p in self.parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != torch.float32 and not hasattr(p, "ds_id"):
+                p.data = p.data.float()
+        return self
+
+    @property
+    def uses_lwc(self) -> bool:
+        return self.clip_factor_w_max is not None
+
+    # ------------------------------------------------------------------ qparams
+    def qparams(self, x: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The (scale, zero_point) used for ``x``: parameters, LWC-derived, or dynamic."""
+        if self.spec.dynamic:
+            if x is None:
+                raise ValueError("a dynamic quantizer's qparams depend on the input")
+            return F.compute_qparams(x, self.spec)
+        if self.uses_lwc:
+            if x is None:
+                raise ValueError("LWC qparams depend on the weight: pass it")
+            xmin, xmax = F.observe_range(x, self.spec)
+            return F.qparams_from_range(
+                xmin * torch.sigmoid(self.clip_factor_w_min), xmax * torch.sigmoid(self.clip_factor_w_max), self.spec
+            )
+        return self.scale, self.zero_point
+
+    @torch.no_grad()
+    def init_from(self, x: torch.Tensor) -> None:
+        """Set the static scale / zero point from ``x`` (a full weight, or calibration ranges)."""
+        if self.spec.dynamic or self.uses_lwc:
+            self.initialized.fill_(True)
+            return
+        scale, zp = F.compute_qparams(x, self.spec)
+        self.set_qparams(scale, zp)
+
+    @torch.no_grad()
+    def set_qparams(self, scale: torch.Tensor, zero_point: torch.Tensor | None = None) -> None:
+        if self.scale is None:
+            raise ValueError("this quantizer has no stored scale (dynamic or LWC)")
+        if tuple(scale.shape) != tuple(self.scale.shape):
+            raise ValueError(f"scale shape {tuple(scale.shape)} does not match {tuple(self.scale.shape)} ({self.spec.describe()})")
+        self.scale.copy_(scale.to(self.scale.dtype))
+        if self.zero_point is not None:
+            if zero_point is None:
+                raise ValueError("asymmetric quantizer needs a zero point")
+            self.zero_point.copy_(zero_point.to(self.zero_point.dtype))
+        self.initialized.fill_(True)
+
+    # ------------------------------------------------------------------ calibration
+    def start_calibration(self) -> None:
+        """Observe min/max over the next forwards (inputs pass through unquantized)."""
+        self.calibrating = True
+        self._obs = None
+
+    @torch.no_grad()
+    def finish_calibration(self) -> None:
+        self.calibrating = False
+        if self._obs is None:
+            raise RuntimeError("calibration saw no data: no forward reached this quantizer")
+        scale, zp = F.qparams_from_range(*self._obs, self.spec)
+        self._obs = None
+        if self.scale is not None:
+            self.set_qparams(scale, zp)
+
+    @torch.no_grad()
+    def _observe(self, x: torch.Tensor) -> None:
+        spec = self.spec
+        if x.numel() == 0:
+            return
+        xmin, xmax = F.observe_range(x, spec)
+        if spec.granularity.value in ("per-token",):
+            xmin, xmax = xmin.amin().reshape(1), xmax.amax().reshape(1)
+        if self._obs is None:
+            self._obs = (xmin, xmax)
+        else:
+            self._obs = (torch.minimum(self._obs[0], xmin), torch.maximum(self._obs[1], xmax))
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return x
+        if self.calibrating:
+            self._observe(x)
+            return x
+        if self.spec.dynamic:
+            return F.dynamic_fake_quantize(x, self.spec, clamp_grad=self.clamp_grad)
+        scale, zp = self.qparams(x)
+        return F.fake_quantize(x, scale, zp, self.spec, clamp_grad=self.clamp_grad)
+
+    def extra_repr(self) -> str:
+        return self.spec.describe() + (" lwc" if self.uses_lwc else "")
