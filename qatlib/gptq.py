@@ -1,0 +1,307 @@
+"""GPTQ (Frantar et al., 2022): a strong PTQ baseline for the integer (and FP8) weight formats.
+
+Sequential, one decoder layer at a time: the inputs of layer ``i`` are the outputs of the already
+quantized layers ``< i``. For every `QuantLinear` of the layer the Hessian ``H = 2 X^T X / n`` of
+its calibration inputs is accumulated, then its columns are quantized one by one (in blocks, with
+lazy batch updates) and the rounding error of each column is spread over the not yet quantized
+columns through the Cholesky factor of ``H^-1``. Group-wise scales are fixed from the group's
+(already error-updated) weights when the first column of the group is reached, as in the paper;
+with act-order (columns by decreasing ``diag(H)``) the group scales are fixed up front from the
+original weights ("static groups"), so groups stay contiguous in the stored layout.
+
+GPTQ changes the weights: the model's weights become the dequantized GPTQ weights and the
+weight quantizers get the matching scales, so fake quantization reproduces the GPTQ codes.
+Save with ``save_ptq_checkpoint(..., save_weights=True)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .ptq import CalibrationReport, _check_prepared_matches, _finish_with_fallback, batch_inputs, kv_spec
+from .quant import QuantLinear, QuantScheme, QuantSpec, prepare, quant_linears
+from .quant import functional as F
+from .quant.linear import PrepareOptions, weight_readable
+from .quant.spec import Granularity
+
+log = logging.getLogger(__name__)
+
+
+class _Stop(Exception):
+    pass
+
+
+# --------------------------------------------------------------------------- one weight matrix
+def _column_spec(spec: QuantSpec) -> QuantSpec:
+    """Spec for quantizing one column ``[out, 1]`` with a ``[out, 1]`` scale."""
+    return spec.replace(granularity=Granularity.CHANNEL, group_size=None, fp8_recast=False)
+
+
+def _qparams(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale / zero point of ``w`` ([out, k]) for one scale per row (group / channel) or per tensor."""
+    if spec.granularity is Granularity.TENSOR:
+        s, z = F.compute_qparams(w, spec)
+        n = w.shape[0]
+        return s.expand(n, 1).clone(), None if z is None else z.expand(n, 1).clone()
+    return F.compute_qparams(w, _column_spec(spec))
+
+
+@torch.no_grad()
+def gptq_quantize_weight(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    spec: QuantSpec,
+    *,
+    block_size: int = 128,
+    percdamp: float = 0.01,
+    act_order: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """GPTQ one ``[out, in]`` weight given ``H = 2 X^T X / n``; returns ``(dequantized weight
+    (fp32), scale, zero_point)`` with the scale / zero point in ``spec``'s stored shape."""
+    if spec.dynamic:
+        raise ValueError("GPTQ needs a static weight format")
+    W = weight.detach().float().clone()
+    rows, cols = W.shape
+    H = hessian.detach().float().clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0  # inputs never seen: plain rounding for those columns (weights kept)
+    gs = spec.group_size if spec.granularity is Granularity.GROUP else None
+    if gs is not None and cols % gs:
+        raise ValueError(f"group_size {gs} does not divide in_features {cols}")
+    perm = None
+    if act_order:
+        perm = torch.argsort(torch.diag(H), descending=True)
+        H = H[perm][:, perm]
+    damp = percdamp * torch.mean(torch.diag(H))
+    H += damp * torch.eye(cols, dtype=H.dtype, device=H.device)
+    L = torch.linalg.cholesky(H)
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
+
+    # Per-column scales ([out, 1] each), indexed by ORIGINAL column.
+    n_groups = cols // gs if gs else 1
+    g_scale = torch.empty(rows, n_groups, device=W.device)
+    g_zero = None if spec.symmetric else torch.empty(rows, n_groups, device=W.device)
+
+    def set_group(g: int, w: torch.Tensor) -> None:
+        s, z = _qparams(w, spec)
+        g_scale[:, g : g + 1] = s
+        if g_zero is not None:
+            g_zero[:, g : g + 1] = z
+
+    if gs is None:
+        set_group(0, W)
+    elif act_order:
+        for g in range(n_groups):
+            set_group(g, W[:, g * gs : (g + 1) * gs])
+    if gs is not None and not act_order:
+        block_size = gs * max(1, math.ceil(block_size / gs))  # groups never straddle blocks
+    if perm is not None:
+        W = W[:, perm]
+    cspec = _column_spec(spec)
+    Q = torch.zeros_like(W)
+    for i1 in range(0, cols, block_size):
+        i2 = min(i1 + block_size, cols)
+        W1 = W[:, i1:i2].clone()
+        Q1 = torch.zeros_like(W1)
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = int(perm[i1 + i]) if perm is not None else i1 + i
+            g = col // gs if gs else 0
+            if gs is not None and not act_order and col % gs == 0:
+                set_group(g, W1[:, i : i + gs])
+            s = g_scale[:, g : g + 1]
+            z = None if g_zero is None else g_zero[:, g : g + 1]
+            w = W1[:, i : i + 1]
+            q = F.fake_quantize(w, s, z, cspec)
+            d = Hinv1[i, i]
+            Q1[:, i : i + 1] = q
+            err = (w - q) / d
+            W1[:, i:] -= err @ Hinv1[i : i + 1, i:]
+            Err1[:, i : i + 1] = err
+        Q[:, i1:i2] = Q1
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    if perm is not None:
+        Q = Q[:, torch.argsort(perm)]
+    if spec.granularity is Granularity.TENSOR:
+        scale = g_scale[:1, 0].clone()
+        zp = None if g_zero is None else g_zero[:1, 0].clone()
+    else:
+        scale, zp = g_scale, g_zero
+    return Q, scale, zp
+
+
+# --------------------------------------------------------------------------- model driver
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks: ``model.get_decoder().layers`` or the longest `ModuleList`."""
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(dec, "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return layers
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise ValueError("GPTQ: cannot find the decoder layers of this model")
+    return max(lists, key=len)
+
+
+class _HessianHook:
+    def __init__(self, n_in: int, device: torch.device) -> None:
+        self.H = torch.zeros(n_in, n_in, device=device)
+        self.n = 0
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        x = args[0].detach()
+        x = x.reshape(-1, x.shape[-1]).float()
+        t = x.shape[0]
+        if t == 0:
+            return
+        self.H *= self.n / (self.n + t)
+        self.n += t
+        x = math.sqrt(2 / self.n) * x
+        self.H += x.t() @ x
+
+
+def _run_layer(layer: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+    out = layer(*args, **kwargs)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@torch.no_grad()
+def gptq(
+    model: nn.Module,
+    scheme: QuantScheme,
+    batches: Iterable[Any],
+    *,
+    ignore: Sequence[str] = ("lm_head",),
+    kv: str | QuantSpec | None = None,
+    options: PrepareOptions | None = None,
+    block_size: int = 128,
+    percdamp: float = 0.01,
+    act_order: bool = False,
+    min_tokens: int = 1,
+) -> CalibrationReport:
+    """GPTQ PTQ of ``model`` for ``scheme``, in place (prepares it if needed).
+
+    Weights are GPTQ-quantized layer by layer; static activation scales of each layer are then
+    calibrated (as in `qatlib.ptq.calibrate`) on that layer's inputs with its weights quantized.
+    Linears that saw fewer than ``min_tokens`` tokens (MoE experts no token was routed to) are
+    rounded to nearest instead (counted in the report's ``fallbacks``).
+    """
+    kvs = kv_spec(kv)
+    if kvs is not None:
+        scheme = scheme.replace(k=kvs, v=kvs)
+    if scheme.weight is None:
+        raise ValueError("GPTQ needs a weight format")
+    if not any(True for _ in quant_linears(model)):
+        prepare(model, scheme, ignore=ignore, options=options or PrepareOptions())
+    else:
+        _check_prepared_matches(model, scheme)
+    for name, ql in quant_linears(model):
+        if ql.weight_quantizer is not None and ql.weight_quantizer.uses_lwc:
+            raise ValueError(f"GPTQ sets explicit scales; {name} uses LWC (prepare without lwc_init)")
+        if not weight_readable(ql.weight):
+            raise ValueError(f"GPTQ: weight of {name} is not readable (ZeRO-3 shard or meta)")
+    report = CalibrationReport(algorithm="gptq", scheme=scheme)
+    layers = decoder_layers(model)
+    was_training = model.training
+    model.eval()
+
+    # 1. Inputs of the first layer, one entry per batch.
+    inputs: list[tuple[tuple, dict]] = []
+
+    def catch(module, args, kwargs):
+        inputs.append((args, kwargs))
+        raise _Stop
+
+    handle = layers[0].register_forward_pre_hook(catch, with_kwargs=True)
+    try:
+        for batch in batches:
+            kwargs, n = batch_inputs(model, batch)
+            try:
+                model(**kwargs, use_cache=False)
+            except _Stop:
+                pass
+            report.num_tokens += n
+            report.num_batches += 1
+    finally:
+        handle.remove()
+    if not inputs:
+        raise ValueError("GPTQ: no calibration batch")
+
+    # Quantizers outside the decoder layers (none by default: lm_head is ignored) are RTN.
+    in_layers = {id(m) for layer in layers for m in layer.modules()}
+    for _, ql in quant_linears(model):
+        if id(ql) not in in_layers and ql.weight_quantizer is not None:
+            ql.weight_quantizer.init_from(ql.weight)
+            report.weight_quantizers += 1
+
+    for li, layer in enumerate(layers):
+        qls = [(n, m) for n, m in layer.named_modules() if isinstance(m, QuantLinear)]
+        # 2. Hessians from the float weights of this layer (inputs come from quantized layers).
+        hooks = {}
+        handles = []
+        for n, ql in qls:
+            hooks[n] = _HessianHook(ql.in_features, ql.weight.device)
+            handles.append(ql.register_forward_pre_hook(hooks[n]))
+        states = [(q, q.enabled) for _, ql in qls for _, q in ql.quantizers()]
+        try:
+            for q, _ in states:
+                q.enabled = False
+            for args, kwargs in inputs:
+                _run_layer(layer, args, kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+            for q, e in states:
+                q.enabled = e
+        # 3. GPTQ every linear.
+        for n, ql in qls:
+            wq = ql.weight_quantizer
+            if wq is None:
+                continue
+            report.weight_quantizers += 1
+            hk = hooks[n]
+            if hk.n < min_tokens:
+                wq.init_from(ql.weight)
+                report.fallbacks[f"layers.{li}.{n}.weight_quantizer"] = (
+                    f"round-to-nearest ({hk.n} calibration tokens)"
+                )
+                continue
+            Q, scale, zp = gptq_quantize_weight(
+                ql.weight, hk.H, wq.spec, block_size=block_size, percdamp=percdamp, act_order=act_order
+            )
+            ql.weight.data.copy_(Q.to(ql.weight.dtype))
+            wq.set_qparams(scale.to(ql.weight.device), None if zp is None else zp.to(ql.weight.device))
+        del hooks
+        # 4. Static activation scales of this layer; the same pass gives the next layer's inputs.
+        statics = [
+            (f"{n}.{r}", q)
+            for n, ql in qls
+            for r in ("input_quantizer", "output_quantizer")
+            if (q := getattr(ql, r)) is not None and not q.spec.dynamic
+        ]
+        report.static_activation_quantizers += len(statics)
+        for _, q in statics:
+            q.start_calibration()
+        try:
+            new_inputs = []
+            for args, kwargs in inputs:
+                out = _run_layer(layer, args, kwargs)
+                new_inputs.append(((out, *args[1:]), kwargs))
+            if statics:
+                _finish_with_fallback([(f"layers.{li}.{n}", q) for n, q in statics], report)
+        finally:
+            for _, q in statics:
+                q.calibrating = False
+        inputs = new_inputs
+        log.info("GPTQ: layer %d/%d done (%d linears)", li + 1, len(layers), len(qls))
+    model.train(was_training)
+    if report.fallbacks:
+        log.warning("GPTQ: %d quantizer(s) fell back (see report.fallbacks)", len(report.fallbacks))
+    return report

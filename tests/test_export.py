@@ -1,0 +1,393 @@
+"""Export: every format is written, then reloaded by transformers (+ compressed-tensors) on the CPU.
+
+Reference for each reload: the in-memory fake-quant model. Where the deployed arithmetic differs
+by design (documented in `CTFormat.changes`), the reference is the fake-quant model with exactly
+that difference applied, and the comparison is exact (atol 0).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import build_model, tiny_qwen3_config, tiny_qwen3_moe_config
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from qatlib import export as export_mod
+from qatlib.export import ExportError, compressed_tensors_format, export
+from qatlib.ptq import calibrate, save_ptq_checkpoint
+from qatlib.quant import (
+    Granularity,
+    PrepareOptions,
+    Quantizer,
+    QuantScheme,
+    QuantSpec,
+    prepare,
+    preset,
+    quant_linears,
+    quantization_disabled,
+)
+from qatlib.zero3_io import stream_load_scales
+
+G16 = QuantSpec("int4", Granularity.GROUP, group_size=16)
+# a dequantizing reload passes a CompressedTensorsConfig over the checkpoint's own: expected
+pytestmark = pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")
+
+
+def g16(scheme: QuantScheme) -> QuantScheme:
+    return scheme.replace(weight=scheme.weight.replace(group_size=16))
+
+
+def _batches(n=2, b=2, t=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (b, t), generator=g) for _ in range(n)]
+
+
+IDS = _batches(n=1, b=2, t=20, seed=11)[0]
+
+
+def _calibrated(scheme, *, moe=False, kv=None, dtype=None, options=None):
+    model = build_model(tiny_qwen3_moe_config() if moe else tiny_qwen3_config())
+    if dtype is not None:
+        model.to(dtype)
+    report = calibrate(model, scheme, _batches(), kv=kv, options=options)
+    return model, report.scheme
+
+
+def _reload(d, dequantize=False):
+    kw = {}
+    if dequantize:
+        from transformers.utils.quantization_config import CompressedTensorsConfig
+
+        kw["quantization_config"] = CompressedTensorsConfig(dequantize=True)
+    return AutoModelForCausalLM.from_pretrained(d, **kw).eval()
+
+
+@torch.no_grad()
+def _logits(model):
+    return model(IDS).logits.float()
+
+
+def _tensors(path):
+    with safe_open(path, "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _disable(model, pred):
+    for name, q in model.named_modules():
+        if isinstance(q, Quantizer) and pred(name):
+            q.enabled = False
+
+
+# --------------------------------------------------------------------------- real: exact formats
+# (scheme, reload with dequantize=True). compressed-tensors 0.20.1 + transformers 5.24 cannot
+# initialise packed asymmetric zero points on the default load path (it sizes weight_zero_point
+# unpacked and the load fails on the shape); the dequantizing load reads them and is exact. The
+# checkpoint layout is vLLM's (zero points packed along the output dim), checked below.
+EXACT = {
+    "fp8_static": (preset("fp8_static"), False),
+    "fp8_dynamic": (preset("fp8_dynamic"), False),
+    "fp8_channel_static": (preset("fp8_static").replace(weight=QuantSpec("fp8", Granularity.CHANNEL)), False),
+    "int4_g16_sym": (g16(preset("int4_weight_only")), False),
+    "int4_g16_asym": (QuantScheme("int4_asym", weight=G16.replace(symmetric=False)), True),
+    "int3_g16": (g16(preset("int3_weight_only")), False),
+    "int8_channel_weight_only": (
+        QuantScheme("int8_wo", weight=QuantSpec("int8", Granularity.CHANNEL)),
+        False,
+    ),
+    "int8_static_tensor": (
+        QuantScheme("int8_static", weight=QuantSpec("int8", Granularity.CHANNEL), input=QuantSpec("int8")),
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(EXACT))
+def test_real_export_reloads_exactly(tmp_path, name):
+    scheme, dequantize = EXACT[name]
+    model, scheme = _calibrated(scheme)
+    out = export(model, scheme, tmp_path / name, "real")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["quantization_status"] == "compressed"
+    assert qc["format"] == compressed_tensors_format(scheme).format
+    assert "lm_head" in qc["ignore"] and "model.embed_tokens" in qc["ignore"]
+    reloaded = _reload(out, dequantize)
+    ref = _logits(model)
+    if dequantize:  # the dequantizing load drops activation quantization (none here)
+        assert scheme.input is None
+    torch.testing.assert_close(_logits(reloaded), ref, rtol=0, atol=0)
+    if name == "int4_g16_asym":
+        t = _tensors(out / "model.safetensors")
+        zp = t["model.layers.0.mlp.down_proj.weight_zero_point"]
+        assert zp.dtype == torch.int32 and tuple(zp.shape) == (64 // 8, 128 // 16)
+
+
+def test_real_export_keeps_trained_scales_and_lwc(tmp_path):
+    """LWC: the exported scale is the clipped scale of the weight; scales stay fp32 in a bf16 model."""
+    scheme = g16(preset("int4_weight_only"))
+    model, _ = _calibrated(scheme, options=PrepareOptions(lwc_init=1.5))
+    with torch.no_grad():
+        for _, ql in quant_linears(model):
+            ql.weight_quantizer.clip_factor_w_max.uniform_(0.5, 3.0)
+    out = export(model, scheme, tmp_path / "lwc", "real")
+    t = _tensors(out / "model.safetensors")
+    ql = model.model.layers[1].mlp.up_proj
+    torch.testing.assert_close(
+        t["model.layers.1.mlp.up_proj.weight_scale"], ql.weight_quantizer.qparams(ql.weight)[0].detach()
+    )
+    torch.testing.assert_close(_logits(_reload(out)), _logits(model), rtol=0, atol=0)
+
+    bf16, sch = _calibrated(preset("fp8_static"), dtype=torch.bfloat16)
+    out = export(bf16, sch, tmp_path / "bf16", "real")
+    t = _tensors(out / "model.safetensors")
+    q = bf16.model.layers[0].self_attn.o_proj
+    assert t["model.layers.0.self_attn.o_proj.weight"].dtype == torch.float8_e4m3fn
+    for key, mine in (("weight_scale", q.weight_quantizer.scale), ("input_scale", q.input_quantizer.scale)):
+        got = t[f"model.layers.0.self_attn.o_proj.{key}"]
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, mine.detach(), rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- real: documented differences
+def test_real_export_int8_w8a8(tmp_path):
+    """Weights: exact (dequantizing load vs. our model without activation quantization).
+    Activations: compressed-tensors' CPU forward computes the dynamic per-token scale as
+    absmax / 127.5 (qatlib and vLLM: absmax / 127). The tolerance is the activation quantization
+    error itself: two int8 grids that differ by 0.4 % disagree by about one rounding step, so the
+    logits differ by about the size of the activation-quantization effect itself; bound: twice that
+    effect (measured: diff 0.0092 vs. effect 0.0083, on logits of magnitude 0.66)."""
+    scheme = preset("int8")
+    model, _ = _calibrated(scheme)
+    out = export(model, scheme, tmp_path / "int8", "real")
+    info = json.loads((out / "qatlib_export.json").read_text())
+    assert any("127.5" in c for c in info["compressed_tensors"]["changes"])
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "int-quantized"
+    ours = _logits(model)
+    with torch.no_grad():
+        _disable(model, lambda n: n.endswith("input_quantizer"))
+        ours_weights_only = _logits(model)
+    torch.testing.assert_close(_logits(_reload(out, dequantize=True)), ours_weights_only, rtol=0, atol=0)
+    diff = (_logits(_reload(out)) - ours).abs().max().item()
+    act_effect = (ours - ours_weights_only).abs().max().item()
+    assert diff <= 2 * act_effect, (diff, act_effect)
+
+
+@pytest.mark.parametrize("mode", ["runtime", "trained"])
+def test_real_export_w4a8_fp8(tmp_path, mode):
+    """W4A8-FP8 is written in vLLM's CompressedTensorsW4A8Fp8 layout (packed int4 + group scales).
+    runtime: activations become fp8 per-token dynamic (the kernel's only mode); trained: the static
+    input scale is kept. The stored weights never carry the fp8_recast (the kernel's own FP8
+    conversion). Reference: our model with exactly those changes, compared exactly."""
+    scheme = g16(preset("w4a8_fp8"))
+    model, _ = _calibrated(scheme)
+    trained = _logits(model)
+    out = export(model, scheme, tmp_path / mode, "real", w4a8_activation=mode)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    grp = qc["config_groups"]["group_0"]
+    assert (
+        qc["format"] == "pack-quantized"
+        and grp["weights"]["num_bits"] == 4
+        and grp["weights"]["group_size"] == 16
+    )
+    t = _tensors(out / "model.safetensors")
+    assert t["model.layers.0.mlp.up_proj.weight_packed"].dtype == torch.int32
+    if mode == "runtime":
+        assert grp["input_activations"]["strategy"] == "token" and grp["input_activations"]["dynamic"] is True
+        assert not any(k.endswith("input_scale") for k in t)
+    else:
+        assert (
+            grp["input_activations"]["strategy"] == "tensor" and "model.layers.0.mlp.up_proj.input_scale" in t
+        )
+    for _, ql in quant_linears(model):
+        ql.weight_quantizer.spec = ql.weight_quantizer.spec.replace(fp8_recast=False)
+        if mode == "runtime":
+            ql.input_quantizer = Quantizer(QuantSpec("fp8", Granularity.TOKEN, dynamic=True))
+    reference = _logits(model)
+    reloaded = _logits(_reload(out))
+    torch.testing.assert_close(reloaded, reference, rtol=0, atol=0)
+    with quantization_disabled(model):
+        fp = _logits(model)
+    # sanity: the deployed model is closer to the trained one than the unquantized model is
+    assert (reloaded - trained).abs().max() < (fp - trained).abs().max()
+
+
+# --------------------------------------------------------------------------- MoE, KV cache
+@pytest.mark.parametrize("name", ["int4_g16_sym", "fp8_static"])
+def test_real_export_moe(tmp_path, name):
+    """Per-expert keys (vLLM's layout). transformers fuses the experts on load (no Linear left for
+    compressed-tensors' activation quantization), so the expert input scales are checked on disk
+    and the reference disables the experts' input quantizers; everything else is exact."""
+    scheme = EXACT[name][0]
+    model, _ = _calibrated(scheme, moe=True)
+    out = export(model, scheme, tmp_path / name, "real")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert {"model.layers.0.mlp.gate", "model.layers.1.mlp.gate", "lm_head"} <= set(qc["ignore"])
+    t = _tensors(out / "model.safetensors")
+    key = "weight_packed" if scheme.input is None else "weight"
+    assert all(f"model.layers.1.mlp.experts.{e}.down_proj.{key}" in t for e in range(4))
+    if scheme.input is not None:
+        ql = model.model.layers[1].mlp.experts[2].gate_proj
+        torch.testing.assert_close(
+            t["model.layers.1.mlp.experts.2.gate_proj.input_scale"], ql.input_quantizer.scale.detach()
+        )
+        _disable(model, lambda n: ".experts." in n and n.endswith("input_quantizer"))
+    torch.testing.assert_close(_logits(_reload(out)), _logits(model), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kv", ["per-tensor", "per-head"])
+def test_real_and_kvcache_export(tmp_path, kv):
+    """kv_cache_scheme + <attn>.k_scale / v_scale in compressed-tensors' form, and
+    kv_cache_scales.safetensors with the PTQ keys. transformers 5.24 passes the cache as ``cache``
+    (not ``past_key_values``), so compressed-tensors 0.20.1 cannot hook the KV cache on reload: the
+    scales are checked on disk and the reference disables the k/v output quantizers."""
+    model, scheme = _calibrated(preset("fp8_static"), kv=kv)
+    out = export(model, scheme, tmp_path / kv, "real_and_kvcache")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["kv_cache_scheme"]["type"] == "float" and qc["kv_cache_scheme"]["num_bits"] == 8
+    assert qc["kv_cache_scheme"]["strategy"] == ("tensor" if kv == "per-tensor" else "attn_head")
+    t = _tensors(out / "model.safetensors")
+    kvf = _tensors(out / "kv_cache_scales.safetensors")
+    assert len(kvf) == 4
+    for li, layer in enumerate(model.model.layers):
+        for r in "kv":
+            mine = getattr(layer.self_attn, f"{r}_proj").output_quantizer.scale.detach()
+            ct = t[f"model.layers.{li}.self_attn.{r}_scale"]
+            assert tuple(ct.shape) == ((1,) if kv == "per-tensor" else (2, 1, 1))
+            torch.testing.assert_close(ct.flatten(), mine, rtol=0, atol=0)
+            torch.testing.assert_close(
+                kvf[f"model.layers.{li}.self_attn.{r}_cache.scale"], mine, rtol=0, atol=0
+            )
+    _disable(model, lambda n: n.endswith(("k_proj.output_quantizer", "v_proj.output_quantizer")))
+    torch.testing.assert_close(_logits(_reload(out)), _logits(model), rtol=0, atol=0)
+
+    only = export(model, scheme, tmp_path / "kv_only", "save_kvcache_only")
+    assert sorted(p.name for p in only.iterdir()) == ["kv_cache_scales.safetensors", "qatlib_export.json"]
+    assert _tensors(only / "kv_cache_scales.safetensors").keys() == kvf.keys()
+
+
+# --------------------------------------------------------------------------- fake
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_fake_export(tmp_path, moe):
+    """A plain HF checkpoint of dequantize(quantize(W)): loads without any quantization library,
+    logits identical to the fake-quant model (weight-only) / to it without activation quantizers."""
+    scheme = g16(preset("int4_weight_only")) if moe else preset("fp8_static")
+    model, _ = _calibrated(scheme, moe=moe)
+    out = export(model, scheme, tmp_path / "fake", "fake")
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    _disable(model, lambda n: n.endswith("input_quantizer"))
+    torch.testing.assert_close(_logits(_reload(out)), _logits(model), rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- PTQ -> load -> export
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_ptq_checkpoint_to_export_roundtrip(tmp_path, moe):
+    """PTQ -> scales checkpoint -> scales loaded into a freshly prepared model -> real export ->
+    transformers reload: identical logits to the calibrated model."""
+    cfg = tiny_qwen3_moe_config() if moe else tiny_qwen3_config()
+    scheme = QuantScheme("int4_g16", weight=G16)
+    model, _ = _calibrated(scheme, moe=moe)
+    ptq_dir = save_ptq_checkpoint(model, scheme, tmp_path / "ptq")
+    fresh = prepare(build_model(cfg), scheme, options=PrepareOptions(init_from_weight=False))
+    assert stream_load_scales(fresh, ptq_dir, scheme)["misses"] == 0
+    out = export(fresh, scheme, tmp_path / "real", "real")
+    torch.testing.assert_close(_logits(_reload(out)), _logits(model), rtol=0, atol=0)
+    if not moe:
+        # the ZeRO-3 path hands the modules over one gathered unit at a time; only rank 0 writes
+        from qatlib.zero3_io import iter_gathered_modules
+
+        assert (
+            export(
+                fresh,
+                scheme,
+                tmp_path / "r1",
+                "real",
+                modules=iter_gathered_modules(fresh),
+                is_main_process=False,
+            )
+            is None
+        )
+        assert not (tmp_path / "r1").exists()
+        out2 = export(fresh, scheme, tmp_path / "r0", "real", modules=iter_gathered_modules(fresh))
+        a, b = _tensors(out / "model.safetensors"), _tensors(out2 / "model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --------------------------------------------------------------------------- errors
+def test_export_errors_write_nothing(tmp_path, monkeypatch):
+    plain = build_model(tiny_qwen3_config())
+    with pytest.raises(ExportError, match="no QuantLinear"):
+        export(plain, preset("fp8_static"), tmp_path / "a", "real")
+
+    model, scheme = _calibrated(preset("fp8_static"))
+    with pytest.raises(ExportError, match="save_format"):
+        export(model, scheme, tmp_path / "a", "pt")
+    with pytest.raises(ExportError, match="does not match"):  # prepared with another scheme
+        export(model, preset("fp8_dynamic"), tmp_path / "a", "real")
+    with pytest.raises(ExportError, match="static k/v"):
+        export(model, scheme, tmp_path / "a", "save_kvcache_only")
+
+    grouped, gscheme = _calibrated(g16(preset("int4_weight_only")))
+    with pytest.raises(ExportError, match="does not match"):  # a group size other than the trained one
+        export(
+            grouped,
+            g16(preset("int4_weight_only")).replace(weight=G16.replace(group_size=48)),
+            tmp_path / "a",
+            "real",
+        )
+
+    per_head_q = QuantSpec("fp8", Granularity.HEAD)
+    qmodel, qscheme = _calibrated(preset("fp8_static").replace(q=per_head_q))
+    with pytest.raises(ExportError, match="q projection output"):
+        export(qmodel, qscheme, tmp_path / "a", "real")
+    export(qmodel, qscheme, tmp_path / "q_fake", "fake")  # fake exports weights only: fine
+    with pytest.raises(ExportError, match="per-head input"):
+        compressed_tensors_format(
+            QuantScheme("x", weight=G16, input=QuantSpec("fp8", Granularity.HEAD, num_heads=4))
+        )
+    with pytest.raises(ExportError, match="one kv_cache_scheme"):
+        compressed_tensors_format(preset("fp8_static").replace(k=QuantSpec("fp8")))
+    with pytest.raises(ExportError, match="static per-tensor or per-head"):
+        compressed_tensors_format(
+            preset("fp8_static").replace(
+                k=QuantSpec("fp8", Granularity.TOKEN), v=QuantSpec("fp8", Granularity.TOKEN)
+            )
+        )
+
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="not empty"):
+        export(model, scheme, busy, "real")
+    assert [p.name for p in busy.iterdir()] == ["keep.txt"]
+
+    def boom(*a, **k):
+        raise RuntimeError("write failed")
+
+    monkeypatch.setattr(type(model), "save_pretrained", boom)
+    with pytest.raises(RuntimeError, match="write failed"):
+        export(model, scheme, tmp_path / "b", "real")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["busy", "q_fake"]  # nothing partial, no temp dirs
+
+    export(model, scheme, busy, "real", overwrite=True)
+    assert not (busy / "keep.txt").exists() and (busy / "config.json").is_file()
+
+
+def test_export_refuses_destroyed_weights(tmp_path, monkeypatch):
+    """The round-trip check: a checkpoint header that does not describe the tensors (the upstream
+    bug: an fp8 header written over int4 weights) stops the export before anything is written.
+    Simulated with a mapping that declares int3 weights for an int4 model."""
+    model, scheme = _calibrated(g16(preset("w4a8_fp8")))
+    real = export_mod.compressed_tensors_format
+
+    def wrong_format(s, **kw):
+        f = real(s, **kw)
+        bad = f.scheme.model_copy(update={"weights": f.scheme.weights.model_copy(update={"num_bits": 3})})
+        return export_mod.CTFormat(bad, f.format, None)
+
+    monkeypatch.setattr(export_mod, "compressed_tensors_format", wrong_format)
+    with pytest.raises(ExportError, match="round trip changed the weight"):
+        export(model, scheme, tmp_path / "w", "real")
+    assert list(tmp_path.iterdir()) == []
