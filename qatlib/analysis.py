@@ -1,0 +1,383 @@
+"""Scale statistics and per-layer weight SQNR for PTQ / QAT checkpoints.
+
+Reads the checkpoint contract of docs/design.md: a directory (or its nested
+``final_quant_checkpoint/``) with ``quant_scheme.json`` and one or more ``*.safetensors`` files
+holding the scale keys (``L.weight_scale``, ``L.input_scale``, ``<attn>.k_cache.scale``, ...).
+Other tensors in those files (the weights of a QAT model folder) are not loaded.
+
+Every ``*_rows`` function returns a list of flat dicts (one per layer or key): CSV-friendly
+(`write_csv`) and easy to turn into a DataFrame. Used by the report (`qatlib.report`) and by
+``notebooks/scale_distributions.ipynb``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from safetensors import safe_open
+
+from .quant.functional import fake_quantize
+from .quant.spec import QuantScheme, QuantSpec
+
+SCHEME_FILE = "quant_scheme.json"
+NESTED_DIR = "final_quant_checkpoint"
+
+# ``L.weight_scale``, ``L.input_zero_point``, ``L.output_scale`` ...
+_LINEAR_KEY = re.compile(r"^(?P<layer>.+)\.(?P<role>weight|input|output)_(?P<kind>scale|zero_point)$")
+# ``<attn>.k_cache.scale`` = ``<attn>.k_proj.output_quantizer`` (docs/design.md)
+_CACHE_KEY = re.compile(r"^(?P<attn>.+)\.(?P<kv>[kv])_cache\.(?P<kind>scale|zero_point)$")
+
+Row = dict[str, Any]
+
+
+# =========================================================================== names
+class ScaleKey(NamedTuple):
+    """A parsed checkpoint key: the linear it belongs to, the tensor role and scale / zero point."""
+
+    layer: str  # module name of the linear (k/v cache keys: the k_proj / v_proj)
+    role: str  # "weight" | "input" | "output"
+    kind: str  # "scale" | "zero_point"
+
+
+def parse_key(key: str) -> ScaleKey | None:
+    """``model.layers.0.mlp.down_proj.weight_scale`` -> (``...down_proj``, weight, scale);
+    ``<attn>.k_cache.scale`` -> (``<attn>.k_proj``, output, scale); None for any other key."""
+    m = _LINEAR_KEY.match(key)
+    if m:
+        return ScaleKey(m["layer"], m["role"], m["kind"])
+    m = _CACHE_KEY.match(key)
+    if m:
+        return ScaleKey(f"{m['attn']}.{m['kv']}_proj", "output", m["kind"])
+    return None
+
+
+def layer_type(name: str) -> str:
+    """The kind of a linear from its module name (or a scale key of it).
+
+    The last name component (``q_proj`` ... ``down_proj``, ``lm_head``), prefixed with
+    ``expert.`` when the layer sits in a routed-expert list (``.experts.`` in the name):
+    ``model.layers.3.mlp.experts.7.up_proj`` -> ``expert.up_proj``,
+    ``model.layers.3.mlp.up_proj`` -> ``up_proj``, ``model.layers.0.self_attn.q_proj`` -> ``q_proj``.
+    """
+    parsed = parse_key(name)
+    if parsed is not None:
+        name = parsed.layer
+    if name.endswith(".weight"):
+        name = name[: -len(".weight")]
+    last = name.rsplit(".", 1)[-1]
+    return f"expert.{last}" if ".experts." in f".{name}." else last
+
+
+_TYPE_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def natural_key(name: str) -> tuple:
+    """``layers.2`` before ``layers.10``: digit runs compare as numbers."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+def type_order(t: str) -> tuple[int, int, str]:
+    """Sort key for layer types: attention q/k/v/o, dense MLP, experts, then anything else."""
+    expert = t.startswith("expert.")
+    base = t[len("expert.") :] if expert else t
+    idx = _TYPE_ORDER.index(base) if base in _TYPE_ORDER else len(_TYPE_ORDER)
+    return (int(expert), idx, t)
+
+
+# =========================================================================== loading
+def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
+    """``path`` or its nested ``final_quant_checkpoint/``: the one holding ``quant_scheme.json``,
+    else the one holding ``*.safetensors``."""
+    p = Path(path)
+    candidates = (p, p / NESTED_DIR)
+    for d in candidates:
+        if (d / SCHEME_FILE).is_file():
+            return d
+    for d in candidates:
+        if d.is_dir() and any(d.glob("*.safetensors")):
+            return d
+    raise FileNotFoundError(
+        f"no {SCHEME_FILE} or *.safetensors in {p} or {p / NESTED_DIR}: not a PTQ/QAT checkpoint"
+    )
+
+
+def load_scheme(ckpt_dir: str | os.PathLike) -> QuantScheme:
+    """The `QuantScheme` of a checkpoint (``quant_scheme.json``; extra metadata keys ignored)."""
+    d = resolve_checkpoint_dir(ckpt_dir)
+    path = d / SCHEME_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    return QuantScheme.from_dict(json.loads(path.read_text()))
+
+
+def load_scales(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every scale and zero-point tensor of a PTQ or QAT checkpoint, as fp32 CPU tensors.
+
+    Reads all ``*.safetensors`` files of the directory (single file or shards, the PTQ
+    ``scales.safetensors`` as well as the scale file beside a QAT model folder) and keeps the keys
+    `parse_key` understands; weights and LWC clip factors are skipped without being read. A key
+    present in two files must hold the same values there (else the checkpoint is ambiguous: error).
+    """
+    d = resolve_checkpoint_dir(ckpt_dir)
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{d}: no *.safetensors file")
+    out: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if parse_key(key) is None:
+                    continue
+                t = f.get_tensor(key).float()
+                if key in out:
+                    if torch.equal(out[key], t):
+                        continue
+                    raise ValueError(f"{d}: scale key {key} differs between {origin[key]} and {path.name}")
+                out[key] = t
+                origin[key] = path.name
+    return out
+
+
+def _weight_files(path: str | os.PathLike) -> list[Path]:
+    """A ``.safetensors`` file itself, or the ``*.safetensors`` of a folder (or of its nested
+    ``final_quant_checkpoint/`` when the folder has none)."""
+    d = Path(path)
+    if d.is_file():
+        return [d]
+    if not any(d.glob("*.safetensors")):
+        d = d / NESTED_DIR
+    return sorted(d.glob("*.safetensors"))
+
+
+def iter_weights(ckpt_dir: str | os.PathLike, layers: Iterable[str]) -> Iterable[tuple[str, torch.Tensor]]:
+    """``(layer, weight)`` for the ``<layer>.weight`` tensors of a model folder (any number of
+    ``*.safetensors`` files), read one at a time; layers without a weight are skipped."""
+    wanted = {f"{layer}.weight": layer for layer in layers}
+    for path in _weight_files(ckpt_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if key in wanted:
+                    yield wanted.pop(key), f.get_tensor(key)
+
+
+def weight_bytes(ckpt_dir: str | os.PathLike, layers: Iterable[str]) -> int:
+    """Bytes of the ``<layer>.weight`` tensors `iter_weights` would read (header only, no data)."""
+    wanted = {f"{layer}.weight" for layer in layers}
+    total = 0
+    for path in _weight_files(ckpt_dir):
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        for key, info in header.items():
+            if key in wanted:
+                lo, hi = info["data_offsets"]
+                total += hi - lo
+    return total
+
+
+# =========================================================================== statistics
+def _meta(key: str) -> Row:
+    p = parse_key(key)
+    if p is None:
+        return {"key": key, "layer": key, "layer_type": layer_type(key), "role": "", "kind": ""}
+    return {"key": key, "layer": p.layer, "layer_type": layer_type(p.layer), "role": p.role, "kind": p.kind}
+
+
+def scale_stats(scales: Mapping[str, torch.Tensor]) -> list[Row]:
+    """One row per scale tensor (zero points skipped): key, layer, layer_type, role, numel,
+    min / max / mean / median / std of the scale values (`natural_key` order)."""
+    rows = []
+    for key in sorted(scales, key=natural_key):
+        meta = _meta(key)
+        if meta["kind"] == "zero_point":
+            continue
+        t = scales[key].detach().double().flatten()
+        rows.append(
+            {
+                **meta,
+                "numel": t.numel(),
+                "min": t.min().item(),
+                "max": t.max().item(),
+                "mean": t.mean().item(),
+                "median": t.median().item(),
+                "std": t.std().item() if t.numel() > 1 else 0.0,
+            }
+        )
+    return rows
+
+
+def scale_changes(before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor]) -> list[Row]:
+    """Per scale key present in both (zero points skipped): how far ``after`` (QAT) moved from
+    ``before`` (PTQ). ``rel_change_mean`` / ``rel_change_max``: mean / max of ``|a - b| / |b|``
+    over the tensor's elements; ``mean_before`` / ``mean_after``. Sorted by ``rel_change_max``,
+    largest first. Keys with different shapes get ``shape_mismatch`` and NaN changes."""
+    rows = []
+    for key in sorted(set(before) & set(after), key=natural_key):
+        meta = _meta(key)
+        if meta["kind"] == "zero_point":
+            continue
+        b, a = before[key].detach().double(), after[key].detach().double()
+        row = {**meta, "numel": b.numel(), "mean_before": b.mean().item(), "mean_after": a.mean().item()}
+        if b.shape != a.shape:
+            row.update(
+                rel_change_mean=math.nan,
+                rel_change_max=math.nan,
+                shape_mismatch=f"{tuple(b.shape)} vs {tuple(a.shape)}",
+            )
+        else:
+            rel = (a - b).abs() / b.abs().clamp_min(torch.finfo(torch.float32).tiny)
+            row.update(rel_change_mean=rel.mean().item(), rel_change_max=rel.max().item(), shape_mismatch="")
+        rows.append(row)
+    rows.sort(key=lambda r: -r["rel_change_max"] if not math.isnan(r["rel_change_max"]) else math.inf)
+    return rows
+
+
+def values_by_type(scales: Mapping[str, torch.Tensor], role: str = "weight") -> dict[str, torch.Tensor]:
+    """All scale values of ``role`` concatenated per layer type (for histograms), sorted by type."""
+    parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+    for key, t in scales.items():
+        p = parse_key(key)
+        if p is not None and p.kind == "scale" and p.role == role:
+            parts[layer_type(p.layer)].append(t.detach().float().flatten())
+    return {k: torch.cat(parts[k]) for k in sorted(parts, key=type_order)}
+
+
+def ratio_by_type(
+    before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor], role: str = "weight"
+) -> dict[str, torch.Tensor]:
+    """Element-wise ``log2(after / before)`` of the ``role`` scales, concatenated per layer type
+    (keys in both with the same shape; 0 = unchanged, 1 = doubled)."""
+    parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+    for key in set(before) & set(after):
+        p = parse_key(key)
+        b, a = before[key].detach().double(), after[key].detach().double()
+        if p is None or p.kind != "scale" or p.role != role or b.shape != a.shape:
+            continue
+        ok = (a > 0) & (b > 0)
+        parts[layer_type(p.layer)].append(torch.log2(a[ok] / b[ok]).flatten())
+    return {k: torch.cat(parts[k]) for k in sorted(parts, key=type_order)}
+
+
+# =========================================================================== SQNR
+def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio ``10 log10(||x||^2 / ||x - x_hat||^2)`` in dB (float64).
+
+    ``inf`` when the two are equal (no noise); ``-inf`` for a zero reference with non-zero noise."""
+    x = reference.detach().double()
+    noise = (x - approx.detach().double()).pow(2).sum().item()
+    signal = x.pow(2).sum().item()
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def _weight_spec(scheme: QuantScheme | QuantSpec) -> QuantSpec | None:
+    return scheme if isinstance(scheme, QuantSpec) else scheme.weight
+
+
+@torch.no_grad()
+def layer_sqnr(
+    model_fp_weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    scheme: QuantScheme | QuantSpec,
+    scales: Mapping[str, torch.Tensor],
+) -> list[Row]:
+    """Weight fake-quantization SQNR per layer with the given scales (no LWC: the stored scale is
+    already the clipped one). ``model_fp_weights`` maps a layer (module name, or its
+    ``<layer>.weight`` key) to its full-precision weight; layers without a ``weight_scale`` are
+    skipped. Rows: layer, layer_type, numel, sqnr_db (in `natural_key` order of the layer)."""
+    spec = _weight_spec(scheme)
+    if spec is None:
+        return []
+    items = model_fp_weights.items() if isinstance(model_fp_weights, Mapping) else model_fp_weights
+    rows = []
+    for name, w in items:
+        layer = name[: -len(".weight")] if name.endswith(".weight") else name
+        s = scales.get(f"{layer}.weight_scale")
+        if s is None:
+            continue
+        zp = scales.get(f"{layer}.weight_zero_point")
+        x = w.detach().float()
+        fq = fake_quantize(x, s.float(), None if zp is None else zp.float(), spec)
+        rows.append(
+            {"layer": layer, "layer_type": layer_type(layer), "numel": x.numel(), "sqnr_db": sqnr_db(x, fq)}
+        )
+    rows.sort(key=lambda r: natural_key(r["layer"]))
+    return rows
+
+
+def compare_sqnr(ptq_rows: Iterable[Row], qat_rows: Iterable[Row]) -> list[Row]:
+    """Join two `layer_sqnr` results: layer, layer_type, ptq_db, qat_db, delta_db (QAT - PTQ)."""
+    ptq = {r["layer"]: r for r in ptq_rows}
+    qat = {r["layer"]: r for r in qat_rows}
+    rows = []
+    for layer in sorted(set(ptq) | set(qat), key=natural_key):
+        p = ptq.get(layer, {}).get("sqnr_db", math.nan)
+        q = qat.get(layer, {}).get("sqnr_db", math.nan)
+        d = q - p if math.isfinite(p) and math.isfinite(q) else math.nan
+        rows.append(
+            {"layer": layer, "layer_type": layer_type(layer), "ptq_db": p, "qat_db": q, "delta_db": d}
+        )
+    return rows
+
+
+def summarize(rows: Iterable[Row], columns: Iterable[str], by: str = "layer_type") -> list[Row]:
+    """Mean of the numeric ``columns`` per ``by`` value (finite values only), with a count."""
+    groups: dict[str, list[Row]] = defaultdict(list)
+    for r in rows:
+        groups[str(r[by])].append(r)
+    out = []
+    columns = list(columns)
+    for g in sorted(groups, key=type_order if by == "layer_type" else None):
+        row: Row = {by: g, "count": len(groups[g])}
+        for c in columns:
+            vals = [float(r[c]) for r in groups[g] if _is_number(r.get(c)) and math.isfinite(float(r[c]))]
+            row[c] = sum(vals) / len(vals) if vals else math.nan
+        out.append(row)
+    return out
+
+
+# =========================================================================== CSV
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def write_csv(rows: Iterable[Row], path: str | os.PathLike, columns: Iterable[str] | None = None) -> Path:
+    """Write rows as CSV (header = ``columns`` or the union of keys in first-seen order),
+    atomically (temporary file + rename)."""
+    rows = list(rows)
+    if columns is None:
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
+    tmp.replace(path)
+    return path
+
+
+def read_csv(path: str | os.PathLike) -> list[Row]:
+    """CSV rows with numeric-looking cells as floats (``inf`` / ``nan`` included)."""
+
+    def conv(v: str) -> Any:
+        try:
+            return float(v)
+        except ValueError:
+            return v
+
+    with Path(path).open(newline="") as f:
+        return [{k: conv(v) for k, v in r.items()} for r in csv.DictReader(f)]

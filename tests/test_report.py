@@ -1,0 +1,543 @@
+"""The report builder and the analysis helpers on a synthetic experiment directory.
+
+The fixture writes every file of the docs/design.md results layout the report reads (eval JSONs
+with known numbers, a training log, PTQ / QAT checkpoints, timings, run metadata, scale-load
+counts), so the expected numbers below are computed by hand.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from qatlib import analysis
+from qatlib.quant import compute_qparams
+from qatlib.quant.spec import Granularity, QuantScheme, QuantSpec
+from qatlib.report import ReportError, build_report
+from qatlib.report.build import compute_sqnr, json_tables, main, recovery
+
+SCHEME = QuantScheme(
+    "w4a8_test",
+    weight=QuantSpec("int4", Granularity.GROUP, group_size=16),
+    input=QuantSpec("fp8"),
+    k=QuantSpec("fp8"),
+    v=QuantSpec("fp8"),
+)
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def layer_names() -> list[str]:
+    """Layer 0: attention + dense MLP; layer 1: attention + two routed experts."""
+    names = [f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ATTN]
+    names += [f"model.layers.0.mlp.{p}" for p in MLP]
+    names += [f"model.layers.1.mlp.experts.{e}.{p}" for e in (0, 1) for p in MLP]
+    return names
+
+
+def make_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"{n}.weight": torch.randn(32, 64, generator=g) * 0.05 for n in layer_names()}
+
+
+def make_scales(
+    weights: dict[str, torch.Tensor], jitter: float = 0.0, seed: int = 1
+) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for key, w in weights.items():
+        layer = key[: -len(".weight")]
+        s, _ = compute_qparams(w, SCHEME.weight)
+        out[f"{layer}.weight_scale"] = s * (1 + jitter * torch.rand(s.shape, generator=g))
+        out[f"{layer}.input_scale"] = torch.tensor([0.01 * (1 + jitter)])
+    for i in (0, 1):
+        out[f"model.layers.{i}.self_attn.k_cache.scale"] = torch.tensor([0.02 * (1 + jitter)])
+        out[f"model.layers.{i}.self_attn.v_cache.scale"] = torch.tensor([0.03])
+    return out
+
+
+def write_ptq(d: Path, scales: dict[str, torch.Tensor]) -> None:
+    d.mkdir(parents=True)
+    (d / "quant_scheme.json").write_text(json.dumps({**SCHEME.to_dict(), "calibration": {}, "weights": None}))
+    save_file(scales, str(d / "scales.safetensors"))
+
+
+def write_qat(d: Path, weights: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]) -> None:
+    """HF-style folder: weights (+ a norm) in model.safetensors, scales in a separate file."""
+    d.mkdir(parents=True)
+    (d / "config.json").write_text("{}")
+    save_file({**weights, "model.norm.weight": torch.ones(64)}, str(d / "model.safetensors"))
+    save_file(scales, str(d / "scales.safetensors"))
+    (d / "quant_scheme.json").write_text(json.dumps(SCHEME.to_dict()))
+
+
+EVALS = {
+    "bf16": {
+        "ppl": {"wikitext": 10.0, "c4": 20.0},
+        "tasks": {"arc_easy": (0.60, 0.62), "piqa": (0.700, 0.71)},
+    },
+    "ptq": {
+        "ppl": {"wikitext": 12.0, "c4": 20.01},
+        "tasks": {"arc_easy": (0.50, 0.55), "piqa": (0.701, 0.70)},
+    },
+    "qat": {
+        "ppl": {"wikitext": 11.0, "c4": 20.005},
+        "tasks": {"arc_easy": (0.55, 0.60), "piqa": (0.69, 0.70)},
+    },
+    "export": {
+        "ppl": {"wikitext": 11.5, "c4": 20.005},
+        "tasks": {"arc_easy": (0.54, 0.59), "piqa": (0.69, 0.70)},
+    },
+}
+
+
+def eval_json(variant: str) -> dict:
+    e = EVALS[variant]
+    return {
+        "variant": variant,
+        "ppl": {
+            ds: {"ppl": p, "nll": math.log(p), "tokens": 1000, "windows": 8} for ds, p in e["ppl"].items()
+        },
+        "tasks": {t: {"acc": a, "acc_norm": an, "alias": t} for t, (a, an) in e["tasks"].items()},
+        "wall_s": 12.5,
+    }
+
+
+def train_log() -> list[dict]:
+    return [
+        {
+            "step": s,
+            "loss": 3.0 - 0.1 * s,
+            "lm_loss": 2.0 - 0.05 * s,
+            "kd/kl": 1.0 - 0.05 * s,
+            "kd/forward_kl": 0.9 - 0.04 * s,
+            "kd/backward_kl": 0.8 - 0.03 * s,
+            "total_loss": 3.0 - 0.1 * s,
+            "learning_rate": 1e-5 * (1 - s / 20),
+            "tokens": 4096,
+        }
+        for s in range(1, 11)
+    ]
+
+
+@pytest.fixture
+def exp_dir(tmp_path: Path) -> Path:
+    exp = tmp_path / "results" / "tiny-exp"
+    weights = make_weights()
+    write_ptq(exp / "ptq", make_scales(weights))
+    write_qat(exp / "qat", weights, make_scales(weights, jitter=0.2))
+    (exp / "qat" / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train_log()))
+    (exp / "qat" / "run_metadata.json").write_text(
+        json.dumps(
+            {
+                "world_size": 2,
+                "zero_stage": 3,
+                "n_params": 40,
+                "n_persistent_params": 4,
+                "param_bytes_total": 2_000_000,
+                "peak_rss_bytes_max": 3 << 30,
+                "ranks": [
+                    {
+                        "rank": r,
+                        "peak_rss_bytes": (3 - r) << 30,
+                        "param_bytes_held": 1_000_000,
+                        "share_min": 0.5,
+                        "share_max": 0.5,
+                        "share_mean": 0.5,
+                    }
+                    for r in (0, 1)
+                ],
+                "versions": {"torch": "x"},
+            }
+        )
+    )
+    (exp / "qat" / "scale_load.json").write_text(
+        json.dumps(
+            {
+                "ptq_dir": str(exp / "ptq"),
+                "files": ["scales.safetensors"],
+                "hits": 52,
+                "misses": 3,
+                "unused_keys": 1,
+                "ignored_keys": 0,
+                "missed_params": ["a.scale", "b.scale", "c.scale"],
+                "unused_key_names": ["x.weight_scale"],
+                "seconds": 0.1,
+            }
+        )
+    )
+    (exp / "eval").mkdir()
+    for v in EVALS:
+        (exp / "eval" / f"{v}.json").write_text(json.dumps(eval_json(v)))
+    (exp / "timings").mkdir()
+    for stage, s in (("ptq_calibrate", 61.0), ("zero3_qat", 3725.0), ("evaluate-bf16", 30.0)):
+        (exp / "timings" / f"{stage}.json").write_text(json.dumps({"stage": stage, "wall_s": s}))
+    (exp / "config.yaml").write_text(
+        "model:\n  name: tiny <script>alert(1)</script>\ncompression:\n  name: w4a8\n"
+    )
+    bench = tmp_path / "results" / "bench"
+    bench.mkdir()
+    (bench / "latency.json").write_text(
+        json.dumps({"model": "tiny", "tokens_per_s": {"bf16": 100.0, "w4a8": 150.0}})
+    )
+    (bench / "runs.json").write_text(json.dumps([{"batch": 1, "ms": 3.5}, {"batch": 8, "ms": 9.0}]))
+    return exp
+
+
+def build(exp: Path, **kw) -> tuple[str, Path]:
+    out = exp / "report.html"
+    assert build_report(exp, out, **kw) == out
+    return out.read_text(), out
+
+
+# =========================================================================== analysis
+def test_sqnr_db_by_hand():
+    x = torch.tensor([3.0, 4.0])
+    assert analysis.sqnr_db(x, torch.tensor([3.0, 3.0])) == pytest.approx(10 * math.log10(25 / 1))
+    assert analysis.sqnr_db(x, torch.tensor([0.0, 0.0])) == pytest.approx(0.0)
+    assert analysis.sqnr_db(x, x.clone()) == math.inf
+    assert analysis.sqnr_db(torch.zeros(2), torch.ones(2)) == -math.inf
+
+
+def test_layer_sqnr_matches_a_hand_quantizer():
+    w = torch.tensor([[0.5, -1.0, 0.26, 0.0], [2.0, 1.1, -0.4, 0.05]])
+    s = torch.tensor([[0.25], [0.5]])
+    spec = QuantSpec("int4", Granularity.CHANNEL)
+    # int4 codes in [-8, 7]: row 0 -> [2, -4, 1, 0] * 0.25, row 1 -> [4, 2, -1, 0] * 0.5
+    expected_q = torch.tensor([[0.5, -1.0, 0.25, 0.0], [2.0, 1.0, -0.5, 0.0]])
+    noise = ((w - expected_q) ** 2).sum().item()
+    expected = 10 * math.log10((w**2).sum().item() / noise)
+    rows = analysis.layer_sqnr(
+        {"m.layers.0.mlp.experts.3.up_proj.weight": w},
+        QuantScheme(weight=spec),
+        {"m.layers.0.mlp.experts.3.up_proj.weight_scale": s, "other.weight_scale": s},
+    )
+    assert rows == [
+        {
+            "layer": "m.layers.0.mlp.experts.3.up_proj",
+            "layer_type": "expert.up_proj",
+            "numel": 8,
+            "sqnr_db": pytest.approx(expected),
+        }
+    ]
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("model.layers.0.self_attn.q_proj", "q_proj"),
+        ("model.layers.0.self_attn.k_proj.weight_scale", "k_proj"),
+        ("model.layers.0.self_attn.v_cache.scale", "v_proj"),
+        ("model.layers.0.self_attn.o_proj.weight", "o_proj"),
+        ("model.layers.2.mlp.gate_proj", "gate_proj"),
+        ("model.layers.2.mlp.down_proj.input_scale", "down_proj"),
+        ("model.layers.2.mlp.experts.11.gate_proj", "expert.gate_proj"),
+        ("model.layers.2.mlp.experts.0.up_proj.weight_zero_point", "expert.up_proj"),
+        ("model.layers.2.mlp.experts.5.down_proj", "expert.down_proj"),
+        ("model.layers.2.mlp.shared_expert.down_proj", "down_proj"),
+        ("lm_head", "lm_head"),
+    ],
+)
+def test_layer_type(name, expected):
+    assert analysis.layer_type(name) == expected
+
+
+def test_parse_key():
+    assert analysis.parse_key("a.b.k_cache.scale") == ("a.b.k_proj", "output", "scale")
+    assert analysis.parse_key("a.q_proj.weight_zero_point") == ("a.q_proj", "weight", "zero_point")
+    assert analysis.parse_key("a.q_proj.weight") is None
+    assert analysis.parse_key("a.q_proj.weight_quantizer.clip_factor_w_max") is None
+
+
+def test_load_scales_nested_sharded_and_skips_weights(tmp_path):
+    weights = make_weights()
+    scales = make_scales(weights)
+    d = tmp_path / "ckpt" / "final_quant_checkpoint"
+    d.mkdir(parents=True)
+    (d / "quant_scheme.json").write_text(json.dumps(SCHEME.to_dict()))
+    keys = sorted(scales)
+    save_file({k: scales[k] for k in keys[::2]}, str(d / "scales-00001-of-00002.safetensors"))
+    save_file(
+        {
+            **{k: scales[k] for k in keys[1::2]},
+            **weights,
+            "x.weight_quantizer.clip_factor_w_max": torch.ones(1),
+        },
+        str(d / "scales-00002-of-00002.safetensors"),
+    )
+    loaded = analysis.load_scales(tmp_path / "ckpt")
+    assert sorted(loaded) == keys
+    assert all(torch.equal(loaded[k], scales[k]) for k in keys)
+    assert analysis.load_scheme(tmp_path / "ckpt") == SCHEME
+    save_file({keys[0]: scales[keys[0]]}, str(d / "dup.safetensors"))  # same values: fine
+    assert sorted(analysis.load_scales(tmp_path / "ckpt")) == keys
+    save_file({keys[0]: scales[keys[0]] * 2}, str(d / "dup.safetensors"))
+    with pytest.raises(ValueError, match="differs between"):
+        analysis.load_scales(tmp_path / "ckpt")
+    with pytest.raises(FileNotFoundError, match="not a PTQ/QAT checkpoint"):
+        analysis.load_scales(tmp_path / "nothing")
+
+
+def test_scale_stats_and_changes():
+    before = {
+        "l.0.mlp.experts.0.up_proj.weight_scale": torch.tensor([[1.0], [2.0]]),
+        "l.0.self_attn.q_proj.weight_scale": torch.tensor([[4.0]]),
+        "l.0.self_attn.q_proj.weight_zero_point": torch.tensor([[1.0]]),
+    }
+    after = {
+        "l.0.mlp.experts.0.up_proj.weight_scale": torch.tensor([[1.5], [2.0]]),
+        "l.0.self_attn.q_proj.weight_scale": torch.tensor([[4.4]]),
+    }
+    stats = analysis.scale_stats(before)
+    assert [r["key"] for r in stats] == [
+        "l.0.mlp.experts.0.up_proj.weight_scale",
+        "l.0.self_attn.q_proj.weight_scale",
+    ]
+    assert stats[0] | {} == stats[0] and stats[0]["layer_type"] == "expert.up_proj"
+    assert (stats[0]["min"], stats[0]["max"], stats[0]["mean"], stats[0]["numel"]) == (1.0, 2.0, 1.5, 2)
+    ch = analysis.scale_changes(before, after)
+    assert [r["key"] for r in ch] == [
+        "l.0.mlp.experts.0.up_proj.weight_scale",
+        "l.0.self_attn.q_proj.weight_scale",
+    ]
+    assert ch[0]["rel_change_max"] == pytest.approx(0.5) and ch[0]["rel_change_mean"] == pytest.approx(0.25)
+    assert ch[1]["rel_change_max"] == pytest.approx(0.1)
+
+
+def test_recovery_formula():
+    assert recovery(10.0, 12.0, 11.0, min_gap=0.05) == (50.0, "")
+    assert recovery(0.60, 0.50, 0.55, min_gap=0.005)[0] == pytest.approx(
+        50.0
+    )  # higher is better: same formula
+    rec, why = recovery(10.0, 10.001, 9.0, min_gap=0.05)
+    assert rec is None and "noise" in why
+
+
+# =========================================================================== report
+def test_report_numbers_images_and_outputs(exp_dir):
+    html, out = build(exp_dir, title="Tiny <b>report</b>")
+    # self-contained: no URL at all (the fixture contains none), in particular no remote src / href
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", html)
+    assert "http://" not in html and "https://" not in html
+    # escaping: the title and the config YAML are text, not markup
+    assert "<script>alert" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert "Tiny &lt;b&gt;report&lt;/b&gt;" in html
+    assert "could not be rendered" not in html
+    # numbers: PTQ 12.0, QAT 11.0, BF16 10.0 -> 50.0 %; export 11.5 -> 25.0 %; arc_easy acc 0.6/0.5/0.55 -> 50 %
+    assert "12.0000" in html and "11.0000" in html and "10.0000" in html
+    assert "50.0%" in html and "25.0%" in html
+    assert "+2.0000 (+20.00%)" in html
+    # c4 (PTQ within 0.1 % of BF16) and piqa acc (gap 0.001) -> n/a with the reason
+    assert "PTQ already matches BF16" in html
+    # embedded figures: training curves, 3 histogram roles, weight-scale ratios, SQNR
+    images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)
+    assert len(images) == 6
+    assert all(base64.b64decode(b)[:8] == b"\x89PNG\r\n\x1a\n" for b in images)
+    # metadata
+    for text in (
+        "world size",
+        "ZeRO stage",
+        "1:02:05.0",
+        "ptq_calibrate",
+        "compressed-tensors",
+        "snakemake",
+        "git commit",
+        "52",
+        "a.scale",
+        "tokens_per_s.w4a8",
+        "150.0000",
+        "batch",
+    ):
+        assert text in html, text
+    assert "not available" not in html
+    stages = [
+        html.index(f'<td class="text">{st}</td>') for st in ("ptq_calibrate", "zero3_qat", "evaluate-bf16")
+    ]
+    assert stages == sorted(stages)  # workflow order, not alphabetical
+    assert "-0.0%" not in html  # piqa acc_norm: QAT == PTQ -> 0.0 %
+
+    metrics = json.loads((out.parent / "metrics.json").read_text())
+    assert metrics["ppl/wikitext/bf16"] == 10.0 and metrics["ppl/wikitext/qat"] == 11.0
+    assert metrics["recovery_pct/qat/ppl/wikitext"] == pytest.approx(50.0)
+    assert metrics["recovery_pct/export/ppl/wikitext"] == pytest.approx(25.0)
+    assert metrics["recovery_pct/qat/ppl/c4"] is None
+    assert metrics["tasks/arc_easy/acc/ptq"] == 0.5
+    assert metrics["recovery_pct/qat/tasks/arc_easy/acc"] == pytest.approx(50.0)
+    assert metrics["recovery_pct/qat/tasks/piqa/acc"] is None
+    assert math.isfinite(metrics["sqnr_mean_db/ptq"]) and math.isfinite(metrics["sqnr_mean_db/qat"])
+
+    loss = analysis.read_csv(out.parent / "plots" / "loss.csv")
+    assert list(loss[0]) == [
+        "step",
+        "lm_loss",
+        "kd/kl",
+        "kd/forward_kl",
+        "kd/backward_kl",
+        "total_loss",
+        "learning_rate",
+    ]
+    assert len(loss) == 10 and loss[-1]["total_loss"] == pytest.approx(2.0)
+    sqnr = analysis.read_csv(out.parent / "plots" / "sqnr.csv")
+    assert len(sqnr) == len(layer_names())
+    # the PTQ scales are absmax / 7 of these weights -> the computed PTQ SQNR is the hand-checked one
+    w = make_weights()["model.layers.0.self_attn.q_proj.weight"]
+    s, _ = compute_qparams(w, SCHEME.weight)
+    ref = analysis.layer_sqnr({"q": w}, SCHEME, {"q.weight_scale": s})[0]["sqnr_db"]
+    row = next(r for r in sqnr if r["layer"] == "model.layers.0.self_attn.q_proj")
+    assert row["ptq_db"] == pytest.approx(ref, rel=1e-9)
+    assert (out.parent / "plots" / "scale_changes.csv").is_file()
+    assert not list(out.parent.glob(".*tmp*"))
+
+
+@pytest.fixture
+def minimal_exp(tmp_path: Path) -> Path:
+    """Only the required eval JSONs."""
+    exp = tmp_path / "exp"
+    (exp / "eval").mkdir(parents=True)
+    for v in ("bf16", "ptq", "qat"):
+        (exp / "eval" / f"{v}.json").write_text(json.dumps(eval_json(v)))
+    return exp
+
+
+def test_minimal_experiment_sections_say_not_available(minimal_exp, tmp_path):
+    html, out = build(minimal_exp, bench_dir=tmp_path / "no-bench")
+    for section in (
+        "Training curves",
+        "PTQ scales",
+        "Per-layer SQNR",
+        "Scale hit/miss counts",
+        "Stage timings",
+        "ZeRO-3 facts",
+        "Experiment config",
+        "Benchmarks",
+    ):
+        assert f"{section} not available" in html, section
+    assert "could not be rendered" not in html
+    assert "Not evaluated: export" in html
+    assert (out.parent / "plots").is_dir()
+    metrics = json.loads((out.parent / "metrics.json").read_text())
+    assert "recovery_pct/export/ppl/wikitext" not in metrics
+    assert metrics["recovery_pct/qat/ppl/wikitext"] == pytest.approx(50.0)
+
+
+def test_report_is_deterministic(minimal_exp):
+    """Same inputs -> same bytes (no timestamp, PNGs without metadata); two figures are enough."""
+    (minimal_exp / "qat").mkdir()
+    (minimal_exp / "qat" / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train_log()))
+    (minimal_exp / "analysis").mkdir()
+    (minimal_exp / "analysis" / "sqnr.csv").write_text(
+        "layer,ptq_db,qat_db\na.q_proj,17.0,19.0\na.k_proj,16.0,18.0\n"
+    )
+    html1, _ = build(minimal_exp)
+    html2, _ = build(minimal_exp)
+    assert html1.count("data:image/png") == 2 and html1 == html2
+
+
+def test_sqnr_csv_is_used_when_present(minimal_exp):
+    (minimal_exp / "analysis").mkdir()
+    (minimal_exp / "analysis" / "sqnr.csv").write_text(
+        "layer,layer_type,ptq_db,qat_db\nmodel.layers.0.self_attn.q_proj,q_proj,17.25,19.5\n"
+        "model.layers.1.mlp.experts.0.up_proj,expert.up_proj,16.0,inf\n"
+    )
+    html, out = build(minimal_exp)
+    assert "from analysis/sqnr.csv" in html and "17.25" in html
+    rows = analysis.read_csv(out.parent / "plots" / "sqnr.csv")
+    assert rows[0]["delta_db"] == pytest.approx(2.25) and rows[1]["qat_db"] == math.inf
+    assert json.loads((out.parent / "metrics.json").read_text())["sqnr_mean_db/qat"] == 19.5
+
+
+def test_compute_sqnr_weight_sources(exp_dir, tmp_path):
+    """PTQ column: base_weights, else weights in ptq/, else the QAT weights (with a note)."""
+    weights = make_weights()
+    base = tmp_path / "base.safetensors"
+    save_file({k: v * 2 for k, v in weights.items()}, str(base))
+    rows, notes = compute_sqnr(exp_dir)
+    assert len(rows) == len(layer_names()) and "uses the QAT checkpoint" in notes[0]
+    rows_base, notes = compute_sqnr(exp_dir, base_weights=base)
+    assert notes == []
+    # doubled weights with the same scales clip more -> lower PTQ SQNR; QAT column unchanged
+    assert all(b["ptq_db"] < r["ptq_db"] for b, r in zip(rows_base, rows))
+    assert [b["qat_db"] for b in rows_base] == [r["qat_db"] for r in rows]
+    with pytest.raises(RuntimeError, match="too large"):
+        compute_sqnr(exp_dir, max_bytes=1000)
+    (exp_dir / "qat" / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no weights"):
+        compute_sqnr(exp_dir)
+
+
+def test_broken_optional_input_does_not_break_the_report(minimal_exp):
+    (minimal_exp / "qat").mkdir()
+    (minimal_exp / "qat" / "train_log.jsonl").write_text('{"step": 1, "lm_loss": 1.0}\nnot json\n')
+    html, _ = build(minimal_exp)
+    assert "Training could not be rendered" in html and "train_log.jsonl:2" in html
+    assert "50.0%" in html
+
+
+def test_qat_log_fallback_name(minimal_exp):
+    (minimal_exp / "qat").mkdir()
+    (minimal_exp / "qat" / "qat_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train_log()))
+    html, _ = build(minimal_exp)
+    assert "10 logging steps (qat_log.jsonl)" in html
+
+
+@pytest.mark.parametrize("variant", ["bf16", "ptq", "qat"])
+def test_missing_required_eval_names_the_file(exp_dir, variant):
+    (exp_dir / "eval" / f"{variant}.json").unlink()
+    with pytest.raises(ReportError, match=re.escape(str(Path("eval") / f"{variant}.json"))):
+        build_report(exp_dir, exp_dir / "report.html")
+    assert not (exp_dir / "report.html").exists()
+
+
+def test_json_tables_shapes():
+    assert json_tables({"a": 1, "b": {"c": 2}}, "x")[0]["rows"] == [["a", "1"], ["b.c", "2"]]
+    t = json_tables({"r1": {"ms": 1.5}, "r2": {"ms": 2.0, "n": 3}}, "x")[0]
+    assert t["columns"] == ["", "ms", "n"] and t["rows"][0] == ["r1", "1.5000", "n/a"]
+    t = json_tables([{"a": 1}, {"b": 2}], "x")[0]
+    assert t["columns"] == ["a", "b"]
+
+
+def test_cli(minimal_exp, tmp_path, capsys):
+    out = tmp_path / "site" / "report.html"
+    r = subprocess.run(
+        [sys.executable, "-m", "qatlib.report", str(minimal_exp), "--out", str(out), "--title", "CLI"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert out.is_file() and (out.parent / "metrics.json").is_file() and "CLI" in out.read_text()
+    (minimal_exp / "eval" / "ptq.json").unlink()
+    assert main([str(minimal_exp)]) == 2
+    assert "ptq.json" in capsys.readouterr().err
+
+
+def test_renders_in_headless_chromium(exp_dir, tmp_path):
+    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if browser is None:
+        pytest.skip("no chromium")
+    _, out = build(exp_dir)
+    png = tmp_path / "shot.png"
+    subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--disable-gpu",
+            "--no-sandbox",
+            f"--screenshot={png}",
+            "--window-size=1400,3000",
+            out.as_uri(),
+        ],
+        capture_output=True,
+        timeout=120,
+    )
+    assert png.is_file() and png.stat().st_size > 10_000
