@@ -1,0 +1,378 @@
+"""QAT training objectives: the LM (cross-entropy) loss and the knowledge-distillation variants.
+
+Every term is a mean over VALID tokens only, with the HF causal-LM shift: ``logits[:, t]``
+predicts ``labels[:, t + 1]`` and positions whose label is ``-100`` (prompt, padding) are ignored.
+
+    total = lm_loss_weight * lm + kd_loss_weight * kd<loss_type>
+
+KD variants (per valid token, ``p_t`` / ``p_s`` the teacher / student softmax):
+
+=================  =========================================================================
+``kl``             ``KL(p_t || p_s)`` (forward KL)
+``rkl``            ``KL(p_s || p_t)`` (reverse / backward KL)
+``mse``            mean over the vocabulary of ``(z_s - z_t)^2`` on the logits
+``kd``             ``alpha * T^2 * KL(softmax(z_t/T) || softmax(z_s/T)) + (1 - alpha) * CE``:
+                   classic Hinton KD with the upstream ``kd_temperature`` / ``kd_alpha``
+                   mixing (the docs call kd_alpha "the mixing coefficient of CE and the
+                   distillation loss"). With ``lm_loss_weight > 0`` the CE is counted twice;
+                   set ``lm_loss_weight: 0`` for textbook KD.
+``kl_top_K``       forward KL over the teacher's top-K tokens, both distributions renormalised
+                   over that set
+``r_kl_top_K``     reverse KL over the same teacher top-K set (upstream took the STUDENT's
+                   top-K for the reverse variant; one set for both is the documented intent)
+``cakld``          ``conf * rkl + (1 - conf) * kl`` with ``conf = p_t[label]`` (teacher's
+                   confidence in the reference token; a constant, no gradient)
+``origin``         no distillation at all (the LM loss only, whatever ``kd_loss_weight`` says)
+=================  =========================================================================
+
+``K`` is written inline (``kl_top_1000``) or given by ``loss_topk`` (which wins over an inline K,
+as upstream). Diagnostics ``kd/forward_kl`` and ``kd/backward_kl`` (T = 1, full
+vocabulary) are returned whenever distillation is on.
+
+Memory: the logits of a 150k-vocabulary model are the largest tensors of a step. The terms are
+computed over chunks of valid tokens (``chunk_size`` rows at a time) and each chunk is
+differentiated on the spot into one gradient buffer shaped like the logits, so at most one
+chunk's fp32 working set exists at any time, next to the model-dtype logits and that buffer
+(`kd_memory_probe` measures chunked vs the plain autograd formulation).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+_PLAIN_KD = ("kl", "rkl", "mse", "kd", "cakld")
+_TOPK_RE = re.compile(r"^(kl_top|r_kl_top)(?:_(\d+))?$")
+_TERMS = ("lm", "kd", "forward_kl", "backward_kl")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The objective (``compression.QAT`` fields of the experiment config)."""
+
+    loss_type: str = "origin"
+    loss_topk: int | None = None
+    kd_temperature: float = 1.0
+    kd_alpha: float = 0.5
+    lm_loss_weight: float = 1.0
+    kd_loss_weight: float = 0.0
+    chunk_size: int = 1024
+
+    def __post_init__(self) -> None:
+        lt = str(self.loss_type).lower()
+        object.__setattr__(self, "loss_type", lt)
+        m = _TOPK_RE.match(lt)
+        if lt != "origin" and lt not in _PLAIN_KD and m is None:
+            raise ValueError(
+                f"loss_type must be origin, {', '.join(_PLAIN_KD)}, kl_top[_K] or r_kl_top[_K]; got {self.loss_type!r}"
+            )
+        if m is not None:
+            k = self.topk
+            if k is None or k <= 0:
+                raise ValueError(
+                    f"loss_type {lt!r} needs a positive K (inline, e.g. kl_top_100, or loss_topk)"
+                )
+        elif self.loss_topk is not None:
+            raise ValueError(f"loss_topk only applies to kl_top / r_kl_top losses, not {lt!r}")
+        if not self.kd_temperature > 0:
+            raise ValueError(f"kd_temperature must be > 0; got {self.kd_temperature}")
+        if not 0.0 <= self.kd_alpha <= 1.0:
+            raise ValueError(f"kd_alpha must lie in [0, 1]; got {self.kd_alpha}")
+        if self.lm_loss_weight < 0 or self.kd_loss_weight < 0:
+            raise ValueError("lm_loss_weight and kd_loss_weight must be >= 0")
+        if not (self.lm_enabled or self.kd_enabled):
+            raise ValueError(
+                "nothing to optimise: lm_loss_weight is 0 and distillation is off "
+                f"(kd_loss_weight={self.kd_loss_weight}, loss_type={lt!r})"
+            )
+        if self.chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive; got {self.chunk_size}")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def kind(self) -> str:
+        """The loss family: origin / kl / rkl / mse / kd / cakld / kl_top / r_kl_top."""
+        m = _TOPK_RE.match(self.loss_type)
+        return m.group(1) if m else self.loss_type
+
+    @property
+    def topk(self) -> int | None:
+        """K of a top-K loss: ``loss_topk`` when set (it overrides, as upstream), else the inline K."""
+        m = _TOPK_RE.match(self.loss_type)
+        if m is None:
+            return None
+        if self.loss_topk is not None:
+            return int(self.loss_topk)
+        return int(m.group(2)) if m.group(2) is not None else None
+
+    @property
+    def lm_enabled(self) -> bool:
+        return self.lm_loss_weight > 0
+
+    @property
+    def kd_enabled(self) -> bool:
+        """Distillation (and therefore a teacher forward) happens only when this is True."""
+        return self.kd_loss_weight > 0 and self.loss_type != "origin"
+
+    @property
+    def kd_key(self) -> str:
+        return f"kd/{self.loss_type}"
+
+    def log_keys(self) -> list[str]:
+        keys = ["lm_loss"] if self.lm_enabled else []
+        if self.kd_enabled:
+            keys += [self.kd_key, "kd/forward_kl", "kd/backward_kl"]
+        return keys + ["total_loss"]
+
+    @classmethod
+    def from_qat(cls, qat, **overrides) -> LossConfig:
+        """Build from a ``compression.QAT`` config object (attribute access), ignoring absent fields."""
+        kw = {}
+        for name in (
+            "loss_type",
+            "loss_topk",
+            "kd_temperature",
+            "kd_alpha",
+            "lm_loss_weight",
+            "kd_loss_weight",
+        ):
+            v = getattr(qat, name, None)
+            if v is not None:
+                kw[name] = v
+        kw.update(overrides)
+        return cls(**kw)
+
+
+@dataclass
+class LossOutput:
+    """What `qat_loss` returns.
+
+    ``loss``: the differentiable objective, ``(lm_w * sum_lm + kd_w * sum_kd) / denominator``.
+    ``n_tokens``: valid tokens in THIS batch. ``sums``: detached per-component sums over those
+    tokens keyed by log name (``lm_loss``, ``kd/<loss_type>``, ``kd/forward_kl``,
+    ``kd/backward_kl``, ``total_loss``), so callers can average exactly over any interval
+    (sum of sums / sum of n_tokens).
+    """
+
+    loss: torch.Tensor
+    n_tokens: int
+    sums: dict[str, float] = field(default_factory=dict)
+
+    def means(self) -> dict[str, float]:
+        n = max(self.n_tokens, 1)
+        return {k: v / n for k, v in self.sums.items()}
+
+
+# --------------------------------------------------------------------------- per-token terms
+def _kl(logp_ref: torch.Tensor, logp_other: torch.Tensor) -> torch.Tensor:
+    """Per-row ``KL(ref || other)`` from log-probabilities (0 * log 0 taken as 0)."""
+    return torch.sum(logp_ref.exp() * (logp_ref - logp_other), dim=-1)
+
+
+def token_terms(
+    s: torch.Tensor, t: torch.Tensor | None, y: torch.Tensor, cfg: LossConfig
+) -> dict[str, torch.Tensor]:
+    """Per-token loss terms for aligned rows: student logits ``s [N, V]``, teacher ``t [N, V]`` (or
+    None when distillation is off), labels ``y [N]`` (all valid). Returns ``[N]`` tensors for ``lm``
+    and, with a teacher, ``kd``, ``forward_kl``, ``backward_kl``. Computed in fp32."""
+    s = s.float()
+    s_logp = F.log_softmax(s, dim=-1)
+    out = {"lm": -s_logp.gather(-1, y[:, None]).squeeze(-1)}
+    if t is None:
+        return out
+    t = t.float()
+    t_logp = F.log_softmax(t, dim=-1)
+    fkl = _kl(t_logp, s_logp)
+    bkl = _kl(s_logp, t_logp)
+    kind = cfg.kind
+    if kind == "kl":
+        kd = fkl
+    elif kind == "rkl":
+        kd = bkl
+    elif kind == "mse":
+        kd = (s - t).pow(2).mean(dim=-1)
+    elif kind == "kd":
+        temp = cfg.kd_temperature
+        soft = _kl(F.log_softmax(t / temp, dim=-1), F.log_softmax(s / temp, dim=-1)) * temp * temp
+        kd = cfg.kd_alpha * soft + (1.0 - cfg.kd_alpha) * out["lm"]
+    elif kind == "cakld":
+        conf = t_logp.gather(-1, y[:, None]).squeeze(-1).exp()
+        kd = conf * bkl + (1.0 - conf) * fkl
+    elif kind in ("kl_top", "r_kl_top"):
+        k = min(cfg.topk, t.shape[-1])
+        idx = t.topk(k, dim=-1).indices
+        t_k = F.log_softmax(t.gather(-1, idx), dim=-1)
+        s_k = F.log_softmax(s.gather(-1, idx), dim=-1)
+        kd = _kl(t_k, s_k) if kind == "kl_top" else _kl(s_k, t_k)
+    else:  # pragma: no cover - LossConfig validates
+        raise ValueError(f"no distillation term for loss_type {cfg.loss_type!r}")
+    out.update(kd=kd, forward_kl=fkl.detach(), backward_kl=bkl.detach())
+    return out
+
+
+def _weighted(terms: dict[str, torch.Tensor], cfg: LossConfig) -> torch.Tensor:
+    obj = cfg.lm_loss_weight * terms["lm"].sum() if cfg.lm_enabled else terms["lm"].sum() * 0.0
+    if cfg.kd_enabled:
+        obj = obj + cfg.kd_loss_weight * terms["kd"].sum()
+    return obj
+
+
+def _sums(terms: dict[str, torch.Tensor], obj: torch.Tensor) -> torch.Tensor:
+    """``[lm, kd, forward_kl, backward_kl, objective]`` sums (detached, fp32)."""
+    zero = obj.new_zeros(())
+    return torch.stack([terms[k].detach().sum() if k in terms else zero for k in _TERMS] + [obj.detach()])
+
+
+class _ChunkedObjective(torch.autograd.Function):
+    """Objective over valid positions, chunk by chunk, with the gradient computed in the forward.
+
+    Each chunk's logits rows are gathered, upcast, turned into the loss terms and differentiated
+    right away (``torch.autograd.grad`` on that chunk alone); the row gradients are written into
+    one buffer shaped like the logits. Peak memory: the logits, that buffer (both in the logits'
+    dtype) and one chunk's fp32 working set. Backward scales the buffer by the incoming gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, s_logits, t_logits, rows, cols, y, cfg, need_grad):
+        grad_buf = torch.zeros_like(s_logits) if need_grad else None
+        total = torch.zeros(len(_TERMS) + 1, dtype=torch.float32, device=s_logits.device)
+        for i in range(0, rows.numel(), cfg.chunk_size):
+            r, c, yy = rows[i : i + cfg.chunk_size], cols[i : i + cfg.chunk_size], y[i : i + cfg.chunk_size]
+            t = None if t_logits is None else t_logits[r, c]
+            with torch.enable_grad():
+                x = s_logits[r, c].detach().requires_grad_(need_grad)
+                terms = token_terms(x, t, yy, cfg)
+                obj = _weighted(terms, cfg)
+                if need_grad:
+                    (g,) = torch.autograd.grad(obj, x)
+                    grad_buf[r, c] = g.to(grad_buf.dtype)
+            total += _sums(terms, obj)
+        ctx.save_for_backward(grad_buf)
+        sums = total[:-1].clone()
+        ctx.mark_non_differentiable(sums)
+        return total[-1].clone(), sums
+
+    @staticmethod
+    def backward(ctx, g_obj, _g_sums):
+        (grad_buf,) = ctx.saved_tensors
+        if grad_buf is None:
+            return (None,) * 7
+        grad = grad_buf if bool(g_obj == 1) else grad_buf * g_obj.to(grad_buf.dtype)
+        return grad, None, None, None, None, None, None
+
+
+def valid_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(rows, cols, targets)`` of the logits positions with a valid next-token label."""
+    shifted = labels[:, 1:]
+    rows, cols = torch.nonzero(shifted != IGNORE_INDEX, as_tuple=True)
+    return rows, cols, shifted[rows, cols]
+
+
+def qat_loss(
+    student_logits: torch.Tensor,
+    labels: torch.Tensor,
+    cfg: LossConfig,
+    teacher_logits: torch.Tensor | None = None,
+    *,
+    denominator: float | torch.Tensor | None = None,
+    chunked: bool = True,
+) -> LossOutput:
+    """The QAT objective of one (micro-)batch.
+
+    ``student_logits`` / ``teacher_logits``: ``[B, T, V]`` (any float dtype; terms run in fp32).
+    ``labels``: ``[B, T]``, unshifted, ``-100`` = ignored. ``denominator``: the number of valid
+    tokens the loss is normalised by; default this batch's own count. Under gradient accumulation
+    pass the count of the whole accumulated batch (HF's ``num_items_in_batch``) so that the
+    summed micro-batch losses equal the mean over all valid tokens. ``chunked=False`` is the plain
+    autograd formulation over all valid rows at once (a reference; several fp32 copies of them).
+    """
+    if cfg.kd_enabled and teacher_logits is None:
+        raise ValueError(f"loss_type {cfg.loss_type!r} with kd_loss_weight > 0 needs teacher logits")
+    if teacher_logits is not None and teacher_logits.shape != student_logits.shape:
+        raise ValueError(
+            f"teacher logits {tuple(teacher_logits.shape)} != student {tuple(student_logits.shape)}"
+        )
+    t_logits = teacher_logits.detach() if cfg.kd_enabled else None
+    rows, cols, y = valid_positions(labels.to(student_logits.device))
+    n = int(rows.numel())
+    if n == 0:
+        # Keep the graph connected (DeepSpeed / DDP expect a backward through the model).
+        return LossOutput(student_logits.sum() * 0.0, 0, dict.fromkeys(cfg.log_keys(), 0.0))
+    if chunked:
+        need_grad = student_logits.requires_grad and torch.is_grad_enabled()
+        objective, sums_t = _ChunkedObjective.apply(student_logits, t_logits, rows, cols, y, cfg, need_grad)
+    else:
+        terms = token_terms(
+            student_logits[rows, cols], None if t_logits is None else t_logits[rows, cols], y, cfg
+        )
+        objective = _weighted(terms, cfg)
+        sums_t = _sums(terms, objective)[:-1]
+    lm_sum, kd_sum, fkl_sum, bkl_sum = sums_t.tolist()
+    sums: dict[str, float] = {}
+    if cfg.lm_enabled:
+        sums["lm_loss"] = lm_sum
+    if cfg.kd_enabled:
+        sums[cfg.kd_key] = kd_sum
+        sums["kd/forward_kl"] = fkl_sum
+        sums["kd/backward_kl"] = bkl_sum
+    sums["total_loss"] = objective.item()
+    denom = n if denominator is None else denominator
+    return LossOutput(objective / denom, n, sums)
+
+
+# --------------------------------------------------------------------------- memory probe
+def kd_memory_probe(
+    n_tokens: int = 4096,
+    vocab: int = 32768,
+    *,
+    loss_type: str = "cakld",
+    chunk_size: int = 1024,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> dict[str, float]:
+    """Peak memory (bytes) of one forward + backward of the KD objective, chunked vs unchunked.
+
+    Builds random ``[1, n_tokens, vocab]`` student / teacher logits (``dtype``), all tokens valid,
+    and measures the peak of tensors alive during ``qat_loss(...).loss.backward()``, above the
+    inputs themselves. CUDA: the caching allocator's peak; CPU: torch's dispatch-level tracker
+    (``torch.distributed._tools.mem_tracker.MemTracker``). Returns ``chunked_peak``,
+    ``full_peak``, ``logits_bytes`` (one model-dtype logits tensor) and ``fp32_logits_bytes``.
+    """
+    device = torch.device(device)
+    cfg_kw = dict(loss_type=loss_type, kd_loss_weight=1.0, lm_loss_weight=1.0)
+    if _TOPK_RE.match(loss_type) and not re.search(r"_\d+$", loss_type):
+        cfg_kw["loss_topk"] = 64
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    s0 = torch.randn(1, n_tokens, vocab, generator=g).to(device=device, dtype=dtype)
+    t0 = torch.randn(1, n_tokens, vocab, generator=g).to(device=device, dtype=dtype)
+    labels = torch.randint(0, vocab, (1, n_tokens), generator=g).to(device)
+
+    def run(chunked: bool) -> int:
+        cfg = LossConfig(chunk_size=chunk_size, **cfg_kw)
+        s = s0.clone().requires_grad_(True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            qat_loss(s, labels, cfg, t0, chunked=chunked).loss.backward()
+            torch.cuda.synchronize(device)
+            return torch.cuda.max_memory_allocated(device) - base
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        with tracker:
+            qat_loss(s, labels, cfg, t0, chunked=chunked).loss.backward()
+        snap = tracker.get_tracker_snapshot("peak")
+        return int(sum(v.get("Total", 0) for v in snap.values()))
+
+    out = {"chunked_peak": float(run(True)), "full_peak": float(run(False))}
+    out["logits_bytes"] = float(s0.numel() * s0.element_size())
+    out["fp32_logits_bytes"] = float(s0.numel() * 4)
+    out["n_tokens"], out["vocab"], out["chunk_size"] = float(n_tokens), float(vocab), float(chunk_size)
+    return out

@@ -1,0 +1,148 @@
+"""Where a QAT run resumes from (``compression.QAT.resume_ckpt_dir``).
+
+Two kinds of directory are accepted:
+
+- an HF Trainer checkpoint (``checkpoint-N/`` with ``trainer_state.json``), or an output directory
+  holding such checkpoints (the last one is used). The Trainer restores model (weights + quantizer
+  parameters), optimizer, scheduler, RNG and data position, so an interrupted run ends with the
+  same scales as an uninterrupted one;
+- a saved model with a scales file beside it: plain HF safetensors weights (a ``fake`` export, i.e.
+  ``dequantize(quantize(W))``, or a `qatlib.zero3_io.save_consolidated` directory) plus
+  ``quant_scheme.json`` and a safetensors file with the quantizer keys of docs/design.md
+  (``quant_scales.safetensors``; LWC clip factors under their module path). Weights are copied
+  into the prepared model, scales loaded with `qatlib.zero3_io.stream_load_scales`, and training
+  starts at step 0 from there (optimizer state is not part of such a save). Resuming from a
+  ``fake`` export continues from the fake-quantized weights: the original weights are not in it.
+
+Under ZeRO-3 a saved model is not loaded here: build the model from it instead
+(``zero3_io.build_qat_model(path, ..., from_ptq_ckpt=path)``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .quant import QuantScheme
+from .quant.quantizer import Quantizer
+
+log = logging.getLogger(__name__)
+
+TRAINER_STATE = "trainer_state.json"
+SCHEME_FILE = "quant_scheme.json"
+# Files beside the weights that hold no model weight.
+NON_WEIGHT_FILES = ("quant_scales.safetensors", "scales.safetensors", "kv_cache_scales.safetensors")
+
+
+class ResumeError(ValueError):
+    """``resume_ckpt_dir`` is neither an HF checkpoint nor a saved model with scales."""
+
+
+def _last_hf_checkpoint(d: Path) -> Path | None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(str(d)) if d.is_dir() else None
+    return Path(last) if last else None
+
+
+def classify_resume_dir(path: str | os.PathLike) -> tuple[Literal["hf", "saved"], Path]:
+    """``("hf", checkpoint_dir)`` or ``("saved", model_dir)``; ResumeError otherwise."""
+    p = Path(path)
+    if not p.exists():
+        raise ResumeError(f"resume_ckpt_dir {p} does not exist")
+    if (p / TRAINER_STATE).is_file():
+        return "hf", p
+    last = _last_hf_checkpoint(p)
+    if last is not None:
+        return "hf", last
+    for d in (p, p / "final_quant_checkpoint"):
+        if (d / SCHEME_FILE).is_file() and any(d.glob("*.safetensors")):
+            return "saved", d
+    raise ResumeError(
+        f"resume_ckpt_dir {p}: neither an HF Trainer checkpoint ({TRAINER_STATE}, or checkpoint-N folders) nor a "
+        f"saved model with {SCHEME_FILE} and safetensors scales beside its weights"
+    )
+
+
+def _quantizer_prefixes(model: nn.Module) -> tuple[str, ...]:
+    return tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, Quantizer))
+
+
+@torch.no_grad()
+def load_saved_weights(model: nn.Module, model_dir: str | os.PathLike) -> int:
+    """Copy every non-quantizer parameter / persistent buffer of a (prepared, non-ZeRO) model from
+    the safetensors files in ``model_dir``. Missing, unexpected and mis-shaped keys are errors;
+    tied parameters need one of their names. Returns the number of tensors loaded."""
+    model_dir = Path(model_dir)
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise ResumeError(
+            "a ZeRO-3 model cannot be filled here: build it from the saved directory instead "
+            "(zero3_io.build_qat_model(path, ..., from_ptq_ckpt=path))"
+        )
+    qpre = _quantizer_prefixes(model)
+    targets: dict[str, torch.Tensor] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if not n.startswith(qpre):
+            targets[n] = p
+    for mname, m in model.named_modules():
+        for bname, b in m.named_buffers(recurse=False):
+            full = f"{mname}.{bname}" if mname else bname
+            if b is not None and bname not in m._non_persistent_buffers_set and not full.startswith(qpre):
+                targets[full] = b
+    files = sorted(f for f in model_dir.glob("*.safetensors") if f.name not in NON_WEIGHT_FILES)
+    if not files:
+        raise ResumeError(f"{model_dir}: no weight files (*.safetensors)")
+    filled: set[int] = set()
+    unexpected, mismatched = [], []
+    n = 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                dst = targets.get(key)
+                if dst is None:
+                    if not key.endswith(("inv_freq",)):
+                        unexpected.append(key)
+                    continue
+                t = fh.get_tensor(key)
+                if tuple(t.shape) != tuple(dst.shape):
+                    mismatched.append(f"{key}: file {list(t.shape)} vs model {list(dst.shape)}")
+                    continue
+                dst.copy_(t.to(dst.dtype))
+                filled.add(id(dst))
+                n += 1
+    missing = sorted({k for k, t in targets.items() if id(t) not in filled})
+    if unexpected or mismatched or missing:
+        parts = [
+            f"{what} ({len(v)}): {', '.join(v[:8])}"
+            for what, v in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched))
+            if v
+        ]
+        raise ResumeError(f"{model_dir} does not match the model: " + "; ".join(parts))
+    return n
+
+
+def load_saved_model(
+    model: nn.Module, model_dir: str | os.PathLike, scheme: QuantScheme | None = None
+) -> dict:
+    """Weights (`load_saved_weights`) + quantizer parameters (``stream_load_scales``) of a saved model
+    into a prepared, non-ZeRO ``model``. ``scheme`` defaults to the directory's ``quant_scheme.json``.
+    Returns the scale loader's report plus ``weights`` (tensors copied)."""
+    from .zero3_io import stream_load_scales
+
+    model_dir = Path(model_dir)
+    if scheme is None:
+        scheme = QuantScheme.from_dict(json.loads((model_dir / SCHEME_FILE).read_text()))
+    nw = load_saved_weights(model, model_dir)
+    report = stream_load_scales(model, model_dir, scheme)
+    if report.get("hits", 0) == 0:
+        raise ResumeError(f"{model_dir}: no quantizer parameter found in its safetensors files")
+    report["weights"] = nw
+    log.info("resumed weights (%d tensors) and scales (%d) from %s", nw, report["hits"], model_dir)
+    return report

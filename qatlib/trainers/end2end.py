@@ -1,0 +1,362 @@
+"""End-to-end QAT on the HF Trainer, single process or DeepSpeed ZeRO-3 (``torchrun``).
+
+`QATTrainer` is a `transformers.Trainer` that
+
+- owns its optimizer: AdamW over the tensors the ``learnable`` switches select
+  (`qatlib.trainers.params`), scales at ``learning_rate``, LWC clip factors at ``lwc_lr``, norms
+  at ``norm_lr``; everything else is frozen. Works under DeepSpeed (HF hands our optimizer to
+  ``deepspeed.initialize``; a DeepSpeed config with its own ``optimizer`` section is refused,
+  because transformers would silently replace ours and lose the groups);
+- computes the QAT objective itself (`qatlib.losses.qat_loss`): LM cross-entropy plus an
+  optional distillation term against a teacher that is, by default, the same model run inside
+  `quantization_disabled` under ``torch.no_grad`` (no second copy). ``kd_loss_weight == 0`` (or
+  ``loss_type: origin``) means no teacher forward at all;
+- normalises by the number of valid tokens of the whole accumulated batch (HF's
+  ``num_items_in_batch``, counted over the shifted labels and summed over ranks), so gradient
+  accumulation and data parallelism give the mean over all valid tokens, not a mean of means;
+- logs ``lm_loss``, ``kd/<loss_type>``, ``kd/forward_kl``, ``kd/backward_kl`` and ``total_loss``
+  into the Trainer's log dict, token-weighted over each logging interval and summed over ranks,
+  and appends one JSON line per logging step to ``<output_dir>/qat_log.jsonl``.
+
+One line of ``qat_log.jsonl`` (rank 0 writes; a resumed run first drops the lines of steps it
+will log again, so each step appears once)::
+
+    {"step": 20, "loss": 2.08, "grad_norm": 0.41, "learning_rate": 1e-05,
+     "lm_loss": 1.23, "kd/cakld": 0.0075, "kd/forward_kl": 0.0075, "kd/backward_kl": 0.0074,
+     "total_loss": 1.24, "tokens": 81920, "epoch": 0.03}
+
+``loss`` is the HF Trainer's (mean over the optimizer steps of the interval); the components are
+means over every valid token of the interval on all ranks (``tokens``), so ``total_loss ==
+lm_loss_weight * lm_loss + kd_loss_weight * kd/<loss_type>`` exactly. ``lm_loss`` appears only
+with ``lm_loss_weight > 0``, the ``kd/*`` keys only when distillation is on.
+
+`train_end2end` drives it from an `ExperimentConfig`: training arguments, data collator, lazy
+activation-scale initialisation, resume (HF checkpoint or a ``fake`` save) and ``do_train``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from transformers import Seq2SeqTrainingArguments, Trainer, TrainingArguments
+
+from ..data import PadCollator
+from ..losses import LossConfig, qat_loss
+from ..quant import quant_linears, quantization_disabled
+from .params import Learnable, TrainableParams, apply_learnable, freeze_all_but, param_groups
+
+log = logging.getLogger(__name__)
+
+LOG_FILE = "qat_log.jsonl"
+
+
+def _dist_world() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1
+
+
+class QATTrainer(Trainer):
+    """HF Trainer for QAT (see the module docstring).
+
+    Keyword arguments beyond the Trainer's: ``loss_config`` (`LossConfig`), ``learnable``
+    (`Learnable`, default weight scales only) or an explicit ``trainable`` selection, ``lwc_lr``,
+    ``norm_lr``, ``teacher`` (a separate teacher model; None = the model itself with quantization
+    disabled), ``log_file`` (default ``<output_dir>/qat_log.jsonl``; False = none).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        args: TrainingArguments,
+        *,
+        loss_config: LossConfig,
+        learnable: Learnable | None = None,
+        trainable: TrainableParams | None = None,
+        lwc_lr: float | None = None,
+        norm_lr: float | None = None,
+        teacher: nn.Module | None = None,
+        log_file: str | os.PathLike | bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs.get("optimizers", (None, None))[0] is not None:
+            raise ValueError(
+                "QATTrainer builds its own optimizer from the learnable selection; do not pass optimizers"
+            )
+        _refuse_deepspeed_optimizer(args)
+        if trainable is None:
+            trainable = apply_learnable(model, learnable or Learnable())
+        else:
+            freeze_all_but(model, trainable)
+        self.trainable = trainable
+        self.loss_config = loss_config
+        self.lwc_lr = lwc_lr
+        self.norm_lr = norm_lr
+        self.teacher = teacher
+        if teacher is not None:
+            teacher.eval()
+            teacher.requires_grad_(False)
+        self.teacher_forwards = 0
+        super().__init__(model=model, args=args, **kwargs)
+        # We compute the loss ourselves from num_items_in_batch: make the Trainer count it (over the
+        # shifted labels, as our loss does) and not divide our loss by the accumulation steps again.
+        self.model_accepts_loss_kwargs = True
+        self._loss_shifts_labels = True
+        if teacher is not None and not any(hasattr(p, "ds_id") for p in teacher.parameters()):
+            teacher.to(self.args.device)  # a plain teacher is replicated on every rank
+        checkpointing = getattr(args, "activation_checkpointing", None) or getattr(
+            args, "gradient_checkpointing", False
+        )
+        if checkpointing and hasattr(model, "enable_input_require_grads"):
+            # Every model weight is frozen: without this, checkpointed blocks see inputs that do not
+            # require grad and the scales get no gradient (upstream hit the same).
+            model.enable_input_require_grads()
+        self._acc_keys = loss_config.log_keys()
+        self._acc = torch.zeros(len(self._acc_keys) + 1, dtype=torch.float64)
+        if log_file is False:
+            self.log_file = None
+        else:
+            self.log_file = Path(log_file) if log_file else Path(args.output_dir) / LOG_FILE
+        self._log_file_started = False
+        log.info("QAT trainable tensors %s (%d elements)", trainable.counts(), trainable.numel())
+
+    # ------------------------------------------------------------------ optimizer
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            groups = param_groups(
+                self.trainable,
+                lr=self.args.learning_rate,
+                lwc_lr=self.lwc_lr,
+                norm_lr=self.norm_lr,
+                weight_decay=self.args.weight_decay,
+            )
+            if not groups:
+                raise ValueError("QAT optimizer has no trainable parameters")
+            self.optimizer = torch.optim.AdamW(
+                groups,
+                lr=self.args.learning_rate,
+                betas=(self.args.adam_beta1, self.args.adam_beta2),
+                eps=self.args.adam_epsilon,
+            )
+            log.info(
+                "QAT optimizer groups: %s",
+                ", ".join(f"{g['name']}: {len(g['params'])} tensors @ lr {g['lr']:g}" for g in groups),
+            )
+        return self.optimizer
+
+    # ------------------------------------------------------------------ loss
+    @torch.no_grad()
+    def teacher_logits(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        """Teacher logits for ``inputs``: the separate teacher, or ``model`` unquantized."""
+        self.teacher_forwards += 1
+        if self.teacher is not None:
+            return self.teacher(**inputs, use_cache=False).logits.detach()
+        was_training = self.model.training
+        with quantization_disabled(self.model):
+            self.model.eval()  # no dropout in the teacher
+            try:
+                out = model(**inputs, use_cache=False)
+            finally:
+                self.model.train(was_training)
+        return out.logits.detach()
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        cfg = self.loss_config
+        labels = inputs["labels"]
+        fwd = {k: v for k, v in inputs.items() if k != "labels"}
+        t_logits = self.teacher_logits(model, fwd) if cfg.kd_enabled else None
+        outputs = model(**fwd, use_cache=False)
+        denom = None
+        if num_items_in_batch is not None:
+            denom = num_items_in_batch.item() if torch.is_tensor(num_items_in_batch) else num_items_in_batch
+            denom = max(float(denom), 1.0)
+        out = qat_loss(outputs.logits, labels, cfg, t_logits, denominator=denom)
+        loss = out.loss
+        if denom is not None and self.args.average_tokens_across_devices:
+            # num_items_in_batch counts every rank's tokens, and data-parallel backends average
+            # gradients over ranks: scale back up, exactly as the HF Trainer does.
+            loss = loss * self.accelerator.num_processes
+        # Our loss is normalised over the accumulated batch iff we got its token count.
+        self.loss_is_scaled_for_ga = denom is not None
+        if model.training:
+            vals = [out.sums.get(k, 0.0) for k in self._acc_keys] + [float(out.n_tokens)]
+            self._acc += torch.tensor(vals, dtype=torch.float64)
+        return (loss, outputs) if return_outputs else loss
+
+    # ------------------------------------------------------------------ logging
+    def _interval_components(self) -> dict[str, float]:
+        acc = self._acc.clone()
+        self._acc.zero_()
+        if _dist_world() > 1:
+            t = acc.to(self.args.device)
+            torch.distributed.all_reduce(t)
+            acc = t.cpu()
+        n = acc[-1].item()
+        if n <= 0:
+            return {}
+        out = {k: acc[i].item() / n for i, k in enumerate(self._acc_keys)}
+        out["tokens"] = int(n)
+        return out
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        training_log = "loss" in logs and not any(k.startswith("eval_") for k in logs)
+        if training_log:
+            logs.update(self._interval_components())
+        super().log(logs, start_time)
+        if training_log and self.log_file is not None and self.is_world_process_zero():
+            self._append_log_line({"step": self.state.global_step, **logs})
+
+    def _append_log_line(self, rec: dict[str, Any]) -> None:
+        path = self.log_file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not self._log_file_started:
+            # A resumed run re-logs the steps after its checkpoint: drop those (and, for a fresh run
+            # into an old output_dir, everything) so the file has one line per logging step.
+            keep = []
+            if path.exists():
+                for line in path.read_text().splitlines():
+                    with contextlib.suppress(ValueError):
+                        if json.loads(line).get("step", math.inf) < rec["step"]:
+                            keep.append(line)
+            path.write_text("".join(line + "\n" for line in keep))
+            self._log_file_started = True
+        with path.open("a") as f:
+            f.write(json.dumps(rec, default=float) + "\n")
+
+
+def _refuse_deepspeed_optimizer(args: TrainingArguments) -> None:
+    ds = getattr(args, "hf_deepspeed_config", None)
+    cfg = getattr(ds, "config", None) if ds is not None else None
+    if cfg is None and isinstance(args.deepspeed, dict):
+        cfg = args.deepspeed
+    if isinstance(cfg, dict) and "optimizer" in cfg:
+        raise ValueError(
+            "the DeepSpeed config has an 'optimizer' section: transformers would replace the QAT optimizer "
+            "(and its scale / LWC / norm groups) with it. Remove it; QAT builds AdamW itself."
+        )
+
+
+def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The JSON-lines training log (one dict per logging step)."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+# --------------------------------------------------------------------------- lazy init
+def lazy_init_activation_scales(
+    model: nn.Module,
+    scheme,
+    dataset: Dataset,
+    collator,
+    *,
+    num_samples: int,
+    batch_size: int = 1,
+) -> int:
+    """Calibrate static activation scales on the first ``num_samples`` training samples (upstream's
+    ``lazy_init_samples``), when no PTQ checkpoint provided them. Non-ZeRO only. Returns the
+    number of batches seen (0 when the scheme has no static activation quantizer)."""
+    statics = [
+        q
+        for _, ql in quant_linears(model)
+        for q in (ql.input_quantizer, ql.output_quantizer)
+        if q is not None and not q.spec.dynamic
+    ]
+    if not statics:
+        return 0
+    from ..ptq import calibrate
+
+    n = min(num_samples, len(dataset))
+    loader = DataLoader(
+        torch.utils.data.Subset(dataset, range(n)), batch_size=batch_size, collate_fn=collator
+    )
+    report = calibrate(model, scheme, loader)
+    log.info("lazy activation-scale init on %d batches (%d tokens)", report.num_batches, report.num_tokens)
+    return report.num_batches
+
+
+# --------------------------------------------------------------------------- config driver
+def training_arguments(cfg, **overrides: Any) -> Seq2SeqTrainingArguments:
+    """``Seq2SeqTrainingArguments`` from ``cfg.hf_training_args()`` (output_dir, seed, DeepSpeed
+    path resolved there) plus ``overrides``. Without CUDA ``use_cpu`` defaults to True (DeepSpeed on
+    the CPU needs it); ``report_to`` defaults to none."""
+    kw = dict(cfg.hf_training_args()) if hasattr(cfg, "hf_training_args") else dict(cfg)
+    kw.update(overrides)
+    if not torch.cuda.is_available():
+        kw.setdefault("use_cpu", True)
+    kw.setdefault("report_to", "none")
+    return Seq2SeqTrainingArguments(**kw)
+
+
+def train_end2end(
+    cfg,
+    model: nn.Module,
+    tokenizer,
+    train_dataset: Dataset,
+    *,
+    teacher: nn.Module | None = None,
+    scales_loaded: bool = False,
+    args_overrides: dict[str, Any] | None = None,
+    callbacks: Sequence[Any] | None = None,
+    scheme=None,
+) -> QATTrainer:
+    """Run end-to-end QAT as ``cfg`` says, on a prepared model (QuantLinear layers in place).
+
+    ``scales_loaded``: the scales came from a PTQ checkpoint (``from_ptq_ckpt``), so no lazy
+    activation init. ``compression.QAT.resume_ckpt_dir`` may name an HF checkpoint (a
+    ``checkpoint-N`` folder, or an output dir holding them: the last one is used) or a saved model
+    with scales (a ``fake`` export or a consolidated save, `qatlib.resume.load_saved_model`). Returns the trainer (trained when ``do_train``).
+    """
+    from ..resume import classify_resume_dir, load_saved_model
+
+    qat = cfg.qat
+    qc = qat.plugin_config.quant_config
+    loss_cfg = LossConfig.from_qat(qat)
+    args = training_arguments(cfg, **(args_overrides or {}))
+    collator = PadCollator.for_tokenizer(tokenizer)
+    zero3 = bool(getattr(cfg, "zero3_enabled", False))
+
+    resume_from = None
+    if qat.resume_ckpt_dir:
+        kind, path = classify_resume_dir(qat.resume_ckpt_dir)
+        if kind == "hf":
+            resume_from = str(path)
+        else:
+            load_saved_model(model, path, scheme)
+            scales_loaded = True
+    if not scales_loaded and resume_from is None:
+        if zero3:
+            raise ValueError(
+                "under ZeRO-3 activation scales come from compression.QAT.from_ptq_ckpt (no lazy init)"
+            )
+        lazy_init_activation_scales(
+            model,
+            scheme if scheme is not None else cfg.quant_scheme(),
+            train_dataset,
+            collator,
+            num_samples=qc.lazy_init_samples,
+            batch_size=args.per_device_train_batch_size,
+        )
+    trainer = QATTrainer(
+        model,
+        args,
+        loss_config=loss_cfg,
+        learnable=Learnable.from_config(qc.learnable),
+        lwc_lr=qc.lwc.lwc_lr if qc.lwc.enable_lwc else None,
+        teacher=teacher,
+        train_dataset=train_dataset,
+        data_collator=collator,
+        processing_class=tokenizer,
+        callbacks=list(callbacks or []),
+    )
+    if qat.do_train:
+        trainer.train(resume_from_checkpoint=resume_from)
+    return trainer

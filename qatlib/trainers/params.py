@@ -1,0 +1,189 @@
+"""Which tensors train, and the optimizer groups they go in.
+
+Selection is by module TYPE and parameter ROLE, never by name substrings: quantizer parameters
+carry ``qat_role`` (``"scale"`` for scales / zero points, ``"lwc"`` for clip factors, see
+`qatlib.quant.quantizer`), and norms are modules whose class name ends with ``RMSNorm`` /
+``LayerNorm``. The ``learnable`` switches of ``plugin_config.quant_config`` map to:
+
+============  ===========================================================================
+act_scale     ``input_quantizer`` scale / zero point of every QuantLinear
+weight_scale  ``weight_quantizer`` scale / zero point (none for LWC quantizers: derived)
+kv_scale      ``output_quantizer`` scale / zero point of the attention k/v projections
+norm          weight (and bias) of every norm module
+lwc           ``weight_quantizer`` clip factors (``clip_factor_w_max/min``)
+============  ===========================================================================
+
+Everything else is frozen (``requires_grad=False``). q-projection output scales (``q`` in the
+scheme) belong to no switch and stay frozen. Groups: scales at ``learning_rate``, LWC at
+``lwc_lr``, norms at ``norm_lr`` (default ``learning_rate``) — upstream marked norms trainable but
+never handed them to its optimizer, so ``norm: true`` trained nothing there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, fields
+
+from torch import nn
+
+from ..quant import quant_linears
+from ..quant.quantizer import ROLE_LWC, ROLE_SCALE, Quantizer
+
+NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
+
+
+@dataclass(frozen=True)
+class Learnable:
+    """The ``learnable`` switches (defaults as upstream: weight scales only)."""
+
+    act_scale: bool = False
+    weight_scale: bool = True
+    kv_scale: bool = False
+    norm: bool = False
+    lwc: bool = False
+
+    @classmethod
+    def from_config(cls, obj) -> Learnable:
+        """From ``quant_config.learnable`` (a pydantic section, a dict or None)."""
+        if obj is None:
+            return cls()
+        if isinstance(obj, cls):
+            return obj
+        get = obj.get if isinstance(obj, dict) else (lambda k, d=None: getattr(obj, k, d))
+        return cls(**{f.name: bool(get(f.name, f.default)) for f in fields(cls)})
+
+
+@dataclass
+class TrainableParams:
+    """Selected parameters by group, each a list of ``(name, Parameter)`` without duplicates."""
+
+    scale: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    lwc: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    norm: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    weight: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+
+    GROUPS = ("scale", "lwc", "norm", "weight")
+
+    def items(self) -> Iterator[tuple[str, list[tuple[str, nn.Parameter]]]]:
+        for g in self.GROUPS:
+            yield g, getattr(self, g)
+
+    def names(self) -> set[str]:
+        return {n for _, ps in self.items() for n, _ in ps}
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for _, ps in self.items() for _, p in ps]
+
+    def counts(self) -> dict[str, int]:
+        return {g: len(ps) for g, ps in self.items()}
+
+    def numel(self) -> int:
+        return sum(int(getattr(p, "ds_numel", p.numel())) for p in self.parameters())
+
+
+def is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(NORM_SUFFIXES)
+
+
+def _is_kv_projection(model: nn.Module, name: str) -> bool:
+    """A ``k_proj`` / ``v_proj`` child of a module that also has ``q_proj`` (an attention module)."""
+    parent_name, _, child = name.rpartition(".")
+    if child not in ("k_proj", "v_proj"):
+        return False
+    parent = model.get_submodule(parent_name) if parent_name else model
+    return all(hasattr(parent, a) for a in ("q_proj", "k_proj", "v_proj"))
+
+
+def _role_params(q: Quantizer | None, prefix: str, role: str) -> Iterator[tuple[str, nn.Parameter]]:
+    if q is None:
+        return
+    for pname, p in q.named_parameters(recurse=False):
+        if getattr(p, "qat_role", None) == role:
+            yield f"{prefix}.{pname}", p
+
+
+def select_trainable(
+    model: nn.Module,
+    learnable: Learnable,
+    *,
+    modules: Iterable[tuple[str, nn.Module]] | None = None,
+    weights: bool = False,
+) -> TrainableParams:
+    """The parameters ``learnable`` selects in ``model`` (or only in ``modules``: ``(name, module)``
+    pairs with names relative to ``model``, e.g. one decoder block for blockwise training).
+
+    ``weights=True`` adds the QuantLinear weights / biases (blockwise ``weight_lr``)."""
+    out = TrainableParams()
+    seen: set[int] = set()
+
+    def add(group: str, items: Iterable[tuple[str, nn.Parameter]]) -> None:
+        for n, p in items:
+            if id(p) not in seen:
+                seen.add(id(p))
+                getattr(out, group).append((n, p))
+
+    scopes = [("", model)] if modules is None else list(modules)
+    for scope_name, scope in scopes:
+        pre = f"{scope_name}." if scope_name else ""
+        for rel, ql in quant_linears(scope):
+            name = pre + rel
+            if learnable.weight_scale:
+                add("scale", _role_params(ql.weight_quantizer, f"{name}.weight_quantizer", ROLE_SCALE))
+            if learnable.lwc:
+                add("lwc", _role_params(ql.weight_quantizer, f"{name}.weight_quantizer", ROLE_LWC))
+            if learnable.act_scale:
+                add("scale", _role_params(ql.input_quantizer, f"{name}.input_quantizer", ROLE_SCALE))
+            if learnable.kv_scale and _is_kv_projection(model, name):
+                add("scale", _role_params(ql.output_quantizer, f"{name}.output_quantizer", ROLE_SCALE))
+            if weights:
+                add("weight", ((f"{name}.{k}", p) for k, p in ql.named_parameters(recurse=False)))
+        if learnable.norm:
+            for rel, m in scope.named_modules():
+                if is_norm(m):
+                    name = pre + rel
+                    add(
+                        "norm",
+                        ((f"{name}.{k}" if name else k, p) for k, p in m.named_parameters(recurse=False)),
+                    )
+    return out
+
+
+def freeze_all_but(model: nn.Module, trainable: TrainableParams) -> None:
+    """``requires_grad`` True exactly for ``trainable``'s parameters."""
+    keep = {id(p) for p in trainable.parameters()}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in keep)
+
+
+def apply_learnable(model: nn.Module, learnable: Learnable) -> TrainableParams:
+    """Select by ``learnable``, freeze everything else; raises when nothing would train."""
+    tp = select_trainable(model, learnable)
+    if not tp.parameters():
+        raise ValueError(
+            f"learnable={learnable} selects no parameter of this model (no QuantLinear with such "
+            "quantizers; e.g. weight_scale with LWC quantizers, act_scale with dynamic activations)"
+        )
+    freeze_all_but(model, tp)
+    return tp
+
+
+def param_groups(
+    trainable: TrainableParams,
+    *,
+    lr: float,
+    lwc_lr: float | None = None,
+    norm_lr: float | None = None,
+    weight_lr: float | None = None,
+    weight_decay: float = 0.0,
+) -> list[dict]:
+    """AdamW groups (empty groups left out), each named for logs: ``scale`` at ``lr``, ``lwc`` at
+    ``lwc_lr``, ``norm`` at ``norm_lr``, ``weight`` at ``weight_lr`` (defaults: ``lr``)."""
+    lrs = {"scale": lr, "lwc": lwc_lr, "norm": norm_lr, "weight": weight_lr}
+    groups = []
+    for g, ps in trainable.items():
+        if ps:
+            glr = lr if lrs[g] is None else lrs[g]
+            groups.append(
+                {"params": [p for _, p in ps], "lr": float(glr), "weight_decay": weight_decay, "name": g}
+            )
+    return groups

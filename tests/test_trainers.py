@@ -1,0 +1,823 @@
+"""End-to-end QAT trainer on tiny models: learnable switches, GA invariance, teacher, logging, resume."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import VOCAB, build_model, tiny_qwen3_config
+from transformers import TrainerCallback, TrainingArguments
+
+from qatlib.data import PadCollator
+from qatlib.losses import LossConfig
+from qatlib.ptq import calibrate
+from qatlib.quant import PrepareOptions, QuantScheme, QuantSpec, prepare, quantization_disabled
+from qatlib.quant.spec import Granularity
+from qatlib.trainers.end2end import LOG_FILE, QATTrainer, read_log
+from qatlib.trainers.params import Learnable, select_trainable
+
+SCHEME = QuantScheme(
+    "test-w4a8-kv8",
+    weight=QuantSpec("int4", Granularity.GROUP, group_size=16),
+    input=QuantSpec("int8"),
+    q=QuantSpec("int8"),
+    k=QuantSpec("int8"),
+    v=QuantSpec("int8"),
+)
+
+
+def make_data(n: int = 8, seed: int = 0, lengths=(12, 16, 9, 16, 14, 10, 16, 16)):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(0, VOCAB, (lengths[i % len(lengths)],), generator=g).tolist()
+        labels = list(ids)
+        k = min((i * 3) % 7, len(ids) - 2)  # a masked "prompt" of varying length
+        labels[:k] = [-100] * k
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def prepared_model(*, lwc: bool = False, seed: int = 0, scheme: QuantScheme = SCHEME):
+    model = build_model(tiny_qwen3_config(), seed=seed)
+    prepare(model, scheme, options=PrepareOptions(lwc_init=4.0 if lwc else None))
+    calibrate(model, scheme, [torch.tensor([d["input_ids"]]) for d in make_data(2, seed=99)])
+    return model
+
+
+def targs(tmp_path, **kw):
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        lr_scheduler_type="constant",
+        seed=0,
+    )
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """torchrun workers run with OMP_NUM_THREADS=1; match it so reductions run in the same order."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def snapshot(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def changed(before, model):
+    return {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
+
+
+# --------------------------------------------------------------------------- learnable switches
+SWITCH_SUFFIXES = {
+    "weight_scale": (".weight_quantizer.scale",),
+    "act_scale": (".input_quantizer.scale",),
+    "kv_scale": ("k_proj.output_quantizer.scale", "v_proj.output_quantizer.scale"),
+    "norm": ("norm.weight",),
+    "lwc": (".weight_quantizer.clip_factor_w_max", ".weight_quantizer.clip_factor_w_min"),
+}
+
+
+@pytest.mark.parametrize("switch", list(SWITCH_SUFFIXES))
+def test_learnable_switch_trains_exactly_its_tensors(switch, tmp_path):
+    model = prepared_model(lwc=switch == "lwc")
+    flags = dict.fromkeys(("act_scale", "weight_scale", "kv_scale", "norm", "lwc"), False)
+    flags[switch] = True
+    learnable = Learnable(**flags)
+    selected = select_trainable(model, learnable).names()
+    assert selected and all(n.endswith(SWITCH_SUFFIXES[switch]) for n in selected)
+    if switch == "norm":  # selected by type: every RMSNorm, incl. q_norm / k_norm and the final norm
+        assert {"model.norm.weight", "model.layers.0.self_attn.q_norm.weight"} <= selected
+    before = snapshot(model)
+    tr = QATTrainer(
+        model,
+        targs(tmp_path),
+        loss_config=LossConfig(),
+        learnable=learnable,
+        train_dataset=make_data(),
+        data_collator=PadCollator(0),
+        log_file=False,
+    )
+    tr.train()
+    assert changed(before, model) == selected
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == selected
+    # q-projection output scales belong to no switch
+    assert not any("q_proj.output_quantizer" in n for n in selected)
+
+
+def test_lwc_gets_its_own_learning_rate(tmp_path):
+    model = prepared_model(lwc=True)
+    tr = QATTrainer(
+        model,
+        targs(tmp_path),
+        loss_config=LossConfig(),
+        learnable=Learnable(act_scale=True, lwc=True),
+        lwc_lr=0.5,
+        train_dataset=make_data(),
+        data_collator=PadCollator(0),
+        log_file=False,
+    )
+    opt = tr.create_optimizer()
+    assert {g["name"]: g["lr"] for g in opt.param_groups} == {"scale": 1e-2, "lwc": 0.5}
+
+
+def test_gradient_checkpointing_still_trains_scales(tmp_path):
+    """All weights frozen + checkpointed blocks: the trainer makes the inputs require grad."""
+    model = prepared_model()
+    before = snapshot(model)
+    tr = QATTrainer(
+        model,
+        targs(tmp_path, max_steps=1, activation_checkpointing=True),
+        loss_config=LossConfig(),
+        train_dataset=make_data(),
+        data_collator=PadCollator(0),
+        log_file=False,
+    )
+    tr.train()
+    assert changed(before, model) == tr.trainable.names() != set()
+
+
+# --------------------------------------------------------------------------- gradient accumulation
+class GradRecorder(TrainerCallback):
+    def __init__(self, model):
+        self.model, self.grads = model, []
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        self.grads.append(
+            {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        )
+
+
+def test_gradient_accumulation_is_mean_over_all_valid_tokens(tmp_path):
+    """GA=2 x batch 2 == GA=1 x batch 4 on the same 4 samples (sequential order), whose two
+    micro-batches hold 30 and 6 valid tokens (a mean of per-micro-batch means would weight the
+    second one's tokens 5x too much).
+
+    Gradients agree to rtol 1e-4 (atol 1e-5 of the largest |g|: only float summation order
+    differs), and so do the scales after one AdamW step; adam_epsilon=1 makes that step ~ lr * g,
+    so it is sensitive to the gradient's scale (with the default eps the first step is lr * sign(g))."""
+    data = make_data(4, lengths=(16,))
+    for i, k in enumerate((1, 1, 13, 13)):
+        data[i]["labels"] = [-100] * k + data[i]["input_ids"][k:]
+    results = []
+    for ga, bs in ((1, 4), (2, 2)):
+        model = prepared_model()
+        rec = GradRecorder(model)
+        tr = QATTrainer(
+            model,
+            targs(
+                tmp_path / f"ga{ga}",
+                max_steps=1,
+                per_device_train_batch_size=bs,
+                gradient_accumulation_steps=ga,
+                max_grad_norm=0.0,
+                adam_epsilon=1.0,
+                learning_rate=1.0,
+                train_sampling_strategy="sequential",
+            ),
+            loss_config=LossConfig(loss_type="kl", kd_loss_weight=1.0),
+            learnable=Learnable(act_scale=True),
+            train_dataset=data,
+            data_collator=PadCollator(0),
+            callbacks=[rec],
+            log_file=False,
+        )
+        tr.train()
+        results.append((rec.grads[0], snapshot(model), tr.state.log_history[0]))
+    (g1, p1, l1), (g2, p2, l2) = results
+    assert g1.keys() == g2.keys() and g1
+    gmax = max(g.abs().max().item() for g in g1.values())
+    for n in g1:
+        torch.testing.assert_close(g2[n], g1[n], rtol=1e-4, atol=1e-5 * gmax)
+    moved = 0
+    for n in p1:
+        torch.testing.assert_close(p2[n], p1[n], rtol=1e-5, atol=1e-5 * gmax)
+        moved += n in g1
+    assert moved == len(g1)
+    assert l1["tokens"] == l2["tokens"] == 36
+    assert l2["loss"] == pytest.approx(l1["loss"], rel=1e-5)
+    assert l2["total_loss"] == pytest.approx(l1["total_loss"], rel=1e-5)
+
+
+# --------------------------------------------------------------------------- teacher
+class ForwardCounter:
+    def __init__(self, model):
+        self.n = 0
+        model.register_forward_hook(lambda *a: setattr(self, "n", self.n + 1))
+
+
+def test_no_teacher_forward_when_kd_off(tmp_path):
+    for loss, expect_teacher in (
+        (LossConfig(), 0),
+        (LossConfig(loss_type="origin", kd_loss_weight=1.0), 0),
+        (LossConfig(loss_type="rkl", kd_loss_weight=0.5), 2),
+    ):
+        model = prepared_model()
+        fc = ForwardCounter(model)
+        tr = QATTrainer(
+            model,
+            targs(tmp_path),
+            loss_config=loss,
+            train_dataset=make_data(),
+            data_collator=PadCollator(0),
+            log_file=False,
+        )
+        tr.train()
+        assert tr.teacher_forwards == expect_teacher
+        assert fc.n == 2 + expect_teacher  # 2 steps x 1 micro-batch, plus the teacher's
+
+
+def test_teacher_is_the_unquantized_model_without_grad(tmp_path):
+    model = prepared_model()
+    tr = QATTrainer(
+        model,
+        targs(tmp_path),
+        loss_config=LossConfig(loss_type="kl", kd_loss_weight=1.0),
+        train_dataset=make_data(),
+        data_collator=PadCollator(0),
+        log_file=False,
+    )
+    batch = PadCollator(0)(make_data(2))
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    model.train()
+    t = tr.teacher_logits(model, inputs)
+    assert not t.requires_grad and model.training  # training mode restored
+    with torch.no_grad(), quantization_disabled(model):
+        ref = model(**inputs).logits
+    quant = model(**inputs).logits
+    torch.testing.assert_close(t, ref)
+    assert not torch.allclose(t, quant)
+    # a separate teacher is used as given
+    other = build_model(tiny_qwen3_config(), seed=5)
+    tr2 = QATTrainer(
+        prepared_model(),
+        targs(tmp_path),
+        loss_config=LossConfig(loss_type="kl", kd_loss_weight=1.0),
+        teacher=other,
+        train_dataset=make_data(),
+        data_collator=PadCollator(0),
+        log_file=False,
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(tr2.teacher_logits(tr2.model, inputs), other(**inputs).logits)
+    assert not any(p.requires_grad for p in other.parameters())
+
+
+# --------------------------------------------------------------------------- logging
+def test_log_components_are_token_weighted_interval_means(tmp_path):
+    calls = []
+
+    class Recording(QATTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            n0 = self._acc.clone()
+            out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            calls.append((self.state.global_step, self._acc - n0))
+            return out
+
+    loss = LossConfig(loss_type="cakld", lm_loss_weight=0.5, kd_loss_weight=2.0)
+    model = prepared_model()
+    tr = Recording(
+        model,
+        targs(
+            tmp_path,
+            max_steps=4,
+            logging_steps=2,
+            gradient_accumulation_steps=2,
+            per_device_train_batch_size=1,
+        ),
+        loss_config=loss,
+        train_dataset=make_data(),
+        data_collator=PadCollator(0),
+    )
+    tr.train()
+    logs = [h for h in tr.state.log_history if "loss" in h]
+    lines = read_log(tmp_path / "out" / LOG_FILE)
+    assert [h["step"] for h in logs] == [2, 4] and [x["step"] for x in lines] == [2, 4]
+    keys = ["lm_loss", "kd/cakld", "kd/forward_kl", "kd/backward_kl", "total_loss"]
+    for h, line in zip(logs, lines):
+        for k in keys + ["loss", "learning_rate", "grad_norm", "tokens"]:
+            assert line[k] == pytest.approx(h[k])
+        assert h["total_loss"] == pytest.approx(0.5 * h["lm_loss"] + 2.0 * h["kd/cakld"], rel=1e-6)
+    # interval 1 = micro-batches of steps 0..1 (4 micro-batches): sum of sums / sum of tokens
+    for interval, h in zip(((0, 1), (2, 3)), logs):
+        acc = sum(d for s, d in calls if s in interval)
+        for i, k in enumerate(tr._acc_keys):
+            assert h[k] == pytest.approx(acc[i].item() / acc[-1].item(), rel=1e-9)
+        assert h["tokens"] == int(acc[-1].item())
+
+
+def test_resumed_log_has_one_line_per_step(tmp_path):
+    path = tmp_path / "out" / LOG_FILE
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4)))
+    model = prepared_model()
+    tr = QATTrainer(
+        model,
+        targs(tmp_path, max_steps=1),
+        loss_config=LossConfig(),
+        train_dataset=make_data(),
+        data_collator=PadCollator(0),
+    )
+    tr.state.global_step = 2  # as after resuming from checkpoint-2
+    tr._append_log_line({"step": 3, "loss": 2.0})
+    assert [x["step"] for x in read_log(path)] == [1, 2, 3] and read_log(path)[-1]["loss"] == 2.0
+
+
+# --------------------------------------------------------------------------- it learns
+def test_short_qat_run_lowers_the_distillation_loss(tmp_path):
+    """int3 g16 weights (learnable scales) on a tiny model with peaked outputs; 12 steps of KL to
+    the unquantized model on fixed data lower the KL by more than 15%% (measured: ~30%%)."""
+    scheme = QuantScheme("int3", weight=QuantSpec("int3", Granularity.GROUP, group_size=16))
+    model = build_model(tiny_qwen3_config(initializer_range=0.1))
+    prepare(model, scheme)
+    tr = QATTrainer(
+        model,
+        targs(tmp_path, max_steps=12, logging_steps=3, learning_rate=1e-3),
+        loss_config=LossConfig(loss_type="kl", lm_loss_weight=0.0, kd_loss_weight=1.0),
+        train_dataset=make_data(8),
+        data_collator=PadCollator(0),
+        log_file=False,
+    )
+    tr.train()
+    kl = [h["kd/kl"] for h in tr.state.log_history if "kd/kl" in h]
+    assert len(kl) == 4 and kl[0] > 0.05
+    assert kl[-1] < 0.85 * kl[0], kl
+
+
+# --------------------------------------------------------------------------- resume
+class Crash(TrainerCallback):
+    def __init__(self, at):
+        self.at = at
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.at:
+            raise RuntimeError("killed")
+
+
+def _scales(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "quantizer" in n}
+
+
+def test_resume_from_checkpoint_reaches_the_same_scales(tmp_path):
+    data = make_data(8)
+    kw = dict(
+        max_steps=4,
+        save_strategy="steps",
+        save_steps=2,
+        learning_rate=5e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=1,
+    )
+    loss = LossConfig(loss_type="cakld", kd_loss_weight=1.0)
+    learn = Learnable(act_scale=True, kv_scale=True)
+
+    def trainer(out, callbacks=()):
+        return QATTrainer(
+            prepared_model(),
+            targs(tmp_path / out, **kw),
+            loss_config=loss,
+            learnable=learn,
+            train_dataset=data,
+            data_collator=PadCollator(0),
+            callbacks=list(callbacks),
+        )
+
+    full = trainer("a")
+    full.train()
+    crashed = trainer("b", [Crash(3)])
+    with pytest.raises(RuntimeError, match="killed"):
+        crashed.train()
+    ckpt = tmp_path / "b" / "out" / "checkpoint-2"
+    assert ckpt.is_dir()
+    from qatlib.resume import classify_resume_dir
+
+    assert classify_resume_dir(tmp_path / "b" / "out") == ("hf", ckpt)
+    resumed = trainer("b")
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    a, b = _scales(full.model), _scales(resumed.model)
+    for n in a:
+        torch.testing.assert_close(b[n], a[n], rtol=1e-6, atol=0)
+    steps = [x["step"] for x in read_log(tmp_path / "b" / "out" / LOG_FILE)]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_resume_from_saved_model_with_scales(tmp_path):
+    from qatlib.resume import classify_resume_dir, load_saved_model
+    from qatlib.zero3_io import save_consolidated
+
+    src = prepared_model(seed=1)
+    with torch.no_grad():
+        for n, p in src.named_parameters():
+            if n.endswith("input_quantizer.scale"):
+                p.mul_(1.5)  # "trained" scales differ from a fresh calibration
+    save_consolidated(src, tmp_path / "saved", scheme=SCHEME)
+    kind, d = classify_resume_dir(tmp_path / "saved")
+    assert kind == "saved"
+    dst = prepared_model(seed=2)
+    load_saved_model(dst, d)
+    sd_src, sd_dst = src.state_dict(), dst.state_dict()
+    assert sd_src.keys() == sd_dst.keys()
+    for k in sd_src:
+        torch.testing.assert_close(sd_dst[k], sd_src[k], rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- config driver
+def _experiment(tmp_path, tokenizer_dir, *, raw: bool = False, **qat):
+    from qatlib.config import parse_config
+
+    data = tmp_path / "sft.jsonl"
+    recs = [
+        {
+            "messages": [
+                {"role": "user", "content": f"Say something about item {i}."},
+                {"role": "assistant", "content": f"Item {i} is a fine thing to talk about."},
+            ]
+        }
+        for i in range(8)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    base = {
+        "loss_type": "cakld",
+        "kd_loss_weight": 1.0,
+        "hf_args": {
+            "max_steps": 2,
+            "per_device_train_batch_size": 2,
+            "logging_steps": 1,
+            "save_strategy": "no",
+            "learning_rate": 1e-3,
+            "disable_tqdm": True,
+        },
+        "plugin_config": {"quant_config": {"lazy_init_samples": 2, "learnable": {"act_scale": True}}},
+    }
+    base.update(qat)
+    d = {
+        "model": {"model_path": str(tokenizer_dir), "torch_dtype": "fp32"},
+        "compression": {"name": "QAT", "quantization": {"name": "w4a8_fp8", "group_size": 16}, "QAT": base},
+        "dataset": {"data_path": str(data), "max_seq_length": 64},
+        "global": {"save_path": str(tmp_path / "run"), "seed": 0},
+    }
+    return (d if raw else parse_config(d)), data
+
+
+def test_train_end2end_from_config_with_lazy_init_and_saved_resume(tmp_path, tiny_tokenizer):
+    from qatlib.data import training_data_from_config
+    from qatlib.trainers.end2end import train_end2end
+    from qatlib.zero3_io import save_consolidated
+
+    tok_dir = tmp_path / "tok"
+    tiny_tokenizer.save_pretrained(tok_dir)
+    cfg, data = _experiment(tmp_path, tok_dir)
+    scheme = cfg.quant_scheme()
+    ds = training_data_from_config(cfg, tiny_tokenizer)
+    assert len(ds) == 8
+    model = build_model(tiny_qwen3_config())
+    prepare(model, scheme)
+    inq = model.model.layers[0].mlp.up_proj.input_quantizer
+    assert not bool(inq.initialized)
+    tr = train_end2end(cfg, model, tiny_tokenizer, ds)
+    assert bool(inq.initialized)  # lazy activation init ran on lazy_init_samples samples
+    lines = read_log(tmp_path / "run" / LOG_FILE)
+    assert [x["step"] for x in lines] == [1, 2] and {"lm_loss", "kd/cakld", "total_loss"} <= lines[0].keys()
+    assert tr.teacher_forwards == 2
+    # resume_ckpt_dir = a saved model with scales: loaded, no lazy init, training continues from it
+    save_consolidated(model, tmp_path / "saved", scheme=scheme)
+    cfg2, _ = _experiment(tmp_path, tok_dir, resume_ckpt_dir=str(tmp_path / "saved"), do_train=False)
+    model2 = build_model(tiny_qwen3_config(), seed=3)
+    prepare(model2, scheme)
+    train_end2end(cfg2, model2, tiny_tokenizer, ds)
+    torch.testing.assert_close(model2.model.layers[0].mlp.up_proj.input_quantizer.scale, inq.scale)
+    torch.testing.assert_close(
+        model2.model.layers[1].self_attn.o_proj.weight, model.model.layers[1].self_attn.o_proj.weight
+    )
+
+
+# --------------------------------------------------------------------------- blockwise
+def test_blockwise_lowers_block_mse_with_activation_quant_on(tmp_path):
+    from qatlib.trainers.blockwise import BlockwiseSettings, BlockwiseTrainer, capture_first_block_inputs
+
+    model = build_model(tiny_qwen3_config(initializer_range=0.1))
+    scheme = QuantScheme(
+        "w4a8", weight=QuantSpec("int4", Granularity.GROUP, group_size=16), input=QuantSpec("int8")
+    )
+    prepare(model, scheme)
+    g = torch.Generator().manual_seed(0)
+    samples = [torch.randint(0, VOCAB, (32,), generator=g) for _ in range(6)]
+    # activation quantizers really quantize while blocks train
+    seen = []
+    q0 = model.model.layers[0].mlp.down_proj.input_quantizer
+    q0.register_forward_hook(
+        lambda m, a, out: seen.append(
+            (torch.is_grad_enabled(), m.enabled, m.calibrating, not torch.equal(out, a[0]))
+        )
+    )
+    # what block 1 is trained on
+    block1_inputs = []
+    model.model.layers[1].register_forward_pre_hook(
+        lambda m, a, kw: block1_inputs.append(a[0].detach().clone()) if torch.is_grad_enabled() else None,
+        with_kwargs=True,
+    )
+    before = snapshot(model)
+    tr = BlockwiseTrainer(
+        model,
+        BlockwiseSettings(
+            epochs=4,
+            batch_size=2,
+            train_size=4,
+            val_size=2,
+            training_seqlen=32,
+            quant_lr=1e-3,
+            weight_lr=1e-4,
+        ),
+        log_file=tmp_path / "bw.jsonl",
+    )
+    res = tr.train(samples)
+    assert res.blocks == 2 and len(res.log) == 8 and len(read_log(tmp_path / "bw.jsonl")) == 8
+    for b in (0, 1):
+        recs = [r for r in res.log if r["block"] == b]
+        assert recs[-1]["train_mse"] < recs[0]["train_mse"] and "val_mse" in recs[0]
+        assert recs[-1]["lr"]["quant"] == pytest.approx(1e-3 / 20)  # cosine to lr / min_lr_factor
+    training_calls = [c for c in seen if c[0]]
+    assert training_calls and all(
+        enabled and not calib and quantized for _, enabled, calib, quantized in training_calls
+    )
+    assert bool(q0.initialized)  # calibrated on the block's quantized inputs first
+    moved = changed(before, model)
+    assert any(n.endswith("weight_quantizer.scale") for n in moved) and any(
+        n.endswith("proj.weight") for n in moved
+    )
+    assert not any(n.startswith(("model.embed_tokens", "lm_head", "model.norm")) for n in moved)
+    # block 1 was trained on the QUANTIZED outputs of the trained block 0
+    inps, kws = capture_first_block_inputs(model, [torch.stack(samples[0:2])])
+    with torch.no_grad():
+        expect = model.model.layers[0](inps[0], **kws[0])
+    torch.testing.assert_close(block1_inputs[0], expect[0] if isinstance(expect, tuple) else expect)
+
+
+def test_blockwise_moe_bf16_then_fake_export(tmp_path, tiny_qwen3_moe):
+    from transformers import AutoModelForCausalLM
+
+    from qatlib.export import export
+    from qatlib.trainers.blockwise import BlockwiseSettings, BlockwiseTrainer
+
+    model = tiny_qwen3_moe.to(torch.bfloat16)
+    scheme = QuantScheme(
+        "w4a8", weight=QuantSpec("int4", Granularity.GROUP, group_size=16), input=QuantSpec("int8")
+    )
+    prepare(model, scheme)
+    g = torch.Generator().manual_seed(0)
+    samples = [torch.randint(0, VOCAB, (16,), generator=g) for _ in range(3)]
+    res = BlockwiseTrainer(
+        model,
+        BlockwiseSettings(
+            epochs=1,
+            batch_size=1,
+            train_size=2,
+            val_size=1,
+            training_seqlen=16,
+            quant_lr=1e-3,
+            weight_lr=1e-4,
+        ),
+    ).train(samples)
+    assert res.blocks == 2
+    ql = model.model.layers[0].mlp.experts[0].up_proj
+    assert ql.weight.dtype == torch.bfloat16 and ql.weight_quantizer.scale.dtype == torch.float32
+    out = export(model, scheme, tmp_path / "fake", "fake")
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
+    ids = samples[0][None]
+    acts = [q for n, q in model.named_modules() if n.endswith("input_quantizer")]
+    for q in acts:  # the fake checkpoint holds fake-quantized weights only
+        q.enabled = False
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+        got = reloaded(ids).logits.float()
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_blockwise_cli_trains_and_saves_a_qat_checkpoint(tmp_path, tiny_tokenizer):
+    """``python -m qatlib.trainers.blockwise -c CONFIG``: train_blockwise from the config, then a
+    QAT checkpoint that reloads (weights) and warm-starts (scales) a fresh prepared model."""
+    import yaml
+
+    from qatlib.trainers.blockwise import BLOCKWISE_LOG_FILE, main
+    from qatlib.zero3_io import stream_load_scales
+
+    model_dir = tmp_path / "base"
+    build_model(tiny_qwen3_config()).save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    bw = {"epochs": 1, "batch_size": 1, "train_size": 2, "val_size": 1, "training_seqlen": 16}
+    raw, _ = _experiment(
+        tmp_path,
+        model_dir,
+        raw=True,
+        training_mode="blockwise",
+        loss_type="origin",
+        kd_loss_weight=0.0,
+        block_wise_config=bw,
+    )
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["-c", str(tmp_path / "exp.yaml"), "--save-path", str(tmp_path / "qat")]) == 0
+    lines = read_log(tmp_path / "qat" / BLOCKWISE_LOG_FILE)
+    assert [(x["block"], x["epoch"]) for x in lines] == [(0, 0), (1, 0)] and "val_mse" in lines[0]
+    from qatlib.resume import load_saved_model
+
+    fresh = build_model(tiny_qwen3_config(), seed=4)
+    scheme = QuantScheme.from_dict(json.loads((tmp_path / "qat" / "quant_scheme.json").read_text()))
+    prepare(fresh, scheme)
+    load_saved_model(fresh, tmp_path / "qat")
+    assert stream_load_scales(fresh, tmp_path / "qat", scheme)["misses"] == 0
+
+
+# --------------------------------------------------------------------------- ZeRO-3, 2 ranks
+ROOT = Path(__file__).resolve().parents[1]
+DS_CPU = ROOT / "config" / "deepspeed" / "zero3_cpu.json"
+Z3_SCHEME = QuantScheme(
+    "z3", weight=QuantSpec("int4", Granularity.GROUP, group_size=16), input=QuantSpec("int8")
+)
+
+
+def _torchrun(worker: Path, spec: dict, tmp: Path, timeout: float = 300):
+    spec_path = tmp / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(worker),
+        str(spec_path),
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_zero3_two_ranks_lm_plus_cakld_matches_single_process(tmp_path):
+    """ZeRO-3 (2 CPU ranks, batch 1 each) vs one process (batch 2), same samples in the same order:
+    every loss component is logged each step and equals the single-process value (rtol 1e-4), and
+    the trained scales agree (rtol 1e-4): the token normalisation spans both ranks."""
+    from safetensors.torch import load_file
+
+    from qatlib import zero3_io as z
+    from qatlib.ptq import save_ptq_checkpoint
+
+    model_dir, ptq_dir = tmp_path / "model", tmp_path / "ptq"
+    build_model(tiny_qwen3_config(initializer_range=0.1), seed=1).save_pretrained(model_dir)
+    with _one_thread():
+        from transformers import AutoModelForCausalLM
+
+        pm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        prepare(pm, Z3_SCHEME)
+        calibrate(pm, Z3_SCHEME, [torch.tensor([d["input_ids"]]) for d in make_data(2, seed=7)])
+        save_ptq_checkpoint(pm, Z3_SCHEME, ptq_dir)
+    data = make_data(6, lengths=(16,))
+    steps = 3
+    spec = {
+        "out": str(tmp_path / "run"),
+        "model": str(model_dir),
+        "ptq": str(ptq_dir),
+        "ds_config": str(DS_CPU),
+        "scheme": Z3_SCHEME.to_dict(),
+        "data": data,
+        "steps": steps,
+        "lr": 1e-3,
+    }
+    proc = _torchrun(ROOT / "tests" / "trainer_workers" / "e2e_zero3.py", spec, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.stdout.count("WORKER OK") == 2
+    res = json.loads((tmp_path / "run" / "result.json").read_text())
+    lines = read_log(tmp_path / "run" / "trainer" / LOG_FILE)
+    keys = ["lm_loss", "kd/cakld", "kd/forward_kl", "kd/backward_kl", "total_loss"]
+    assert [x["step"] for x in lines] == [1, 2, 3]
+    for x in lines:
+        assert all(k in x and math.isfinite(x[k]) for k in keys)
+        assert x["total_loss"] == pytest.approx(x["lm_loss"] + x["kd/cakld"], rel=1e-6)
+    assert res["teacher_forwards"] == steps and res["world"] == 2
+
+    # the same run in one process, batch 2 = both ranks' micro-batches
+    with _one_thread():
+        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        prepare(ref, Z3_SCHEME, options=PrepareOptions(init_from_weight=False))
+        z.stream_load_scales(ref, ptq_dir, Z3_SCHEME)
+        tr = QATTrainer(
+            ref,
+            targs(
+                tmp_path / "ref",
+                max_steps=steps,
+                learning_rate=1e-3,
+                max_grad_norm=0.0,
+                train_sampling_strategy="sequential",
+            ),
+            loss_config=LossConfig(loss_type="cakld", lm_loss_weight=1.0, kd_loss_weight=1.0),
+            learnable=Learnable(weight_scale=True, act_scale=True),
+            train_dataset=data,
+            data_collator=PadCollator(0),
+        )
+        tr.train()
+    ref_lines = read_log(tmp_path / "ref" / "out" / LOG_FILE)
+    for a, b in zip(lines, ref_lines):
+        assert a["tokens"] == b["tokens"]
+        for k in keys + ["loss"]:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-7), k
+    z.save_consolidated(ref, tmp_path / "ref_saved", scheme=Z3_SCHEME)
+    got = load_file(str(tmp_path / "run" / "saved" / "quant_scales.safetensors"))
+    exp = load_file(str(tmp_path / "ref_saved" / "quant_scales.safetensors"))
+    assert got.keys() == exp.keys()
+    init = load_file(str(next(ptq_dir.glob("*.safetensors"))))
+    assert any(not torch.equal(exp[k], init[k]) for k in exp if k in init)  # the scales did train
+    for k in exp:
+        torch.testing.assert_close(got[k], exp[k], rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_zero3_resume_after_kill_matches_single_process(tmp_path):
+    """A 2-rank ZeRO-3 run killed after step 3 (checkpoints every 2 steps) and resumed from
+    checkpoint-2 ends with the scales of an uninterrupted single-process run (rtol 1e-4)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from qatlib import zero3_io as z
+    from qatlib.ptq import save_ptq_checkpoint
+
+    model_dir, ptq_dir = tmp_path / "model", tmp_path / "ptq"
+    build_model(tiny_qwen3_config(initializer_range=0.1), seed=1).save_pretrained(model_dir)
+    with _one_thread():
+        pm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        prepare(pm, Z3_SCHEME)
+        calibrate(pm, Z3_SCHEME, [torch.tensor([d["input_ids"]]) for d in make_data(2, seed=7)])
+        save_ptq_checkpoint(pm, Z3_SCHEME, ptq_dir)
+    data = make_data(8, lengths=(16,))
+    steps = 4
+    spec = {
+        "out": str(tmp_path / "run"),
+        "model": str(model_dir),
+        "ptq": str(ptq_dir),
+        "ds_config": str(DS_CPU),
+        "scheme": Z3_SCHEME.to_dict(),
+        "data": data,
+        "steps": steps,
+        "lr": 1e-3,
+        "save_steps": 2,
+    }
+    worker = ROOT / "tests" / "trainer_workers" / "e2e_zero3.py"
+    killed = _torchrun(worker, {**spec, "crash_at": 3}, tmp_path)
+    assert killed.returncode != 0 and "killed at step 3" in killed.stdout + killed.stderr
+    ckpt = tmp_path / "run" / "trainer" / "checkpoint-2"
+    assert (ckpt / "trainer_state.json").is_file()
+    resumed = _torchrun(worker, {**spec, "resume_from": str(ckpt)}, tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
+    assert [x["step"] for x in read_log(tmp_path / "run" / "trainer" / LOG_FILE)] == [1, 2, 3, 4]
+    with _one_thread():
+        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        prepare(ref, Z3_SCHEME, options=PrepareOptions(init_from_weight=False))
+        z.stream_load_scales(ref, ptq_dir, Z3_SCHEME)
+        QATTrainer(
+            ref,
+            targs(
+                tmp_path / "ref",
+                max_steps=steps,
+                learning_rate=1e-3,
+                max_grad_norm=0.0,
+                train_sampling_strategy="sequential",
+            ),
+            loss_config=LossConfig(loss_type="cakld", lm_loss_weight=1.0, kd_loss_weight=1.0),
+            learnable=Learnable(weight_scale=True, act_scale=True),
+            train_dataset=data,
+            data_collator=PadCollator(0),
+            log_file=False,
+        ).train()
+    z.save_consolidated(ref, tmp_path / "ref_saved", scheme=Z3_SCHEME)
+    got = load_file(str(tmp_path / "run" / "saved" / "quant_scales.safetensors"))
+    exp = load_file(str(tmp_path / "ref_saved" / "quant_scales.safetensors"))
+    for k in exp:
+        torch.testing.assert_close(got[k], exp[k], rtol=1e-4, atol=1e-7)

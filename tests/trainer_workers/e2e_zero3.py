@@ -1,0 +1,96 @@
+"""2-rank ZeRO-3 end-to-end QAT worker: zero3_io build + streamed load + PTQ scales -> QATTrainer
+(HF Trainer + DeepSpeed) with LM + cakld distillation -> consolidated save.
+
+Usage: torchrun --standalone --nproc_per_node=2 e2e_zero3.py SPEC.json
+
+SPEC: {"out", "model", "ptq", "ds_config", "scheme", "data" (list of {"input_ids", "labels"}),
+"steps", "lr", optional "save_steps", "crash_at" (raise after that optimizer step, on every rank:
+a killed run) and "resume_from" (a checkpoint directory)}. Rank 0 writes ``{out}/result.json`` (log history,
+teacher forwards, trainable counts) and the consolidated save ``{out}/saved``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+logging.basicConfig(
+    level=logging.WARNING, format=f"[rank{os.environ.get('RANK', '?')}] %(name)s: %(message)s"
+)
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    from qatlib import zero3_io as z
+
+    ds_config = json.loads(Path(spec["ds_config"]).read_text())
+    ctx = z.init_zero3(ds_config, timeout_s=120)  # before TrainingArguments (NOTES-platform)
+
+    from transformers import TrainerCallback, TrainingArguments
+
+    from qatlib.data import PadCollator
+    from qatlib.losses import LossConfig
+    from qatlib.quant import QuantScheme
+    from qatlib.trainers.end2end import QATTrainer
+    from qatlib.trainers.params import Learnable
+
+    scheme = QuantScheme.from_dict(spec["scheme"])
+    model = z.build_qat_model(spec["model"], ctx, scheme, from_ptq_ckpt=spec["ptq"])
+    assert z.model_is_zero3(model)
+    out = Path(spec["out"])
+    args = TrainingArguments(
+        output_dir=str(out / "trainer"),
+        max_steps=spec["steps"],
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=spec.get("ga", 1),
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="steps" if spec.get("save_steps") else "no",
+        save_steps=spec.get("save_steps") or 500,
+        max_grad_norm=0.0,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        deepspeed=ds_config,
+        train_sampling_strategy="sequential",
+        seed=0,
+    )
+
+    class Crash(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == spec.get("crash_at"):
+                raise SystemExit(f"killed at step {state.global_step}")
+
+    trainer = QATTrainer(
+        model,
+        args,
+        loss_config=LossConfig(loss_type="cakld", lm_loss_weight=1.0, kd_loss_weight=1.0),
+        learnable=Learnable(weight_scale=True, act_scale=True),
+        train_dataset=spec["data"],
+        data_collator=PadCollator(0),
+        callbacks=[Crash()],
+    )
+    trainer.train(resume_from_checkpoint=spec.get("resume_from"))
+    saved = z.save_consolidated(model, out / "saved", scheme=scheme)
+    rank = z.get_rank()
+    if rank == 0:
+        assert saved is not None
+        (out / "result.json").write_text(
+            json.dumps(
+                {
+                    "log_history": trainer.state.log_history,
+                    "teacher_forwards": trainer.teacher_forwards,
+                    "trainable": trainer.trainable.counts(),
+                    "world": z.get_world_size(),
+                }
+            )
+        )
+    print(f"[rank{rank}] WORKER OK", flush=True)
+
+
+if __name__ == "__main__":
+    main()
