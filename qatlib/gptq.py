@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .ptq import CalibrationReport, _check_prepared_matches, _finish_with_fallback, batch_inputs, kv_spec
+from .ptq import CalibrationReport, check_prepared_matches, finish_with_fallback, batch_inputs, kv_spec
 from .quant import QuantLinear, QuantScheme, QuantSpec, prepare, quant_linears
 from .quant import functional as F
 from .quant.linear import PrepareOptions, weight_readable
@@ -201,7 +201,7 @@ def gptq(
     if not any(True for _ in quant_linears(model)):
         prepare(model, scheme, ignore=ignore, options=options or PrepareOptions())
     else:
-        _check_prepared_matches(model, scheme)
+        check_prepared_matches(model, scheme)
     for name, ql in quant_linears(model):
         if ql.weight_quantizer is not None and ql.weight_quantizer.uses_lwc:
             raise ValueError(f"GPTQ sets explicit scales; {name} uses LWC (prepare without lwc_init)")
@@ -295,7 +295,7 @@ def gptq(
                 out = _run_layer(layer, args, kwargs)
                 new_inputs.append(((out, *args[1:]), kwargs))
             if statics:
-                _finish_with_fallback([(f"layers.{li}.{n}", q) for n, q in statics], report)
+                finish_with_fallback([(f"layers.{li}.{n}", q) for n, q in statics], report)
         finally:
             for _, q in statics:
                 q.calibrating = False

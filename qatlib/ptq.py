@@ -110,7 +110,7 @@ def kv_spec(kv: str | QuantSpec | None) -> QuantSpec | None:
     return QuantSpec("fp8", gran)
 
 
-def _check_prepared_matches(model: nn.Module, scheme: QuantScheme) -> None:
+def check_prepared_matches(model: nn.Module, scheme: QuantScheme) -> None:
     for name, ql in quant_linears(model):
         for role, attr in (("weight", "weight_quantizer"), ("input", "input_quantizer")):
             spec, q = getattr(scheme, role), getattr(ql, attr)
@@ -168,7 +168,7 @@ def _range_from_qparams(scale: torch.Tensor, zp: torch.Tensor | None, spec: Quan
 
 
 @torch.no_grad()
-def _finish_with_fallback(named: list[tuple[str, Quantizer]], report: CalibrationReport) -> None:
+def finish_with_fallback(named: list[tuple[str, Quantizer]], report: CalibrationReport) -> None:
     """finish_calibration on every quantizer; a quantizer that saw no data (an MoE expert no token
     was routed to) takes the union of the ranges of its sibling experts (for symmetric formats:
     the max of their scales)."""
@@ -238,7 +238,7 @@ def calibrate(
     if not any(True for _ in quant_linears(model)):
         prepare(model, scheme, ignore=ignore, options=options or PrepareOptions())
     else:
-        _check_prepared_matches(model, scheme)
+        check_prepared_matches(model, scheme)
         if kvs is not None and not any(ql.output_quantizer is not None for _, ql in quant_linears(model)):
             raise ValueError(
                 "kv= needs output quantizers: pass an unprepared model (or prepare with scheme.k/v set)"
@@ -273,7 +273,7 @@ def calibrate(
                 report.num_batches += 1
         if statics and report.num_batches == 0:
             raise ValueError("calibrate: no calibration batch, but the scheme has static activation scales")
-        _finish_with_fallback(statics, report)
+        finish_with_fallback(statics, report)
     finally:
         for _, q in statics:
             q.calibrating = False

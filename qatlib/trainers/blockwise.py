@@ -183,14 +183,14 @@ def _calibrate_block(block: nn.Module, inps: list[torch.Tensor], kws: list[dict]
     todo = [(n, q) for n, q in _static_act_quantizers(block) if not bool(q.initialized)]
     if not todo:
         return 0
-    from ..ptq import CalibrationReport, _finish_with_fallback
+    from ..ptq import CalibrationReport, finish_with_fallback
 
     for _, q in todo:
         q.start_calibration()
     try:
         for x, kw in zip(inps, kws):
             _block_out(block, x, kw)
-        _finish_with_fallback(todo, CalibrationReport())
+        finish_with_fallback(todo, CalibrationReport())
     finally:
         for _, q in todo:
             q.calibrating = False
