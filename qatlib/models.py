@@ -7,9 +7,13 @@ The ZeRO-3 path (empty model under ``deepspeed.zero.Init`` + streaming load) liv
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+if TYPE_CHECKING:
+    from .zero3_io import Zero3Context
 
 DTYPES = {
     "auto": "auto",
@@ -42,8 +46,28 @@ def load_model(
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
     device_map: str | None = None,
+    zero3: Zero3Context | None = None,
 ):
-    """A causal LM from a local folder or hub id, in eval mode with ``use_cache`` off."""
+    """A causal LM from a local folder or hub id, in eval mode with ``use_cache`` off.
+
+    With ``zero3`` (from `qatlib.zero3_io.init_zero3`, which fixes the dtype) the model is built empty
+    under ``deepspeed.zero.Init`` and streamed from ``path`` (a local folder) instead.
+    """
+    if zero3 is not None:
+        from . import zero3_io
+
+        if device_map not in (None, "None", "none", "cpu"):
+            raise ValueError(
+                f"device_map={device_map!r} cannot be combined with ZeRO-3 (DeepSpeed places the shards)"
+            )
+        dtype = resolve_dtype(torch_dtype)
+        if dtype != "auto" and dtype != zero3.dtype:
+            raise ValueError(
+                f"model dtype {dtype} differs from the ZeRO-3 context's {zero3.dtype} (set at init_zero3)"
+            )
+        return zero3_io.load_model(
+            path, zero3, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+        )
     kwargs = {"dtype": resolve_dtype(torch_dtype), "trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation

@@ -9,7 +9,7 @@ Two kinds of directory are accepted:
 - a saved model with a scales file beside it: plain HF safetensors weights (a ``fake`` export, i.e.
   ``dequantize(quantize(W))``, or a `qatlib.zero3_io.save_consolidated` directory) plus
   ``quant_scheme.json`` and a safetensors file with the quantizer keys of docs/design.md
-  (``quant_scales.safetensors``; LWC clip factors under their module path). Weights are copied
+  (``scales.safetensors``; LWC clip factors under their module path). Weights are copied
   into the prepared model, scales loaded with `qatlib.zero3_io.stream_load_scales`, and training
   starts at step 0 from there (optimizer state is not part of such a save). Resuming from a
   ``fake`` export continues from the fake-quantized weights: the original weights are not in it.
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 TRAINER_STATE = "trainer_state.json"
 SCHEME_FILE = "quant_scheme.json"
 # Files beside the weights that hold no model weight.
-NON_WEIGHT_FILES = ("quant_scales.safetensors", "scales.safetensors", "kv_cache_scales.safetensors")
+NON_WEIGHT_FILES = ("scales.safetensors", "kv_cache_scales.safetensors")
 
 
 class ResumeError(ValueError):

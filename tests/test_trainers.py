@@ -749,8 +749,8 @@ def test_zero3_two_ranks_lm_plus_cakld_matches_single_process(tmp_path):
         for k in keys + ["loss"]:
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-7), k
     z.save_consolidated(ref, tmp_path / "ref_saved", scheme=Z3_SCHEME)
-    got = load_file(str(tmp_path / "run" / "saved" / "quant_scales.safetensors"))
-    exp = load_file(str(tmp_path / "ref_saved" / "quant_scales.safetensors"))
+    got = load_file(str(tmp_path / "run" / "saved" / "scales.safetensors"))
+    exp = load_file(str(tmp_path / "ref_saved" / "scales.safetensors"))
     assert got.keys() == exp.keys()
     init = load_file(str(next(ptq_dir.glob("*.safetensors"))))
     assert any(not torch.equal(exp[k], init[k]) for k in exp if k in init)  # the scales did train
@@ -817,7 +817,7 @@ def test_zero3_resume_after_kill_matches_single_process(tmp_path):
             log_file=False,
         ).train()
     z.save_consolidated(ref, tmp_path / "ref_saved", scheme=Z3_SCHEME)
-    got = load_file(str(tmp_path / "run" / "saved" / "quant_scales.safetensors"))
-    exp = load_file(str(tmp_path / "ref_saved" / "quant_scales.safetensors"))
+    got = load_file(str(tmp_path / "run" / "saved" / "scales.safetensors"))
+    exp = load_file(str(tmp_path / "ref_saved" / "scales.safetensors"))
     for k in exp:
         torch.testing.assert_close(got[k], exp[k], rtol=1e-4, atol=1e-7)

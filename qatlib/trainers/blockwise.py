@@ -387,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Single-process blockwise QAT: load the model, prepare it with the config's scheme, warm-start
     the scales from ``compression.QAT.from_ptq_ckpt`` when set, train block by block, and save
-    the QAT checkpoint (HF model folder + ``quant_scales.safetensors`` + ``quant_scheme.json``,
+    the QAT checkpoint (HF model folder + ``scales.safetensors`` + ``quant_scheme.json``,
     `qatlib.zero3_io.save_consolidated`) with ``blockwise_log.jsonl`` to ``global.save_path``."""
     import argparse
 

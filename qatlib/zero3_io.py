@@ -1,0 +1,1384 @@
+"""Every DeepSpeed ZeRO-3 helper of qatlib, and nothing else.
+
+The ZeRO-3 path, in the order a run uses it (upstream design: shared spec qat-zero3.md):
+
+1. `init_zero3(ds_config)` initialises ``deepspeed.comm`` (gloo on CPU, nccl on GPU, with a
+   collective timeout) and registers the HF DeepSpeed config; the returned `Zero3Context` keeps
+   that config referenced (transformers only holds a weakref to it).
+2. `build_empty_model` builds the model from its config under ``deepspeed.zero.Init`` without
+   reading or initialising any weight, then linearises fused MoE experts inside the same context,
+   so every parameter is partitioned at creation (per-rank peak ~ model / world).
+3. `stream_load_weights` fills the parameters: rank 0 reads the safetensors files tensor by tensor
+   and every rank takes part in the same ``GatheredParameters(modifier_rank=0)`` in the same order.
+4. `prepare_zero3` swaps linears for `QuantLinear` under a fp32 ``zero.Init``, so the new scales are
+   partitioned fp32 masters; `stream_load_scales` fills them from a PTQ checkpoint (it works on a
+   plain model too: the single-process QAT warm start uses it).
+5. `build_param_groups` / `make_optimizer` give torch AdamW groups of the scale / LWC parameters;
+   `check_ds_config` refuses a DeepSpeed config with its own ``optimizer`` block.
+6. `iter_gathered_modules`, `consolidated_state_dict`, `save_consolidated` gather module by module
+   (same collectives on every rank, CPU copies on rank 0 only); `run_metadata` records the shares.
+
+Every check that fails raises the same `Zero3Error` on every rank (rank 0 decides, broadcasts the
+verdict), so bad input ends the run instead of leaving ranks waiting in a collective. Off ZeRO-3
+(a plain model, no process group) all of this runs with no collective at all.
+
+Decisions (measured with DeepSpeed 0.19.8, 2 CPU ranks, gloo; see tests/test_zero3.py):
+
+- Optimizer: qatlib owns it (torch AdamW, scale / LWC groups, passed to ``deepspeed.initialize``
+  with ``zero_allow_untested_optimizer``); a config with an ``optimizer`` block is refused.
+- MoE: every `LinearizedMoeExperts` is a ZeRO-3 leaf module (`mark_moe_leaf_modules`, on by
+  default; DeepSpeed's default list already holds transformers' ``Qwen3MoeSparseMoeBlock``). Without
+  leaf modules DeepSpeed's parameter prefetch produced wrong MoE gradients (silently; correct with
+  ``stage3_prefetch_bucket_size: 0``). Every expert still runs on every rank, so the per-expert
+  hooks of a non-leaf setup stay in step whatever the routing (tested with prefetch off).
+- bf16: quantizer parameters are created under an fp32 ``zero.Init`` and stay fp32 partitions; the
+  engine does not cast ZeRO-Init models, and ZeRO-3's optimizer takes its working dtype from the
+  (fp32) trainable parameters, so scales are fp32 in forward and in the optimizer. Keep all
+  trainable parameters of one optimizer in one dtype (ZeRO-3 flattens them into one buffer).
+- ``zero.Init`` gets its dtype through the config's bf16/fp16 flags: its ``dtype=`` argument is
+  ignored on accelerators without fp16 (the CPU picks bf16 whatever is asked).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import platform
+import re
+import resource
+import shutil
+import struct
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .moe import LinearizedMoeExperts, is_fused_experts, linearize_moe_experts
+from .quant import ROLE_LWC, ROLE_SCALE, PrepareOptions, Quantizer, QuantLinear, QuantScheme, prepare
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+SCALES_NAME = "scales.safetensors"
+SCHEME_NAME = "quant_scheme.json"
+METADATA_NAME = "run_metadata.json"
+NESTED_PTQ_DIR = "final_quant_checkpoint"
+
+# Checkpoint keys a model never has a parameter for (old checkpoints stored RoPE tables).
+DEFAULT_IGNORED_KEYS = (r".*\.rotary_emb\.inv_freq$",)
+
+
+class Zero3Error(ValueError):
+    """A checkpoint / config problem, raised with the same message on every rank."""
+
+
+# =========================================================================== detection
+def is_deepspeed_zero3_enabled() -> bool:
+    """Whether an HF DeepSpeed config with ZeRO stage 3 is registered (and still alive)."""
+    try:
+        from transformers.integrations import is_deepspeed_zero3_enabled as hf_is_zero3
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return bool(hf_is_zero3())
+
+
+def is_zero3_param(p: Any) -> bool:
+    """A parameter partitioned by ``deepspeed.zero.Init`` (it carries ``ds_id`` / ``ds_tensor``)."""
+    return hasattr(p, "ds_id")
+
+
+def model_is_zero3(model: nn.Module) -> bool:
+    return any(is_zero3_param(p) for p in model.parameters())
+
+
+def gathered_param_if_zero3(params: torch.Tensor | Iterable[torch.Tensor], modifier_rank: int | None = None):
+    """``deepspeed.zero.GatheredParameters`` over the ZeRO-3 parameters among ``params``; a null
+    context when there are none (plain models, off ZeRO-3). Every rank must enter it together."""
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    params = [p for p in params if p is not None and is_zero3_param(p)]
+    if not params:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
+
+
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def get_rank() -> int:
+    return torch.distributed.get_rank() if _dist_ready() else 0
+
+
+def get_world_size() -> int:
+    return torch.distributed.get_world_size() if _dist_ready() else 1
+
+
+class _Comm:
+    """Rank-0-decides helpers. Inactive (no collective at all) for a plain model."""
+
+    def __init__(self, active: bool) -> None:
+        self.active = active and _dist_ready()
+        self.rank = get_rank() if self.active else 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def bcast(self, obj: Any) -> Any:
+        if not self.active:
+            return obj
+        box = [obj if self.is_main else None]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def decide(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on rank 0 and hand its result to every rank; a `Zero3Error` (or any error)
+        raised there is raised on every rank with the same message."""
+        result, error = None, None
+        if self.is_main:
+            try:
+                result = fn()
+            except Zero3Error as e:
+                error = str(e)
+            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+                error = f"{type(e).__name__}: {e}"
+        result, error = self.bcast((result, error))
+        if error is not None:
+            raise Zero3Error(error)
+        return result
+
+    def barrier(self) -> None:
+        if self.active:
+            torch.distributed.barrier()
+
+
+# =========================================================================== start-up
+def load_ds_config(ds_config: dict | str | os.PathLike) -> dict:
+    """A DeepSpeed config as a dict (a copy), from a dict or a JSON file."""
+    if isinstance(ds_config, dict):
+        return json.loads(json.dumps(ds_config))
+    path = Path(ds_config)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise Zero3Error(f"DeepSpeed config {path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise Zero3Error(f"DeepSpeed config {path} is not valid JSON: {e}") from None
+
+
+def check_ds_config(ds_config: dict, *, source: str = "the DeepSpeed config") -> None:
+    """Refuse what qatlib cannot honour: a stage other than 3, and an ``optimizer`` block.
+
+    qatlib owns the optimizer (torch AdamW with separate scale / LWC groups). With an ``optimizer``
+    block transformers would build DeepSpeed's optimizer from it instead, silently losing the
+    groups (and on CPU, compile ``fused_adam``). A ``scheduler`` block is allowed.
+    """
+    stage = ds_config.get("zero_optimization", {}).get("stage")
+    if stage != 3:
+        raise Zero3Error(f"{source}: zero_optimization.stage must be 3 for the ZeRO-3 path; got {stage!r}")
+    if "optimizer" in ds_config:
+        raise Zero3Error(
+            f"{source} has an 'optimizer' block ({ds_config['optimizer'].get('type', '?')}): qatlib builds the "
+            "optimizer itself (AdamW with separate scale / LWC learning rates) and DeepSpeed/transformers would "
+            "replace it and lose those groups. Remove the block; set the learning rates in the experiment config."
+        )
+
+
+def _precision_dtype(ds_config: dict) -> torch.dtype | None:
+    """The dtype the config pins (bf16 / fp16 ``enabled: true``), None when "auto" or absent."""
+    for key, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("fp16", torch.float16)):
+        if ds_config.get(key, {}).get("enabled") is True:
+            return dtype
+    return None
+
+
+def _resolved_init_config(ds_config: dict, dtype: torch.dtype) -> dict:
+    """A copy ``zero.Init`` can parse before TrainingArguments fills the "auto" values."""
+
+    def drop_auto(d: Any) -> Any:
+        if isinstance(d, dict):
+            return {k: drop_auto(v) for k, v in d.items() if v != "auto"}
+        return d
+
+    cfg = drop_auto(ds_config)
+    cfg.pop("optimizer", None)
+    cfg.pop("scheduler", None)
+    cfg.pop("train_batch_size", None)
+    cfg["train_micro_batch_size_per_gpu"] = cfg.get("train_micro_batch_size_per_gpu", 1)
+    cfg["gradient_accumulation_steps"] = cfg.get("gradient_accumulation_steps", 1)
+    cfg["bf16"] = {**cfg.get("bf16", {}), "enabled": dtype == torch.bfloat16}
+    cfg["fp16"] = {**cfg.get("fp16", {}), "enabled": dtype == torch.float16}
+    return cfg
+
+
+@dataclasses.dataclass(eq=False)
+class Zero3Context:
+    """What a ZeRO-3 run keeps alive: the DeepSpeed config, the model dtype and the registered
+    ``HfDeepSpeedConfig`` (``hf_config``; transformers holds only a weakref, so dropping this
+    object silently turns ZeRO-3 detection off). No module-global state of ours."""
+
+    ds_config: dict
+    dtype: torch.dtype
+    hf_config: Any
+    timeout: datetime.timedelta
+    _inits: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def zero_init(self, dtype: torch.dtype | None = None):
+        """The ``deepspeed.zero.Init`` context (one object per dtype, re-entered: building it parses the
+        config and entering it patches every module class, both too slow to repeat per layer)."""
+        import deepspeed
+
+        dtype = dtype or self.dtype
+        if dtype not in self._inits:
+            # The dtype travels in the config's bf16/fp16 flags, not in Init(dtype=...): DeepSpeed 0.19.8
+            # ignores an explicit dtype on accelerators without fp16 (the CPU) and picks bf16.
+            cfg = _resolved_init_config(self.ds_config, dtype)
+            self._inits[dtype] = deepspeed.zero.Init(config_dict_or_path=cfg)
+        return self._inits[dtype]
+
+    def scale_init(self):
+        """``zero.Init`` for new quantizer parameters: fp32 whatever the model dtype (an Init with the
+        model's bf16 would turn ``torch.full(..., dtype=float32)`` scales into bf16)."""
+        return self.zero_init(torch.float32)
+
+
+def init_zero3(
+    ds_config: dict | str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    timeout_s: float = 300.0,
+    backend: str | None = None,
+    return_freed_memory: bool = True,
+) -> Zero3Context:
+    """Initialise ``deepspeed.comm`` and register the HF DeepSpeed config; call it FIRST (before any
+    TrainingArguments or model exists), under ``torchrun``.
+
+    ``dtype``: model dtype when the config says ``"auto"`` (default fp32); a config that pins bf16/fp16
+    wins, and a contradicting ``dtype`` is an error. ``timeout_s`` bounds every collective, so a rank
+    that dies or diverges ends the run instead of hanging it. ``backend``: default nccl with CUDA,
+    else gloo (DeepSpeed's CPU default would want oneCCL). ``return_freed_memory`` (glibc only) makes
+    every host allocation of 1 MiB or more its own mapping, returned to the OS when freed: building
+    under ``zero.Init`` allocates each full parameter and frees it after partitioning, and glibc's
+    adaptive threshold would otherwise keep those blocks in the heap (measured: +0.27 GiB per rank
+    on a 1 GB model, benchmarks/zero3_load.py).
+    """
+    cfg = load_ds_config(ds_config)
+    source = str(ds_config) if not isinstance(ds_config, dict) else "the DeepSpeed config"
+    check_ds_config(cfg, source=source)
+    pinned = _precision_dtype(cfg)
+    if pinned is not None and dtype is not None and dtype != pinned:
+        raise Zero3Error(f"{source} enables {pinned} but the model dtype is {dtype}; make them agree")
+    dtype = pinned or dtype or torch.float32
+    cfg.setdefault("zero_allow_untested_optimizer", True)
+
+    import deepspeed
+    import deepspeed.ops
+
+    # The shm all-reduce op is only used for inference all-reduce and costs a ~60 s C++ build on CPU.
+    with contextlib.suppress(Exception):
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if return_freed_memory:
+        _mmap_large_allocations()
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
+
+    from transformers.integrations import HfDeepSpeedConfig
+
+    hf_config = HfDeepSpeedConfig(cfg)
+    return Zero3Context(cfg, dtype, hf_config, timeout)
+
+
+def _mmap_large_allocations(threshold: int = 1 << 20) -> bool:
+    """glibc ``mallopt(M_MMAP_THRESHOLD, threshold)``; False where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD = -3
+    except (OSError, AttributeError):
+        return False
+
+
+# =========================================================================== empty model
+def mark_moe_leaf_modules(model: nn.Module) -> int:
+    """Make every `LinearizedMoeExperts` a ZeRO-3 leaf: its experts' parameters are fetched in one
+    coalesced gather when the block starts instead of one hook per expert linear. Returns how many.
+
+    LinearizedMoeExperts runs every expert on every rank, so the collectives match whatever the
+    routing even without this; but without leaf modules DeepSpeed 0.19.8's prefetch computed wrong
+    MoE gradients in our tests, so `build_empty_model` always marks them unless told otherwise.
+    DeepSpeed's default already treats transformers' ``Qwen3MoeSparseMoeBlock`` (the parent) as a
+    leaf; this covers other architectures and configs that override ``leaf_module.classes``.
+    """
+    from deepspeed.utils import set_z3_leaf_modules
+
+    return len(set_z3_leaf_modules(model, [LinearizedMoeExperts], raise_if_not_found=False))
+
+
+def build_empty_model(
+    model_path_or_config: str | os.PathLike | Any,
+    ctx: Zero3Context,
+    *,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+    linearize_moe: bool = True,
+    moe_leaf: bool = True,
+) -> nn.Module:
+    """A causal LM built from its config under ``zero.Init``: partitioned, weights NOT read nor
+    initialised (fill them with `stream_load_weights`). Fused MoE experts are linearised inside the
+    same context, so the per-expert linears are partitioned at creation and nothing is copied."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+    from transformers.integrations.deepspeed import prevent_arange_dtype_change
+    from transformers.modeling_utils import set_zero3_state
+
+    if isinstance(model_path_or_config, (str, os.PathLike)):
+        config = AutoConfig.from_pretrained(str(model_path_or_config), trust_remote_code=trust_remote_code)
+    else:
+        config = model_path_or_config
+    kwargs: dict[str, Any] = {"dtype": ctx.dtype, "trust_remote_code": trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    t0 = time.perf_counter()
+    # Our own zero.Init (not from_config's): set_zero3_state tells from_config that one is active, so it
+    # neither opens a second one nor runs initialize_weights_zero3 (a gathered random init of every module).
+    with no_init_weights(), prevent_arange_dtype_change(), ctx.zero_init(), set_zero3_state():
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+        n_moe = linearize_moe_experts(model, copy_weights=False) if linearize_moe else 0
+    if hasattr(model, "tie_weights"):  # no_init_weights also skipped the tying init_weights does
+        model.tie_weights()
+    if n_moe and moe_leaf:
+        mark_moe_leaf_modules(model)
+    model.config.use_cache = False
+    log.info(
+        "built empty %s under zero.Init in %.1fs (%d MoE blocks linearised)",
+        type(model).__name__,
+        time.perf_counter() - t0,
+        n_moe,
+    )
+    return model.eval()
+
+
+# =========================================================================== safetensors reading
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor of a safetensors file lies (absolute byte offsets)."""
+
+    file: str
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def read_safetensors_header(path: str | os.PathLike) -> list[TensorInfo]:
+    """The tensors of one file in storage order, after checking the file is complete: a truncated or
+    corrupt file is a `Zero3Error` naming it (found here, before any collective depends on it)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise Zero3Error(f"{path}: truncated safetensors file ({size} bytes, no header)")
+            (n,) = struct.unpack("<Q", raw)
+            if 8 + n > size:
+                raise Zero3Error(f"{path}: truncated safetensors file (header of {n} bytes, file of {size})")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise Zero3Error(f"{path}: cannot read ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise Zero3Error(f"{path}: corrupt safetensors header ({e})") from None
+    base = 8 + n
+    out = []
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            b, e = meta["data_offsets"]
+            info = TensorInfo(str(path), key, meta["dtype"], tuple(meta["shape"]), base + b, base + e)
+        except (KeyError, TypeError, ValueError) as err:
+            raise Zero3Error(f"{path}: corrupt safetensors header entry {key!r} ({err})") from None
+        if info.dtype not in _ST_DTYPES:
+            raise Zero3Error(f"{path}: tensor {key} has unsupported dtype {info.dtype}")
+        if info.end > size:
+            raise Zero3Error(
+                f"{path}: truncated safetensors file: tensor {key} ends at byte {info.end}, the file has {size}"
+            )
+        out.append(info)
+    return sorted(out, key=lambda i: i.start)
+
+
+def read_tensor(fh, info: TensorInfo, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Read one tensor with plain file reads (no mmap: mapped pages would count in the RSS of rank 0
+    for the whole shard). With ``out`` (contiguous, same dtype and size) it reads straight into it."""
+    dtype = _ST_DTYPES[info.dtype]
+    nbytes = info.end - info.start
+    if out is None:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+    else:
+        buf = out.view(-1).view(torch.uint8)
+        if buf.numel() != nbytes:
+            raise Zero3Error(f"{info.file}: {info.key} holds {nbytes} bytes, the target {buf.numel()}")
+    fh.seek(info.start)
+    if nbytes and fh.readinto(buf.numpy()) != nbytes:
+        raise Zero3Error(f"{info.file}: short read of {info.key} (file truncated while loading?)")
+    return out if out is not None else buf.view(dtype).reshape(info.shape)
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / WEIGHTS_INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise Zero3Error(f"{index}: not a safetensors index ({e})") from None
+        files = list(dict.fromkeys(weight_map.values()))
+        missing = [f for f in files if not (model_dir / f).is_file()]
+        if missing:
+            raise Zero3Error(f"{index} names files that do not exist: {', '.join(missing)}")
+        return [model_dir / f for f in files]
+    single = model_dir / WEIGHTS_NAME
+    if single.is_file():
+        return [single]
+    raise Zero3Error(f"{model_dir}: no {WEIGHTS_NAME} nor {WEIGHTS_INDEX_NAME}")
+
+
+def _shape_after(shape: Sequence[int], index: tuple | None) -> tuple[int, ...] | None:
+    """Shape of ``tensor[index]`` for a tensor of ``shape`` (None when the index does not fit)."""
+    if not index:
+        return tuple(shape)
+    try:
+        return tuple(torch.empty(tuple(shape), device="meta")[index].shape)
+    except IndexError:
+        return None
+
+
+# =========================================================================== loading plan
+@dataclasses.dataclass(frozen=True)
+class Assign:
+    """Copy ``source[src]`` into ``target[dst]`` (``target``: a parameter or buffer name)."""
+
+    target: str
+    dst: tuple | None = None
+    src: tuple | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanEntry:
+    info: TensorInfo
+    assigns: tuple[Assign, ...]
+
+
+def _format_problems(where: str, problems: dict[str, list[str]], limit: int = 20) -> str:
+    lines = [f"{where}:"]
+    for title, items in problems.items():
+        if items:
+            shown = ", ".join(items[:limit]) + (
+                f", ... ({len(items) - limit} more)" if len(items) > limit else ""
+            )
+            lines.append(f"  {title} ({len(items)}): {shown}")
+    return "\n".join(lines)
+
+
+def _chunks(entries: list[PlanEntry], chunk_bytes: int) -> Iterator[list[PlanEntry]]:
+    """Consecutive entries of one file, up to ``chunk_bytes`` of source data (at least one entry)."""
+    cur: list[PlanEntry] = []
+    size = 0
+    for e in entries:
+        n = e.info.end - e.info.start
+        if cur and (e.info.file != cur[0].info.file or size + n > chunk_bytes):
+            yield cur
+            cur, size = [], 0
+        cur.append(e)
+        size += n
+    if cur:
+        yield cur
+
+
+def _execute_plan(
+    model: nn.Module, plan: list[PlanEntry], comm: _Comm, *, chunk_bytes: int, cast: Callable | None = None
+) -> None:
+    """All ranks: per chunk, gather its target parameters (modifier rank 0); rank 0 reads and copies;
+    rank 0's read errors are broadcast after the chunk and raised everywhere."""
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    for chunk in _chunks(plan, chunk_bytes):
+        targets = list(dict.fromkeys(a.target for e in chunk for a in e.assigns))
+        chunk_params = [params[t] for t in targets if t in params]
+        error = None
+        with torch.no_grad(), gathered_param_if_zero3(chunk_params, modifier_rank=0):
+            if comm.is_main:
+                try:
+                    with open(chunk[0].info.file, "rb") as fh:
+                        for e in chunk:
+                            _copy_entry(fh, e, params, buffers, cast)
+                except Exception as err:  # noqa: BLE001 - broadcast and raised on every rank below
+                    error = f"{chunk[0].info.file}: {err}"
+        error = comm.bcast(error)
+        if error:
+            raise Zero3Error(error)
+        if comm.active:
+            for t in targets:
+                if t in buffers:
+                    torch.distributed.broadcast(buffers[t], src=0)
+
+
+def _copy_entry(fh, e: PlanEntry, params: dict, buffers: dict, cast: Callable | None) -> None:
+    def dest_of(name: str) -> torch.Tensor:
+        return params[name].data if name in params else buffers[name]
+
+    a0 = e.assigns[0]
+    if len(e.assigns) == 1 and a0.dst is None and a0.src is None and cast is None:
+        d = dest_of(a0.target)
+        if d.is_contiguous() and d.dtype == _ST_DTYPES[e.info.dtype] and d.device.type == "cpu":
+            read_tensor(fh, e.info, out=d)
+            return
+    t = read_tensor(fh, e.info)
+    for a in e.assigns:
+        d = dest_of(a.target)
+        view = d[a.dst] if a.dst else d
+        src = t[a.src] if a.src else t
+        if cast is not None:
+            src = cast(src)
+        if src.shape != view.shape:  # only a 1-element scalar <-> [1] (validated in the plan)
+            src = src.reshape(view.shape)
+        view.copy_(src)
+
+
+def _full_shape(p: torch.Tensor) -> tuple[int, ...]:
+    return tuple(p.ds_shape) if is_zero3_param(p) else tuple(p.shape)
+
+
+_FUSED_KEY = re.compile(r"^(?P<prefix>.+)\.(?P<proj>gate_up_proj|down_proj)$")
+_EXPERT_KEY = re.compile(r"^(?P<prefix>.+)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _weight_plan(model: nn.Module, model_dir: Path, ignore: Sequence[str]) -> list[PlanEntry]:
+    """Rank 0: map every checkpoint tensor to the parameter slices it fills; any missing, unexpected,
+    duplicate or shape-mismatched key is a `Zero3Error` listing them."""
+    params = {n: _full_shape(p) for n, p in model.named_parameters()}
+    canon = {id(p): n for n, p in model.named_parameters()}
+    aliases = {
+        n: canon[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if canon[id(p)] != n
+    }
+    buffers = {}
+    for mname, m in model.named_modules():
+        for bname, b in m.named_buffers(recurse=False):
+            if b is not None and bname not in m._non_persistent_buffers_set:
+                buffers[f"{mname}.{bname}" if mname else bname] = tuple(b.shape)
+    linearized = {n: m for n, m in model.named_modules() if isinstance(m, LinearizedMoeExperts)}
+    fused = {n: m for n, m in model.named_modules() if is_fused_experts(m)}
+    ignore_re = [re.compile(p) for p in ignore]
+
+    shapes = {**params, **buffers}
+    covered: dict[str, int] = {}
+    seen: dict[tuple, str] = {}
+    missing, unexpected, mismatched, duplicate, tied = [], [], [], [], []
+    reported: set[str] = set()  # targets of mismatched keys: not also listed as missing
+    plan = []
+    for path in _weight_files(model_dir):
+        for info in read_safetensors_header(path):
+            key = info.key
+            assigns: list[Assign] = []
+            m_f, m_e = _FUSED_KEY.match(key), _EXPERT_KEY.match(key)
+            if key in shapes:
+                assigns = [Assign(key)]
+            elif key in aliases:
+                tied.append(key)  # the same Parameter as aliases[key]: filled by that key
+                continue
+            elif m_f and m_f["prefix"] in linearized:
+                lin = linearized[m_f["prefix"]]
+                inter, p = lin.intermediate_dim, m_f["prefix"]
+                for e in range(len(lin)):
+                    if m_f["proj"] == "gate_up_proj":
+                        assigns += [
+                            Assign(f"{p}.{e}.gate_proj.weight", src=(e, slice(0, inter))),
+                            Assign(f"{p}.{e}.up_proj.weight", src=(e, slice(inter, 2 * inter))),
+                        ]
+                    else:
+                        assigns.append(Assign(f"{p}.{e}.down_proj.weight", src=(e,)))
+                if info.shape[:1] != (len(lin),):
+                    mismatched.append(f"{key}: checkpoint {list(info.shape)}, model has {len(lin)} experts")
+                    continue
+            elif m_e and m_e["prefix"] in fused:
+                fm, p, e = fused[m_e["prefix"]], m_e["prefix"], int(m_e["e"])
+                inter = fm.intermediate_dim
+                dst = {
+                    "gate_proj": (e, slice(0, inter)),
+                    "up_proj": (e, slice(inter, 2 * inter)),
+                    "down_proj": (e,),
+                }
+                target = f"{p}.down_proj" if m_e["proj"] == "down_proj" else f"{p}.gate_up_proj"
+                if e >= fm.num_experts:
+                    unexpected.append(key)
+                    continue
+                assigns = [Assign(target, dst=dst[m_e["proj"]])]
+            elif any(r.fullmatch(key) for r in ignore_re):
+                continue
+            else:
+                unexpected.append(key)
+                continue
+            ok = True
+            for a in assigns:
+                src_shape = _shape_after(info.shape, a.src)
+                dst_shape = _shape_after(shapes[a.target], a.dst)
+                if src_shape != dst_shape:
+                    mismatched.append(
+                        f"{key}: checkpoint {_fmt(src_shape)} vs model {a.target} {_fmt(dst_shape)}"
+                    )
+                    reported.add(a.target)
+                    ok = False
+                    break
+                piece = (a.target, repr(a.dst))
+                if piece in seen:
+                    duplicate.append(f"{key} (also {seen[piece]})")
+                    ok = False
+                    break
+                seen[piece] = key
+            if ok:
+                for a in assigns:
+                    covered[a.target] = covered.get(a.target, 0) + _numel(
+                        _shape_after(shapes[a.target], a.dst)
+                    )
+                plan.append(PlanEntry(info, tuple(assigns)))
+    optional = {n for n, p in model.named_parameters() if getattr(p, "qat_role", None)}  # quantizer params
+    for name, shape in shapes.items():
+        if name in reported or (name in optional and name not in covered):
+            continue
+        if covered.get(name, 0) != _numel(shape):
+            missing.append(
+                name if name not in covered else f"{name} (partly: {covered[name]}/{_numel(shape)})"
+            )
+    problems = {
+        "missing": missing,
+        "unexpected": unexpected,
+        "shape mismatch": mismatched,
+        "duplicate": duplicate,
+    }
+    if any(problems.values()):
+        raise Zero3Error(_format_problems(f"checkpoint {model_dir} does not match the model", problems))
+    if tied:
+        log.info("skipped %d tied checkpoint keys (%s)", len(tied), ", ".join(tied[:5]))
+    return plan
+
+
+def _fmt(shape: Sequence[int] | None) -> str:
+    return "(does not fit)" if shape is None else str(list(shape))
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def stream_load_weights(
+    model: nn.Module,
+    model_path: str | os.PathLike,
+    *,
+    chunk_bytes: int = 64 << 20,
+    ignore: Sequence[str] = DEFAULT_IGNORED_KEYS,
+) -> dict:
+    """Fill every parameter (and persistent buffer) of ``model`` from the safetensors checkpoint in
+    ``model_path`` (``model.safetensors`` or a ``model.safetensors.index.json`` with shards).
+
+    Under ZeRO-3 rank 0 alone reads, a chunk (<= ``chunk_bytes`` of one file) at a time, and every
+    rank gathers the same parameters in the same order with ``modifier_rank=0``. Per-expert keys and
+    fused ``.experts.gate_up_proj`` / ``.experts.down_proj`` keys both load into linearised experts
+    (and into fused ones). Missing / unexpected / shape-mismatched / duplicate keys raise one
+    `Zero3Error` listing them, on every rank; tied parameters need only one of their names; keys
+    matching ``ignore`` (regexes) are skipped; quantizer parameters (of a prepared model) are filled
+    when the checkpoint has them under their module names and left alone otherwise (their keys are
+    `stream_load_scales`' business). On a plain model it runs locally, with no collective.
+    Returns a small report (tensors, bytes, seconds).
+    """
+    model_dir = Path(model_path)
+    comm = _Comm(model_is_zero3(model))
+    t0 = time.perf_counter()
+    plan = comm.decide(lambda: _weight_plan(model, model_dir, ignore))
+    _execute_plan(model, plan, comm, chunk_bytes=chunk_bytes)
+    report = {
+        "tensors": len(plan),
+        "bytes": sum(e.info.end - e.info.start for e in plan),
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+    if comm.is_main:
+        log.info(
+            "loaded %d tensors (%.1f MB) from %s in %.1fs",
+            report["tensors"],
+            report["bytes"] / 2**20,
+            model_dir,
+            report["seconds"],
+        )
+    return report
+
+
+def load_model(
+    model_path: str | os.PathLike,
+    ctx: Zero3Context,
+    *,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+    chunk_bytes: int = 64 << 20,
+    moe_leaf: bool = True,
+) -> nn.Module:
+    """`build_empty_model` + `stream_load_weights`: the ZeRO-3 branch of `qatlib.models.load_model`."""
+    model = build_empty_model(
+        model_path,
+        ctx,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
+        moe_leaf=moe_leaf,
+    )
+    stream_load_weights(model, model_path, chunk_bytes=chunk_bytes)
+    return model
+
+
+# =========================================================================== quantizer keys
+def _quantizer_keys(model: nn.Module) -> dict[str, str]:
+    """Checkpoint key -> quantizer parameter name, per docs/design.md:
+    ``L.weight_scale`` / ``L.weight_zero_point`` (weight_quantizer), ``L.input_scale`` /
+    ``L.input_zero_point`` (input_quantizer), ``<attn>.k_cache.scale`` / ``.v_cache.scale`` (+
+    ``.zero_point``; k_proj / v_proj output_quantizer), ``L.output_scale`` / ``L.output_zero_point``
+    for other output quantizers (q). LWC clip factors keep their module path
+    (``L.weight_quantizer.clip_factor_w_max``)."""
+    keys: dict[str, str] = {}
+    for name, ql in model.named_modules():
+        if not isinstance(ql, QuantLinear):
+            continue
+        parent, _, child = name.rpartition(".")
+        for role, q in ql.quantizers():
+            qname = f"{name}.{role}"
+            if role == "output_quantizer" and child in ("k_proj", "v_proj"):
+                prefix = f"{parent}.{child[0]}_cache." if parent else f"{child[0]}_cache."
+                stem = {"scale": prefix + "scale", "zero_point": prefix + "zero_point"}
+            else:
+                short = role.removesuffix("_quantizer")
+                stem = {"scale": f"{name}.{short}_scale", "zero_point": f"{name}.{short}_zero_point"}
+            for pname in ("scale", "zero_point"):
+                if getattr(q, pname) is not None:
+                    keys[stem[pname]] = f"{qname}.{pname}"
+            for pname in ("clip_factor_w_max", "clip_factor_w_min"):
+                if getattr(q, pname) is not None:
+                    keys[f"{qname}.{pname}"] = f"{qname}.{pname}"
+    return keys
+
+
+_SCALE_LIKE = re.compile(r".*(_scale|\.scale|_zero_point|\.zero_point|clip_factor_w_max|clip_factor_w_min)$")
+_FUSED_SCALE = re.compile(
+    r"^(?P<prefix>.+)\.(?P<proj>gate_up_proj|down_proj)"
+    r"(?:\.(?P<a>weight_scale|weight_zero_point|input_scale|input_zero_point)"
+    r"|_(?P<b>scale|zero_point|input_scale|input_zero_point|weight_scale|weight_zero_point))$"
+)
+
+
+def _fused_scale_assigns(
+    model: nn.Module, key: str, shape: tuple[int, ...], qkeys: dict[str, str]
+) -> list | None:
+    """Fan a fused-expert scale key (``mlp.experts.gate_up_proj_scale`` or
+    ``mlp.experts.gate_up_proj.weight_scale``, leading expert dim) out to each expert's quantizer.
+    A gate_up scale whose per-expert slice spans the fused out dim (2I rows) is split into gate / up;
+    a per-tensor one applies to both."""
+    m = _FUSED_SCALE.match(key)
+    if not m:
+        return None
+    try:
+        lin = model.get_submodule(m["prefix"])
+    except AttributeError:
+        return None
+    if not isinstance(lin, LinearizedMoeExperts):
+        return None
+    kind = m["a"] or m["b"]
+    kind = {"scale": "weight_scale", "zero_point": "weight_zero_point"}.get(kind, kind)
+    inter = lin.intermediate_dim
+    projs = ("gate_proj", "up_proj") if m["proj"] == "gate_up_proj" else ("down_proj",)
+    split = kind.startswith("weight") and len(projs) == 2 and len(shape) >= 3 and shape[1] == 2 * inter
+    out = []
+    for e in range(len(lin)):
+        for i, proj in enumerate(projs):
+            target = qkeys.get(f"{m['prefix']}.{e}.{proj}.{kind}")
+            if target is None:
+                continue
+            src = (e, slice(i * inter, (i + 1) * inter)) if split else (e,)
+            out.append(Assign(target, src=src))
+    return out
+
+
+def resolve_ptq_dir(ptq_dir: str | os.PathLike) -> Path:
+    """The directory holding ``quant_scheme.json``: ``ptq_dir`` itself or its nested
+    ``final_quant_checkpoint/``."""
+    d = Path(ptq_dir)
+    for cand in (d, d / NESTED_PTQ_DIR):
+        if (cand / SCHEME_NAME).is_file():
+            return cand
+    if not d.exists():
+        raise Zero3Error(f"PTQ checkpoint {d} does not exist")
+    raise Zero3Error(
+        f"PTQ checkpoint {d}: no {SCHEME_NAME} in it nor in {d / NESTED_PTQ_DIR} (not a qatlib PTQ output?)"
+    )
+
+
+def check_ptq_scheme(ptq_dir: str | os.PathLike, scheme: QuantScheme) -> tuple[Path, QuantScheme]:
+    """Resolve the PTQ dir and refuse a checkpoint whose scheme differs from ``scheme``."""
+    d = resolve_ptq_dir(ptq_dir)
+    try:
+        ckpt_scheme = QuantScheme.from_dict(json.loads((d / SCHEME_NAME).read_text()))
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
+        raise Zero3Error(f"{d / SCHEME_NAME}: not a quant scheme ({e})") from None
+    problems = scheme.compatible_with(ckpt_scheme)
+    if problems:
+        raise Zero3Error(
+            f"PTQ checkpoint {d} was made for scheme {ckpt_scheme.name!r}, incompatible with the configured "
+            f"{scheme.name!r}: " + "; ".join(problems)
+        )
+    return d, ckpt_scheme
+
+
+def _check_ptq_scheme_only(ptq_dir: str | os.PathLike, scheme: QuantScheme) -> None:
+    check_ptq_scheme(ptq_dir, scheme)
+
+
+def _scale_plan(
+    model: nn.Module, ptq_dir: str | os.PathLike, scheme: QuantScheme
+) -> tuple[list[PlanEntry], dict]:
+    d, _ = check_ptq_scheme(ptq_dir, scheme)
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise Zero3Error(f"PTQ checkpoint {d}: no *.safetensors file")
+    qkeys = _quantizer_keys(model)
+    shapes = {n: _full_shape(p) for n, p in model.named_parameters()}
+    plan, seen = [], {}
+    mismatched, duplicate, unused = [], [], []
+    ignored = 0
+    for path in files:
+        for info in read_safetensors_header(path):
+            key = info.key
+            if key in qkeys:
+                assigns = [Assign(qkeys[key])]
+            else:
+                assigns = _fused_scale_assigns(model, key, info.shape, qkeys)
+                if assigns is None:
+                    if _SCALE_LIKE.fullmatch(key):
+                        unused.append(key)
+                    else:
+                        ignored += 1  # weights of a full checkpoint
+                    continue
+            ok = True
+            for a in assigns:
+                src_shape, dst_shape = _shape_after(info.shape, a.src), shapes[a.target]
+                if src_shape != dst_shape and not (
+                    src_shape is not None and _numel(src_shape) == 1 and dst_shape == (1,)
+                ):
+                    mismatched.append(f"{key}: checkpoint {_fmt(src_shape)} vs {a.target} {_fmt(dst_shape)}")
+                    ok = False
+                    break
+                if a.target in seen:
+                    duplicate.append(f"{key} (also {seen[a.target]})")
+                    ok = False
+                    break
+                seen[a.target] = key
+            if ok and assigns:
+                plan.append(PlanEntry(info, tuple(assigns)))
+    problems = {"shape mismatch": mismatched, "duplicate": duplicate}
+    if any(problems.values()):
+        raise Zero3Error(_format_problems(f"PTQ checkpoint {d} does not fit the prepared model", problems))
+    hits = sorted(seen)
+    misses = sorted(set(qkeys.values()) - set(seen))
+    report = {
+        "ptq_dir": str(d),
+        "files": [p.name for p in files],
+        "hits": len(hits),
+        "misses": len(misses),
+        "unused_keys": len(unused),
+        "ignored_keys": ignored,
+        "missed_params": misses,
+        "unused_key_names": unused,
+    }
+    return plan, report
+
+
+def stream_load_scales(
+    model: nn.Module,
+    ptq_dir: str | os.PathLike,
+    scheme: QuantScheme,
+    *,
+    report_path: str | os.PathLike | None = None,
+) -> dict:
+    """Warm-start the quantizer parameters of a prepared ``model`` from a PTQ checkpoint.
+
+    ``ptq_dir`` (or its nested ``final_quant_checkpoint/``) must hold ``quant_scheme.json`` compatible
+    with ``scheme`` (`QuantScheme.compatible_with`) and ``*.safetensors`` with the keys of
+    docs/design.md; fused-expert keys (leading expert dim) fan out to every expert. A scale whose
+    shape differs from its quantizer's is an error (no broadcast; only a 1-element scalar fills a
+    ``[1]`` scale). Quantizer parameters without a key keep their init value (misses); scale-like
+    keys that fit no quantizer are reported as unused, other keys ignored. Works with and without
+    ZeRO-3. Returns (and writes to ``report_path`` as JSON, rank 0) the hit / miss counts.
+    """
+    comm = _Comm(model_is_zero3(model))
+    t0 = time.perf_counter()
+    plan, report = comm.decide(lambda: _scale_plan(model, ptq_dir, scheme))
+    _execute_plan(model, plan, comm, chunk_bytes=64 << 20, cast=lambda t: t.float())
+    loaded = {a.target for e in plan for a in e.assigns}
+    for name, q in model.named_modules():
+        if isinstance(q, Quantizer) and any(f"{name}.{p}" in loaded for p in ("scale", "clip_factor_w_max")):
+            q.initialized.fill_(True)
+    report["seconds"] = round(time.perf_counter() - t0, 3)
+    if comm.is_main:
+        log.info(
+            "PTQ scales from %s: %d hits, %d misses (init values kept), %d unused scale keys, %d other keys",
+            report["ptq_dir"],
+            report["hits"],
+            report["misses"],
+            report["unused_keys"],
+            report["ignored_keys"],
+        )
+        if report["unused_keys"]:
+            log.warning("scale keys matching no quantizer: %s", ", ".join(report["unused_key_names"][:10]))
+        if report_path is not None:
+            _write_json(Path(report_path), report)
+    return report
+
+
+# =========================================================================== QAT build
+def prepare_zero3(
+    model: nn.Module,
+    scheme: QuantScheme,
+    ctx: Zero3Context,
+    *,
+    ignore: Sequence[str] = ("lm_head",),
+    options: PrepareOptions | None = None,
+) -> nn.Module:
+    """`qatlib.quant.prepare` on a partitioned model: the whole swap runs inside one fp32
+    ``zero.Init``, so every new scale / zero point / LWC factor is partitioned at creation (and
+    initialised from the init values: shards cannot be read)."""
+    with ctx.scale_init():
+        prepare(model, scheme, ignore=ignore, options=options or PrepareOptions())
+    return model
+
+
+def build_qat_model(
+    model_path: str | os.PathLike,
+    ctx: Zero3Context,
+    scheme: QuantScheme,
+    *,
+    from_ptq_ckpt: str | os.PathLike | None,
+    ignore: Sequence[str] = ("lm_head",),
+    options: PrepareOptions | None = None,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+    scales_report_path: str | os.PathLike | None = None,
+    moe_leaf: bool = True,
+) -> nn.Module:
+    """The whole ZeRO-3 start: empty model -> streamed weights -> prepare -> streamed PTQ scales.
+
+    ``from_ptq_ckpt`` is required: under ZeRO-3 no rank sees a whole weight or activation, so scales
+    cannot be calibrated by forward and must come from a PTQ checkpoint. Its scheme is checked
+    before anything is built."""
+    comm = _Comm(_dist_ready())
+    if from_ptq_ckpt is None:
+        raise Zero3Error(
+            "ZeRO-3 QAT needs a PTQ checkpoint (compression.QAT.from_ptq_ckpt): scales cannot be calibrated by "
+            "forward on partitioned weights. Run the PTQ stage first and point from_ptq_ckpt at its output."
+        )
+    comm.decide(lambda: _check_ptq_scheme_only(from_ptq_ckpt, scheme))
+    model = load_model(
+        model_path,
+        ctx,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
+        moe_leaf=moe_leaf,
+    )
+    prepare_zero3(model, scheme, ctx, ignore=ignore, options=options)
+    stream_load_scales(model, from_ptq_ckpt, scheme, report_path=scales_report_path)
+    return model
+
+
+# =========================================================================== optimizer
+def qat_parameters(model: nn.Module, role: str, *, trainable_only: bool = True) -> list[nn.Parameter]:
+    """Parameters whose ``qat_role`` is ``role`` ("scale" / "lwc"), each once (by identity: a tied
+    parameter handed twice trips DeepSpeed's duplicate check), in module order."""
+    seen, out = set(), []
+    for p in model.parameters():
+        if (
+            getattr(p, "qat_role", None) == role
+            and id(p) not in seen
+            and (p.requires_grad or not trainable_only)
+        ):
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def build_param_groups(
+    model: nn.Module, *, scale_lr: float, lwc_lr: float | None = None, weight_decay: float = 0.0
+) -> list[dict]:
+    """torch optimizer groups: trainable scales / zero points at ``scale_lr``, LWC factors at
+    ``lwc_lr`` (default ``scale_lr``); empty groups are left out. Raises if nothing is trainable."""
+    groups = []
+    for name, role, lr in (
+        ("scale", ROLE_SCALE, scale_lr),
+        ("lwc", ROLE_LWC, lwc_lr if lwc_lr is not None else scale_lr),
+    ):
+        ps = qat_parameters(model, role)
+        if ps:
+            groups.append({"name": name, "params": ps, "lr": lr, "weight_decay": weight_decay})
+    if not groups:
+        raise ValueError("no trainable scale / LWC parameters: is the model prepared, with learnable scales?")
+    return groups
+
+
+def make_optimizer(
+    model: nn.Module,
+    *,
+    scale_lr: float,
+    lwc_lr: float | None = None,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+) -> torch.optim.AdamW:
+    """A torch AdamW over `build_param_groups` (pass it to ``deepspeed.initialize(optimizer=...)``,
+    with ``zero_allow_untested_optimizer``, which `init_zero3` sets)."""
+    groups = build_param_groups(model, scale_lr=scale_lr, lwc_lr=lwc_lr, weight_decay=weight_decay)
+    return torch.optim.AdamW(groups, lr=scale_lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+# =========================================================================== gather / save
+def iter_gathered_modules(
+    model: nn.Module, unit_types: tuple[type, ...] = (QuantLinear,)
+) -> Iterator[tuple[str, nn.Module]]:
+    """Walk ``model`` one unit at a time with the unit's parameters gathered (read-only) on every rank.
+
+    A unit is a module of ``unit_types`` (with all its descendants: a `QuantLinear` comes with its
+    weight and quantizers) or any other module owning parameters directly. Each parameter is in
+    exactly one unit. Every rank must run the loop to its end (the gathers are collectives); only
+    the full tensors of one unit are alive at a time. Off ZeRO-3 nothing is gathered.
+    """
+    skip = None
+    for name, m in model.named_modules():
+        if skip is not None and (name == skip or name.startswith(skip + ".")):
+            continue
+        skip = None
+        if isinstance(m, unit_types):
+            skip = name
+            params = list(m.parameters())
+        else:
+            params = list(m.parameters(recurse=False))
+            if not params and not any(b not in m._non_persistent_buffers_set for b in m._buffers):
+                continue
+        with gathered_param_if_zero3(params):
+            yield name, m
+
+
+def _unit_tensors(name: str, m: nn.Module, unit_types) -> Iterator[tuple[str, torch.Tensor]]:
+    prefix = f"{name}." if name else ""
+    if isinstance(m, unit_types):
+        for pname, p in m.named_parameters():
+            yield prefix + pname, p
+        for mname, sub in m.named_modules():
+            for bname, b in sub.named_buffers(recurse=False):
+                if b is not None and bname not in sub._non_persistent_buffers_set:
+                    yield prefix + (f"{mname}.{bname}" if mname else bname), b
+    else:
+        for pname, p in m.named_parameters(recurse=False):
+            yield prefix + pname, p
+        for bname, b in m.named_buffers(recurse=False):
+            if b is not None and bname not in m._non_persistent_buffers_set:
+                yield prefix + bname, b
+
+
+def _iter_full_tensors(
+    model: nn.Module, keep: bool
+) -> Iterator[tuple[str, nn.Module, dict[str, torch.Tensor]]]:
+    """(unit name, unit, {full name: CPU clone}) per unit; clones only when ``keep`` (rank 0).
+    Tied parameters appear once, under their first name (as ``named_parameters`` gives them)."""
+    unit_types = (QuantLinear,)
+    seen: set[int] = set()
+    for name, m in iter_gathered_modules(model, unit_types):
+        out = {}
+        for full, t in _unit_tensors(name, m, unit_types):
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            if keep:
+                out[full] = t.detach().to("cpu", copy=True)
+        yield name, m, out
+
+
+def consolidated_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full state dict (parameters + persistent buffers, module names, CPU copies) on rank 0;
+    ``{}`` on the other ranks, whose peak stays ~ one unit. Every rank must call it."""
+    keep = get_rank() == 0
+    sd: dict[str, torch.Tensor] = {}
+    for _, _, tensors in _iter_full_tensors(model, keep):
+        sd.update(tensors)
+    return sd
+
+
+def _scheme_of(model: nn.Module) -> QuantScheme | None:
+    """The scheme a prepared model was built with (first QuantLinear's specs; k/v from the attention)."""
+    kw: dict[str, Any] = {}
+    for name, ql in model.named_modules():
+        if not isinstance(ql, QuantLinear):
+            continue
+        child = name.rpartition(".")[2]
+        if "weight" not in kw:
+            kw["weight"] = ql.weight_quantizer.spec if ql.weight_quantizer else None
+            kw["input"] = ql.input_quantizer.spec if ql.input_quantizer else None
+        if ql.output_quantizer is not None and child in ("q_proj", "k_proj", "v_proj"):
+            kw.setdefault(child[0], ql.output_quantizer.spec)
+    return QuantScheme(name="prepared", **kw) if kw else None
+
+
+def save_consolidated(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    *,
+    scheme: QuantScheme | None = None,
+    max_shard_bytes: int = 2 << 30,
+    overwrite: bool = True,
+) -> Path | None:
+    """Save a (prepared, maybe partitioned) model so that it reloads WITHOUT DeepSpeed:
+
+    - ``model.safetensors`` (or shards + index): plain HF weights under the model's names (linearised
+      experts as the per-expert keys ``save_pretrained`` writes), plus ``config.json``;
+      ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads them;
+    - ``scales.safetensors`` + ``quant_scheme.json`` (prepared models): the quantizer parameters
+      under the docs/design.md keys (LWC: the derived ``weight_scale`` and the clip factors), so the
+      directory is also a PTQ checkpoint: ``prepare(model, scheme)`` + `stream_load_scales` restores
+      the exact QAT model;
+    - ``run_metadata.json`` (`run_metadata`).
+
+    Every rank runs the same gathers unit by unit; rank 0 alone keeps CPU copies and flushes a shard
+    once ``max_shard_bytes`` accumulate, writing into a temporary sibling directory renamed at the end
+    (no half-written ``out_dir``). Returns the path on rank 0, None elsewhere.
+    """
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    rank0 = get_rank() == 0
+    comm = _Comm(_dist_ready())
+    scheme = scheme or _scheme_of(model)
+    key_of = {param: key for key, param in _quantizer_keys(model).items()}
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+
+    def start() -> None:
+        if out_dir.exists() and not overwrite:
+            raise Zero3Error(f"{out_dir} exists (overwrite=False)")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+
+    comm.decide(start)
+    shards: list[tuple[Path, list[str]]] = []
+    pending: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    pending_bytes = 0
+    error: str | None = (
+        None  # rank 0's write failure: the gathers go on (they are collectives), then it is raised
+    )
+
+    def flush() -> None:
+        nonlocal pending, pending_bytes
+        if pending:
+            path = tmp / f"shard-{len(shards):05d}.safetensors"
+            save_file(pending, str(path), metadata={"format": "pt"})
+            shards.append((path, list(pending)))
+            pending, pending_bytes = {}, 0
+
+    quant_prefixes = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, Quantizer))
+    for name, m, tensors in _iter_full_tensors(model, rank0):
+        if not rank0 or error is not None:
+            continue
+        try:
+            for full, t in tensors.items():
+                if full.startswith(quant_prefixes):
+                    if full in key_of:
+                        scales[key_of[full]] = t.float().contiguous()
+                    continue
+                pending[full] = t.contiguous()
+                pending_bytes += t.numel() * t.element_size()
+            if isinstance(m, QuantLinear) and m.weight_quantizer is not None and m.weight_quantizer.uses_lwc:
+                with (
+                    torch.no_grad()
+                ):  # the LWC-derived scale, what a PTQ checkpoint / export calls weight_scale
+                    s, zp = m.weight_quantizer.qparams(m.weight.detach().float())
+                scales[f"{name}.weight_scale"] = s.detach().float().cpu().contiguous()
+                if zp is not None:
+                    scales[f"{name}.weight_zero_point"] = zp.detach().float().cpu().contiguous()
+            if pending_bytes >= max_shard_bytes:
+                flush()
+        except Exception as e:  # noqa: BLE001 - raised on every rank by finish()
+            error = f"saving {out_dir} failed at {name or 'the root module'}: {type(e).__name__}: {e}"
+            pending, scales = {}, {}
+    meta = run_metadata(model)
+
+    def finish() -> None:
+        try:
+            if error is not None:
+                raise Zero3Error(error)
+            flush()
+            _finish_weight_files(tmp, shards)
+            model.config.save_pretrained(tmp)
+            if getattr(model, "generation_config", None) is not None:
+                with contextlib.suppress(Exception):
+                    model.generation_config.save_pretrained(tmp)
+            if scales:
+                save_file(scales, str(tmp / SCALES_NAME), metadata={"format": "pt"})
+                if scheme is not None:
+                    _write_json(tmp / SCHEME_NAME, scheme.to_dict())
+            _write_json(tmp / METADATA_NAME, meta)
+            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+            if out_dir.exists():
+                out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # no half-written output
+            raise
+        log.info(
+            "saved consolidated model to %s (%d weight files, %d scale tensors)",
+            out_dir,
+            max(len(shards), 1),
+            len(scales),
+        )
+
+    comm.decide(finish)
+    return out_dir if rank0 else None
+
+
+def _finish_weight_files(tmp: Path, shards: list[tuple[Path, list[str]]]) -> None:
+    if len(shards) <= 1:
+        if shards:
+            shards[0][0].rename(tmp / WEIGHTS_NAME)
+        return
+    n = len(shards)
+    weight_map, total = {}, 0
+    for i, (path, keys) in enumerate(shards):
+        final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        path.rename(tmp / final)
+        total += (tmp / final).stat().st_size
+        weight_map.update(dict.fromkeys(keys, final))
+    _write_json(tmp / WEIGHTS_INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    tmp.replace(path)
+
+
+# =========================================================================== observability
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux ``ru_maxrss`` is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_metadata(model: nn.Module | None = None) -> dict:
+    """World size, ZeRO stage, the share of each parameter this rank holds and every rank's peak RSS.
+
+    A collective when a process group exists (every rank must call it); rank 0's dict holds all
+    ranks' RSS and shares, the others hold their own."""
+    import transformers
+
+    stage, shares, local, total, n_params, n_persist = 0, [], 0, 0, 0, 0
+    if model is not None:
+        for p in model.parameters():
+            n_params += 1
+            if is_zero3_param(p):
+                stage = 3
+                held = p.ds_tensor.numel() if p.ds_tensor is not None else 0
+                shares.append(held / max(p.ds_numel, 1))
+                local += held * p.ds_tensor.element_size() if p.ds_tensor is not None else 0
+                total += p.ds_numel * p.element_size()
+                n_persist += bool(getattr(p, "ds_persist", False))
+            else:
+                local += p.numel() * p.element_size()
+                total += p.numel() * p.element_size()
+    mine = {
+        "rank": get_rank(),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "param_bytes_held": local,
+        "share_min": min(shares) if shares else 1.0,
+        "share_max": max(shares) if shares else 1.0,
+        "share_mean": sum(shares) / len(shares) if shares else 1.0,
+    }
+    ranks = [mine]
+    if _dist_ready():
+        ranks = [None] * get_world_size()
+        torch.distributed.all_gather_object(ranks, mine)
+    try:
+        import deepspeed
+
+        ds_version = deepspeed.__version__
+    except ImportError:  # pragma: no cover
+        ds_version = None
+    meta = {
+        "world_size": get_world_size(),
+        "zero_stage": stage,
+        "n_params": n_params,
+        "n_persistent_params": n_persist,
+        "param_bytes_total": total,
+        "ranks": ranks,
+        "peak_rss_bytes_max": max(r["peak_rss_bytes"] for r in ranks),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "deepspeed": ds_version,
+        },
+    }
+    if get_rank() == 0:
+        log.info(
+            "run metadata: world %d, ZeRO stage %d, %.1f MB of %.1f MB params held on rank 0, peak RSS %s MB",
+            meta["world_size"],
+            stage,
+            local / 2**20,
+            total / 2**20,
+            [round(r["peak_rss_bytes"] / 2**20) for r in ranks],
+        )
+    return meta
+
+
+def write_run_metadata(model: nn.Module | None, path: str | os.PathLike) -> dict:
+    """`run_metadata` (collective) written as JSON by rank 0."""
+    meta = run_metadata(model)
+    if get_rank() == 0:
+        _write_json(Path(path), meta)
+    return meta

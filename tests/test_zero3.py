@@ -1,0 +1,625 @@
+"""ZeRO-3 I/O (qatlib.zero3_io) on real DeepSpeed: 2 CPU ranks under torchrun, gloo, nothing mocked.
+
+Two torchrun launches carry the multi-rank checks (start-up costs ~10 s each, so each batches
+several checks): `qat_roundtrip.py` (dense + MoE + bf16: partitioning, exact streamed load, QAT steps
+vs a single-process run, skewed MoE routing, consolidated save) and `bad_inputs.py` (every bad input
+is the same clear error on both ranks, and the run ends fast). The single-process tests at the
+bottom cover the same loaders on plain models (the non-ZeRO warm start).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import VOCAB, build_model, tiny_qwen3_config, tiny_qwen3_moe_config
+from safetensors.torch import load_file, save_file
+
+from qatlib import zero3_io as z
+from qatlib.quant import Granularity, PrepareOptions, QuantLinear, QuantScheme, QuantSpec, prepare, quantizers
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = Path(__file__).parent / "zero3_workers"
+DS_TEST = ROOT / "config" / "deepspeed" / "zero3_cpu_test.json"
+
+SCHEME = QuantScheme(
+    "test_w4g16_fp8",
+    weight=QuantSpec("int4", Granularity.GROUP, group_size=16, symmetric=False),
+    input=QuantSpec("fp8"),
+    k=QuantSpec("int8", symmetric=False),
+    v=QuantSpec("fp8"),
+)
+STEPS, BATCH, SEQ, LR, EPS = 3, 2, 16, 1e-4, 1e-8
+# Tolerance of "ZeRO-3 == single process": both runs do the same fp32 ops except the order in which
+# the two ranks' gradients are summed (ulp-level). Adam turns a nearly cancelling gradient's ulp
+# error into up to ~1e-3 of a step (lr 1e-4 -> 1e-7), so scales agree within ATOL = 2e-7, losses
+# and logits to 1e-5 relative. Measured: dense, 3 steps: max scale diff 6e-8, losses equal.
+# MoE diverges faster: a 1e-7 scale change flips some fp8 roundings and router decisions, and the
+# runs drift apart (2 steps: 3e-6 on scales, 2e-3 on logits), so MoE is compared after 1 step.
+MOE_STEPS = 1
+RTOL, ATOL = 1e-5, 2e-7
+
+
+# --------------------------------------------------------------------------- helpers
+@contextlib.contextmanager
+def one_thread():
+    """The workers run with OMP_NUM_THREADS=1; match it so matmuls reduce in the same order."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def torchrun(
+    worker: str, spec: dict, tmp: Path, timeout: float = 240
+) -> tuple[subprocess.CompletedProcess, float]:
+    spec_path = tmp / f"{Path(worker).stem}_spec.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(WORKERS / worker),
+        str(spec_path),
+    ]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
+    return proc, time.perf_counter() - t0
+
+
+def load_plain(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.config.use_cache = False
+    return model.eval()
+
+
+def calibrate(model, x: torch.Tensor) -> None:
+    """Activation scales from one forward (weight scales were set from the weights by prepare)."""
+    acts = [q for n, q in quantizers(model) if not n.endswith("weight_quantizer")]
+    for q in acts:
+        q.start_calibration()
+    with torch.no_grad():
+        model(input_ids=x)
+    for q in acts:
+        q.finish_calibration()
+
+
+def write_ptq_dir(model, out: Path, *, fused_experts: bool) -> None:
+    """A PTQ-format checkpoint written by hand (docs/design.md keys), independent of zero3_io's own
+    key mapping: two files, scalar input scales, int zero points, a stray weight key (ignored) and
+    an unused scale key; with ``fused_experts`` the experts' scales use the fused layout."""
+    a, b = {}, {}
+    experts: dict[str, dict[str, list]] = {}
+    for name, ql in model.named_modules():
+        if not isinstance(ql, QuantLinear):
+            continue
+        wq, iq, oq = ql.weight_quantizer, ql.input_quantizer, ql.output_quantizer
+        parent, _, child = name.rpartition(".")
+        if fused_experts and ".experts." in name:
+            prefix, e = parent.rsplit(".", 1)
+            d = experts.setdefault(f"{prefix}|{child}", {"w": [], "z": [], "i": []})
+            d["w"].append(wq.scale.detach().clone())
+            d["z"].append(wq.zero_point.detach().clone())
+            d["i"].append(iq.scale.detach().clone())
+            continue
+        a[f"{name}.weight_scale"] = wq.scale.detach().clone()
+        a[f"{name}.weight_zero_point"] = wq.zero_point.detach().to(torch.int8)
+        b[f"{name}.input_scale"] = iq.scale.detach().reshape(())  # scalar: fills the [1] scale
+        if oq is not None:
+            b[f"{parent}.{child[0]}_cache.scale"] = oq.scale.detach().clone()
+            if oq.zero_point is not None:
+                b[f"{parent}.{child[0]}_cache.zero_point"] = oq.zero_point.detach().clone()
+    pairs = {}
+    for key, d in experts.items():
+        prefix, child = key.split("|")
+        pairs.setdefault(prefix, {})[child] = d
+    for prefix, projs in pairs.items():  # gate/up concatenated on the out dim: [E, 2I, H/g]
+        a[f"{prefix}.gate_up_proj.weight_scale"] = torch.stack(
+            [torch.cat([g, u]) for g, u in zip(projs["gate_proj"]["w"], projs["up_proj"]["w"])]
+        )
+        a[f"{prefix}.gate_up_proj.weight_zero_point"] = torch.stack(
+            [torch.cat([g, u]) for g, u in zip(projs["gate_proj"]["z"], projs["up_proj"]["z"])]
+        )
+        b[f"{prefix}.gate_up_proj_input_scale"] = torch.stack(projs["gate_proj"]["i"]).reshape(-1)  # [E]
+        a[f"{prefix}.down_proj_scale"] = torch.stack(projs["down_proj"]["w"])
+        a[f"{prefix}.down_proj_zero_point"] = torch.stack(projs["down_proj"]["z"])
+        b[f"{prefix}.down_proj.input_scale"] = torch.stack(projs["down_proj"]["i"])  # [E, 1]
+    a["model.norm.weight"] = torch.ones(model.config.hidden_size)  # a weight of a full checkpoint: ignored
+    b["lm_head.weight_scale"] = torch.ones(1)  # lm_head is not quantized here: unused
+    out.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in a.items()}, str(out / "scales-a.safetensors"))
+    save_file({k: v.contiguous() for k, v in b.items()}, str(out / "scales-b.safetensors"))
+    (out / "quant_scheme.json").write_text(json.dumps(SCHEME.to_dict()))
+
+
+def quant_params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "_quantizer." in n}
+
+
+def prepared_from(model_dir: Path, ptq_dir: Path):
+    model = load_plain(model_dir)
+    prepare(model, SCHEME, options=PrepareOptions(init_from_weight=False))
+    report = z.stream_load_scales(model, ptq_dir, SCHEME)
+    return model, report
+
+
+def reference_run(model_dir: Path, ptq_dir: Path, data: dict, steps: int) -> dict:
+    """The single-process QAT the ZeRO-3 run must equal: rank r's micro-batch r, the mean of the
+    per-rank losses (what ZeRO-3's gradient averaging optimises), torch AdamW on the scales."""
+    with one_thread():
+        model, report = prepared_from(model_dir, ptq_dir)
+        init_params = quant_params(model)
+        for p in model.parameters():
+            p.requires_grad_(getattr(p, "qat_role", None) is not None)
+        opt = z.make_optimizer(model, scale_lr=LR, eps=EPS)
+        model.train()
+        losses = []
+        for s in range(steps):
+            per_rank = [model(input_ids=x, labels=x).loss for x in data["train"][s]]
+            loss = sum(per_rank) / len(per_rank)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append([v.item() for v in per_rank])
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=data["eval"]).logits
+    return {
+        "losses": losses,
+        "quant_params": quant_params(model),
+        "init_params": init_params,
+        "logits": logits,
+        "report": report,
+    }
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """Tiny dense (sharded, with index) and MoE (single file; plus a fused-key copy) checkpoints,
+    their PTQ dirs (MoE: fused expert scale keys, nested final_quant_checkpoint/) and references."""
+    tmp = tmp_path_factory.mktemp("zero3")
+    g = torch.Generator().manual_seed(0)
+    data = {
+        "train": torch.randint(0, VOCAB, (STEPS, 2, BATCH, SEQ), generator=g),
+        "eval": torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+    }
+    torch.save(data, tmp / "data.pt")
+    calib = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+    out = {"tmp": tmp, "data": data}
+    for name, cfg, shard in (("dense", tiny_qwen3_config(), "100KB"), ("moe", tiny_qwen3_moe_config(), None)):
+        model = build_model(cfg, seed=1)
+        mdir = tmp / name
+        model.save_pretrained(mdir, **({"max_shard_size": shard} if shard else {}))
+        if name == "moe":  # the same weights with fused expert keys (the in-memory transformers layout)
+            fdir = tmp / "moe_fused"
+            fdir.mkdir()
+            save_file(
+                {k: v.contiguous() for k, v in model.state_dict().items()}, str(fdir / "model.safetensors")
+            )
+            model.config.save_pretrained(fdir)
+            out["moe_fused"] = fdir
+        with one_thread():
+            pm = load_plain(mdir)
+            prepare(pm, SCHEME)
+            calibrate(pm, calib)
+        ptq = tmp / f"{name}_ptq" / ("final_quant_checkpoint" if name == "moe" else "")
+        write_ptq_dir(pm, ptq, fused_experts=name == "moe")
+        out[name] = mdir
+        out[f"{name}_ptq"] = tmp / f"{name}_ptq"
+        out[f"{name}_calibrated"] = quant_params(pm)
+        out[f"{name}_ref"] = reference_run(
+            mdir, out[f"{name}_ptq"], data, STEPS if name == "dense" else MOE_STEPS
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def zero3_run(ckpts):
+    tmp = ckpts["tmp"]
+    phase = {"ds_config": str(DS_TEST), "steps": STEPS}
+    spec = {
+        "out": str(tmp / "run"),
+        "scheme": SCHEME.to_dict(),
+        "data": str(tmp / "data.pt"),
+        "lr": LR,
+        "eps": EPS,
+        "phases": [
+            {
+                **phase,
+                "name": "dense",
+                "model": str(ckpts["dense"]),
+                "ptq": str(ckpts["dense_ptq"]),
+                "compare_ckpt": str(ckpts["dense"]),
+            },
+            {
+                **phase,
+                "name": "moe",
+                "model": str(ckpts["moe"]),
+                "ptq": str(ckpts["moe_ptq"]),
+                "compare_ckpt": str(ckpts["moe"]),
+                "also_load": [str(ckpts["moe_fused"])],
+                "skewed_routing": True,
+                "steps": MOE_STEPS,
+            },
+            # no leaf modules at all: every expert linear has its own gather hooks, so ranks with
+            # different routing only stay in step because every expert runs on every rank. (Prefetch
+            # off: with it, DeepSpeed 0.19.8 computes wrong MoE gradients without leaf modules.)
+            {
+                **phase,
+                "name": "moe_noleaf",
+                "model": str(ckpts["moe"]),
+                "ptq": str(ckpts["moe_ptq"]),
+                "compare_ckpt": str(ckpts["moe"]),
+                "leaf": False,
+                "steps": MOE_STEPS,
+                "skewed_routing": True,
+                "zero_overrides": {"stage3_prefetch_bucket_size": 0},
+            },
+            {
+                **phase,
+                "name": "dense_bf16",
+                "model": str(ckpts["dense"]),
+                "ptq": str(ckpts["dense_ptq"]),
+                "compare_ckpt": str(ckpts["dense"]),
+                "steps": 1,
+                "ds_overrides": {"bf16": {"enabled": True}},
+            },
+        ],
+    }
+    (tmp / "run").mkdir()
+    proc, seconds = torchrun("qat_roundtrip.py", spec, tmp, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.stdout.count("WORKER OK") == 2
+    results = {
+        ph["name"]: torch.load(tmp / "run" / f"{ph['name']}.pt", weights_only=False) for ph in spec["phases"]
+    }
+    return results, tmp / "run", seconds
+
+
+# --------------------------------------------------------------------------- multi-rank tests
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", ["dense", "moe", "moe_noleaf", "dense_bf16"])
+def test_partitioned_and_loaded_exactly(zero3_run, name):
+    results, _, _ = zero3_run
+    r = results[name]
+    for rank_checks in r["checks"]:
+        assert rank_checks["bad_shares"] == []  # every rank holds its half of every parameter
+        assert rank_checks["gathered_mismatch"] == []  # gathered == checkpoint, bit for bit
+        for key, val in rank_checks.items():
+            if key.startswith("gathered_mismatch["):  # fused-key checkpoint -> same linearised weights
+                assert val == [], key
+        assert rank_checks["scale_dtypes"] == ["torch.float32"]
+    want = "torch.bfloat16" if name == "dense_bf16" else "torch.float32"
+    assert r["checks"][0]["weight_dtypes"] == [want]
+    meta = r["meta_before"]
+    assert meta["world_size"] == 2 and meta["zero_stage"] == 3 and len(meta["ranks"]) == 2
+    assert 0.5 <= meta["ranks"][0]["share_min"] and meta["ranks"][0]["share_max"] <= 1.0
+    assert all(rk["peak_rss_bytes"] > 0 for rk in meta["ranks"])
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_scales_report(zero3_run, ckpts):
+    _, run_dir, _ = zero3_run
+    for name in ("dense", "moe"):
+        rep = json.loads((run_dir / f"{name}_scales.json").read_text())
+        assert rep["misses"] == 0 and rep["hits"] == len(ckpts[f"{name}_calibrated"])
+        assert rep["unused_key_names"] == ["lm_head.weight_scale"] and rep["ignored_keys"] == 1
+    assert json.loads((run_dir / "moe_scales.json").read_text())["ptq_dir"].endswith("final_quant_checkpoint")
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", ["dense", "moe", "moe_noleaf"])
+def test_qat_steps_match_single_process(zero3_run, ckpts, name):
+    results, _, _ = zero3_run
+    r, ref = results[name], ckpts[f"{name.removesuffix('_noleaf')}_ref"]
+    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL)
+    assert set(r["quant_params"]) == set(ref["quant_params"])
+    moved = 0
+    for k, v in ref["quant_params"].items():
+        torch.testing.assert_close(r["quant_params"][k], v, rtol=RTOL, atol=ATOL, msg=k)
+        moved += not torch.equal(v, ref["init_params"][k])
+    assert moved > len(ref["quant_params"]) // 2  # the steps did train the scales
+    torch.testing.assert_close(r["logits"], ref["logits"], rtol=RTOL, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_consolidated_save_reloads_without_deepspeed(zero3_run, name):
+    results, run_dir, _ = zero3_run
+    saved = run_dir / f"{name}_saved"
+    assert (saved / "config.json").is_file() and (saved / z.SCALES_NAME).is_file()
+    assert json.loads((saved / z.METADATA_NAME).read_text())["world_size"] == 2
+    with one_thread():
+        model, report = prepared_from(saved, saved)
+        with torch.no_grad():
+            logits = model(input_ids=torch.load(run_dir.parent / "data.pt")["eval"]).logits
+    assert report["misses"] == 0
+    assert torch.equal(logits, results[name]["logits"])  # identical, not merely close
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", ["moe", "moe_noleaf"])
+def test_moe_skewed_routing_completes(zero3_run, name):
+    results, _, _ = zero3_run
+    counts = results[name]["checks"][0]["expert_token_counts"]
+    starved = [
+        (layer, e)
+        for layer, c1 in counts[1].items()
+        for e, n in enumerate(c1)
+        if n == 0 and counts[0][layer][e] > 0
+    ]
+    assert starved, counts  # some expert had tokens on rank 0 and none on rank 1, and the run went on
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_bf16_engine_keeps_fp32_scales(zero3_run, ckpts):
+    results, _, _ = zero3_run
+    r = results["dense_bf16"]
+    assert r["engine_bf16"]
+    assert all(v.dtype == torch.float32 for v in r["quant_params"].values())
+    moved = sum(
+        not torch.equal(v, ckpts["dense_ref"]["init_params"][k]) for k, v in r["quant_params"].items()
+    )
+    assert moved > len(r["quant_params"]) // 2
+    assert all(torch.isfinite(torch.tensor(step)).all() for step in r["losses"])
+
+
+# --------------------------------------------------------------------------- bad inputs (2 ranks)
+BAD_CASES = {
+    "missing_key": "missing (1): model.layers.0.mlp.up_proj.weight",
+    "shape_mismatch": "model.layers.1.self_attn.o_proj.weight: checkpoint [64, 32] vs model",
+    "unexpected_key": "unexpected (1): model.layers.0.mlp.extra_proj.weight",
+    "truncated": "truncated safetensors file",
+    "ptq_other_format": "incompatible with the configured 'test_w4g16_fp8'",
+    "ptq_scale_shape": "model.layers.0.mlp.down_proj.weight_scale: checkpoint [64, 2] vs",
+    "ptq_missing_dir": "does not exist",
+    "no_ptq_ckpt": "needs a PTQ checkpoint (compression.QAT.from_ptq_ckpt)",
+    "ptq_other_format_build": "incompatible with the configured",
+    "optimizer_block": "has an 'optimizer' block",
+}
+
+
+@pytest.fixture(scope="module")
+def bad_run(ckpts):
+    import shutil
+
+    from qatlib.quant import PRESETS
+
+    tmp = ckpts["tmp"] / "bad"
+    tmp.mkdir()
+    sd = {}
+    for f in sorted(ckpts["dense"].glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+
+    def single(name, tensors):
+        d = tmp / name
+        d.mkdir()
+        save_file(tensors, str(d / "model.safetensors"))
+        shutil.copy(ckpts["dense"] / "config.json", d)
+        return str(d)
+
+    spec = {
+        "scheme": SCHEME.to_dict(),
+        "ds_config": str(DS_TEST),
+        "model": str(ckpts["dense"]),
+        "out": str(tmp / "bad_inputs.json"),
+        "ptq_missing_dir": str(tmp / "no_such_ptq"),
+    }
+    spec["missing_key"] = single(
+        "missing_key", {k: v for k, v in sd.items() if k != "model.layers.0.mlp.up_proj.weight"}
+    )
+    spec["shape_mismatch"] = single(
+        "shape_mismatch", {**sd, "model.layers.1.self_attn.o_proj.weight": torch.zeros(64, 32)}
+    )
+    spec["unexpected_key"] = single(
+        "unexpected_key", {**sd, "model.layers.0.mlp.extra_proj.weight": torch.zeros(2, 2)}
+    )
+    trunc = tmp / "truncated"
+    shutil.copytree(ckpts["dense"], trunc)
+    biggest = max(trunc.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    os.truncate(biggest, biggest.stat().st_size - 100)
+    spec["truncated"], spec["truncated_file"] = str(trunc), biggest.name
+    other = tmp / "ptq_other_format"
+    shutil.copytree(ckpts["dense_ptq"], other)
+    (other / "quant_scheme.json").write_text(json.dumps(PRESETS["fp8_static"].to_dict()))
+    spec["ptq_other_format"] = str(other)
+    bad_shape = tmp / "ptq_scale_shape"
+    shutil.copytree(ckpts["dense_ptq"], bad_shape)
+    scales = load_file(str(bad_shape / "scales-a.safetensors"))
+    scales["model.layers.0.mlp.down_proj.weight_scale"] = torch.ones(64, 2)  # the quantizer's is [64, 8]
+    save_file(scales, str(bad_shape / "scales-a.safetensors"))
+    spec["ptq_scale_shape"] = str(bad_shape)
+    cfg = json.loads(DS_TEST.read_text())
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-5}}
+    (tmp / "with_optimizer.json").write_text(json.dumps(cfg))
+    spec["ds_config_with_optimizer"] = str(tmp / "with_optimizer.json")
+    proc, seconds = torchrun("bad_inputs.py", spec, tmp, timeout=240)
+    return proc, seconds, spec
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", sorted(BAD_CASES))
+def test_bad_input_is_a_clear_error_on_every_rank(bad_run, case):
+    proc, _, spec = bad_run
+    assert Path(spec["out"]).is_file(), proc.stderr[-5000:]
+    ranks = json.loads(Path(spec["out"]).read_text())
+    errors = [r[case]["error"] for r in ranks]
+    assert errors[0] is not None and BAD_CASES[case] in errors[0], errors[0]
+    assert errors[0] == errors[1]  # the same message on both ranks
+    assert all(r[case]["seconds"] < 15 for r in ranks)  # decided at once, no collective waited out
+    for rank in (0, 1):
+        assert f"[rank{rank}] CASE {case}: " in proc.stderr
+    if case == "truncated":
+        assert spec["truncated_file"] in errors[0]
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_uncaught_error_ends_the_run_fast(bad_run):
+    proc, seconds, spec = bad_run
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        line = next(ln for ln in proc.stderr.splitlines() if ln.startswith(f"[rank{rank}] FATAL"))
+        assert "Zero3Error" in line and spec["truncated_file"] in line and "truncated" in line
+    assert "UNEXPECTED" not in proc.stdout
+    assert seconds < 55  # start-up + cases; a hang would wait out the 60 s collective timeout
+
+
+# --------------------------------------------------------------------------- single process (plain models)
+def test_plain_warm_start_fans_fused_expert_scales_out(ckpts):
+    """stream_load_scales on a plain model (the single-process warm start): the fused-expert keys
+    ([E, 2I, H/g] split into gate/up, [E] scalars fanned out) restore exactly the calibrated scales."""
+    for name in ("dense", "moe"):
+        model, report = prepared_from(ckpts[name], ckpts[f"{name}_ptq"])
+        assert report["misses"] == 0 and report["hits"] == len(ckpts[f"{name}_calibrated"])
+        got = quant_params(model)
+        for k, v in ckpts[f"{name}_calibrated"].items():
+            assert torch.equal(got[k], v), k
+        assert not any(z.is_zero3_param(p) for p in model.parameters())
+
+
+def test_plain_stream_load_weights_both_expert_layouts(ckpts):
+    """Per-expert keys -> transformers' fused experts, and fused keys -> linearised experts."""
+    from qatlib.moe import linearize_moe_experts
+
+    ref = load_plain(ckpts["moe"]).state_dict()
+    fused_model = build_model(tiny_qwen3_moe_config(), seed=5)  # other random weights, fused experts
+    report = z.stream_load_weights(fused_model, ckpts["moe"])  # per-expert keys
+    assert report["tensors"] == len(load_file(str(ckpts["moe"] / "model.safetensors")))
+    for k, v in fused_model.state_dict().items():
+        assert torch.equal(v, ref[k]), k
+    lin_model = build_model(tiny_qwen3_moe_config(), seed=5)
+    linearize_moe_experts(lin_model)
+    z.stream_load_weights(lin_model, ckpts["moe_fused"])  # fused keys
+    inter = lin_model.config.moe_intermediate_size
+    w = ref["model.layers.1.mlp.experts.gate_up_proj"][2]
+    assert torch.equal(lin_model.model.layers[1].mlp.experts[2].gate_proj.weight, w[:inter])
+    assert torch.equal(lin_model.model.layers[1].mlp.experts[2].up_proj.weight, w[inter:])
+    assert torch.equal(
+        lin_model.model.layers[1].mlp.experts[2].down_proj.weight,
+        ref["model.layers.1.mlp.experts.down_proj"][2],
+    )
+
+
+def test_plain_stream_load_weights_lists_problems(tmp_path, ckpts):
+    sd = load_file(str(ckpts["moe"] / "model.safetensors"))
+    del sd["model.norm.weight"]
+    sd["model.layers.0.mlp.experts.0.up_proj.weight"] = torch.zeros(3, 3)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(z.Zero3Error) as err:
+        z.stream_load_weights(build_model(tiny_qwen3_moe_config()), tmp_path)
+    msg = str(err.value)
+    assert "missing (1): model.norm.weight" in msg
+    assert "model.layers.0.mlp.experts.0.up_proj.weight: checkpoint [3, 3]" in msg
+
+
+def test_tied_embeddings_need_one_key(tmp_path):
+    cfg = tiny_qwen3_config(tie_word_embeddings=True)
+    src = build_model(cfg, seed=3)
+    src.save_pretrained(tmp_path)
+    assert "lm_head.weight" not in load_file(str(tmp_path / "model.safetensors"))
+    dst = build_model(cfg, seed=4)
+    z.stream_load_weights(dst, tmp_path)
+    assert dst.lm_head.weight is dst.model.embed_tokens.weight
+    assert torch.equal(dst.lm_head.weight, src.lm_head.weight)
+
+
+@pytest.mark.parametrize("lwc", [False, True])
+def test_plain_save_consolidated_roundtrip(tmp_path, ckpts, lwc):
+    """save_consolidated off ZeRO-3 (no process group): sharded HF weights + scales; reloading with
+    plain transformers + prepare + stream_load_scales gives identical logits. LWC models save their
+    clip factors (exact resume) and the derived weight_scale (a non-LWC model reloads it exactly)."""
+    x = ckpts["data"]["eval"]
+    with one_thread():
+        model = load_plain(ckpts["dense"])
+        opts = PrepareOptions(lwc_init=2.0) if lwc else PrepareOptions()
+        prepare(model, SCHEME, options=opts)
+        calibrate(model, x)
+        with torch.no_grad():
+            want = model(input_ids=x).logits
+        out = z.save_consolidated(model, tmp_path / "saved", max_shard_bytes=100_000)
+        assert (out / z.WEIGHTS_INDEX_NAME).is_file() and len(list(out.glob("model-*-of-*.safetensors"))) > 1
+        assert not list(tmp_path.glob(".saved.tmp-*"))  # the temporary dir was renamed
+        for reload_opts in [opts, PrepareOptions()] if lwc else [opts]:
+            again = load_plain(out)
+            prepare(again, SCHEME, options=reload_opts)
+            report = z.stream_load_scales(again, out, SCHEME)
+            assert report["misses"] == 0
+            with torch.no_grad():
+                assert torch.equal(again(input_ids=x).logits, want)
+    assert json.loads((out / z.METADATA_NAME).read_text())["zero_stage"] == 0
+
+
+def test_param_groups_dedupe_and_roles():
+    model = build_model(tiny_qwen3_config())
+    prepare(model, SCHEME, options=PrepareOptions(lwc_init=1.0))
+    attn = model.model.layers[0].self_attn
+    attn.v_proj.input_quantizer.scale = attn.k_proj.input_quantizer.scale  # a shared (tied) scale
+    groups = z.build_param_groups(model, scale_lr=1e-4, lwc_lr=1e-3)
+    assert [(g["name"], g["lr"]) for g in groups] == [("scale", 1e-4), ("lwc", 1e-3)]
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert len(ids) == len(set(ids))
+    assert all(p.qat_role == "lwc" for p in groups[1]["params"])
+    assert sum(p.numel() for g in groups for p in g["params"]) == sum(
+        p.numel() for p in {id(p): p for p in model.parameters() if getattr(p, "qat_role", None)}.values()
+    )
+    opt = z.make_optimizer(model, scale_lr=1e-4, lwc_lr=1e-3)
+    assert isinstance(opt, torch.optim.AdamW) and len(opt.param_groups) == 2
+
+
+def test_ds_config_checks():
+    cfg = json.loads(DS_TEST.read_text())
+    z.check_ds_config(cfg)
+    for key in ("zero3.json", "zero3_cpu_test.json"):  # the shipped configs pass
+        z.check_ds_config(json.loads((ROOT / "config" / "deepspeed" / key).read_text()))
+    with pytest.raises(z.Zero3Error, match="'optimizer' block"):
+        z.check_ds_config({**cfg, "optimizer": {"type": "AdamW"}})
+    with pytest.raises(z.Zero3Error, match="stage must be 3"):
+        z.check_ds_config({**cfg, "zero_optimization": {"stage": 2}})
+    with pytest.raises(z.Zero3Error, match="does not exist"):
+        z.load_ds_config("/no/such/ds.json")
+
+
+def test_non_zero_path_is_untouched(ckpts):
+    """Without a ZeRO-3 context models.load_model is plain transformers; the gather helpers are no-ops."""
+    from qatlib.models import load_model
+
+    model = load_model(ckpts["dense"], torch_dtype="fp32")
+    ref = load_plain(ckpts["dense"])
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert not z.is_zero3_param(p) and torch.equal(p, q), n
+    w = model.lm_head.weight
+    with z.gathered_param_if_zero3(w, modifier_rank=0):
+        assert w.shape == (VOCAB, 64)
+    assert z.consolidated_state_dict(model).keys() == model.state_dict().keys()
+    meta = z.run_metadata(model)
+    assert meta["world_size"] == 1 and meta["zero_stage"] == 0 and meta["ranks"][0]["share_max"] == 1.0

@@ -1,0 +1,82 @@
+"""2-rank ZeRO-3 worker (torchrun): every bad input must be the same clear error on both ranks.
+
+Usage: torchrun --standalone --nproc_per_node=2 bad_inputs.py SPEC.json
+
+Each case runs on both ranks; a `Zero3Error` is caught, printed as ``[rankN] CASE name: ...`` on
+stderr and recorded, then a barrier proves the process group is still in step. Rank 0 writes
+``{out}/bad_inputs.json``. The last case (``fatal``) is not caught: the run must end with a nonzero
+status and both ranks' message on stderr, well before the 60 s collective timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    from qatlib import zero3_io as z
+    from qatlib.quant import QuantScheme
+
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    scheme = QuantScheme.from_dict(spec["scheme"])
+    ctx = z.init_zero3(spec["ds_config"], timeout_s=60)
+    rank = z.get_rank()
+    model = z.build_empty_model(spec["model"], ctx)
+    state = {"prepared": False}
+
+    def prepared():
+        if not state["prepared"]:
+            z.prepare_zero3(model, scheme, ctx)
+            state["prepared"] = True
+        return model
+
+    cases = {
+        "missing_key": lambda: z.stream_load_weights(model, spec["missing_key"]),
+        "shape_mismatch": lambda: z.stream_load_weights(model, spec["shape_mismatch"]),
+        "unexpected_key": lambda: z.stream_load_weights(model, spec["unexpected_key"]),
+        "truncated": lambda: z.stream_load_weights(model, spec["truncated"]),
+        "ptq_other_format": lambda: z.stream_load_scales(prepared(), spec["ptq_other_format"], scheme),
+        "ptq_scale_shape": lambda: z.stream_load_scales(prepared(), spec["ptq_scale_shape"], scheme),
+        "ptq_missing_dir": lambda: z.stream_load_scales(prepared(), spec["ptq_missing_dir"], scheme),
+        "no_ptq_ckpt": lambda: z.build_qat_model(spec["model"], ctx, scheme, from_ptq_ckpt=None),
+        "ptq_other_format_build": lambda: z.build_qat_model(
+            spec["model"], ctx, scheme, from_ptq_ckpt=spec["ptq_other_format"]
+        ),
+        "optimizer_block": lambda: z.init_zero3(spec["ds_config_with_optimizer"]),
+    }
+    results = {}
+    for name, fn in cases.items():
+        t0 = time.perf_counter()
+        try:
+            fn()
+            results[name] = {"error": None}
+        except z.Zero3Error as e:
+            results[name] = {"error": str(e)}
+            print(f"[rank{rank}] CASE {name}: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+        results[name]["seconds"] = round(time.perf_counter() - t0, 3)
+        torch.distributed.barrier()  # still in step after the error
+    everyone = [None] * z.get_world_size()
+    torch.distributed.all_gather_object(everyone, results)
+    if rank == 0:
+        Path(spec["out"]).write_text(json.dumps(everyone, indent=1))
+    torch.distributed.barrier()
+    print(f"[rank{rank}] CASES DONE", file=sys.stderr, flush=True)
+    try:  # the uncaught one
+        z.stream_load_weights(
+            model if not state["prepared"] else z.build_empty_model(spec["model"], ctx), spec["truncated"]
+        )
+    except Exception as e:
+        print(f"[rank{rank}] FATAL {type(e).__name__}: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+        raise
+    print(f"[rank{rank}] UNEXPECTED: the truncated checkpoint loaded", flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,175 @@
+"""2-rank ZeRO-3 worker (torchrun): build -> load -> QAT steps -> gather -> save, per phase.
+
+Usage: torchrun --standalone --nproc_per_node=2 qat_roundtrip.py SPEC.json
+
+SPEC: {"out": dir, "scheme": QuantScheme dict, "data": file (torch.save'd {"train": [S, 2, B, T],
+"eval": [B, T]}), "lr": float, "phases": [{"name", "ds_config", "model", "ptq", "compare_ckpt",
+"also_load", "leaf": bool, "steps": int, "skewed_routing": bool}]}.
+Rank 0 writes ``{out}/{name}.pt`` (losses, quantizer params, eval logits, checks) and the
+consolidated save ``{out}/{name}_saved``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+logging.basicConfig(level=logging.INFO, format=f"[rank{os.environ.get('RANK', '?')}] %(name)s: %(message)s")
+
+
+def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    sd = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+    return sd
+
+
+def gathered_equals(model, sd, zero3_io) -> list[str]:
+    """Names of non-quantizer parameters whose gathered value differs from ``sd`` (every rank)."""
+    bad = []
+    for name, m in zero3_io.iter_gathered_modules(model, unit_types=()):
+        for pname, p in m.named_parameters(recurse=False):
+            full = f"{name}.{pname}" if name else pname
+            if ".weight_quantizer." in full or ".input_quantizer." in full or ".output_quantizer." in full:
+                continue
+            ref = sd.get(full)
+            if ref is None or not torch.equal(ref.to(p.dtype), p.data):
+                bad.append(full)
+    return bad
+
+
+def run_phase(ph: dict, spec: dict, data: dict) -> None:
+    import deepspeed
+
+    from qatlib import zero3_io as z
+    from qatlib.models import load_model
+    from qatlib.moe import LinearizedMoeExperts
+    from qatlib.quant import QuantScheme
+
+    out = Path(spec["out"])
+    scheme = QuantScheme.from_dict(spec["scheme"])
+    ds_config = json.loads(Path(ph["ds_config"]).read_text())
+    ds_config.update(ph.get("ds_overrides", {}))
+    ds_config["zero_optimization"].update(ph.get("zero_overrides", {}))
+    if not ph.get("leaf", True):
+        ds_config["zero_optimization"]["leaf_module"] = {"classes": []}
+    ctx = z.init_zero3(ds_config, timeout_s=60)
+    rank, world = z.get_rank(), z.get_world_size()
+    checks: dict = {}
+
+    model = z.build_qat_model(
+        ph["model"],
+        ctx,
+        scheme,
+        from_ptq_ckpt=ph["ptq"],
+        moe_leaf=ph.get("leaf", True),
+        scales_report_path=out / f"{ph['name']}_scales.json",
+    )
+    # each rank holds ceil(n / world) elements of every parameter (its half, padded)
+    checks["bad_shares"] = [
+        n for n, p in model.named_parameters() if p.ds_tensor.numel() != math.ceil(p.ds_numel / world)
+    ]
+    checks["n_params"] = sum(1 for _ in model.parameters())
+    checks["scale_dtypes"] = sorted(
+        {str(p.ds_tensor.dtype) for p in model.parameters() if getattr(p, "qat_role", None)}
+    )
+    checks["weight_dtypes"] = sorted(
+        {str(p.ds_tensor.dtype) for p in model.parameters() if not getattr(p, "qat_role", None)}
+    )
+    checks["gathered_mismatch"] = gathered_equals(model, checkpoint_tensors(Path(ph["compare_ckpt"])), z)
+    for other in ph.get("also_load", []):  # e.g. the fused-key layout of the same weights
+        m2 = load_model(other, zero3=ctx)  # through qatlib.models' dispatch
+        checks[f"gathered_mismatch[{Path(other).name}]"] = gathered_equals(
+            m2, checkpoint_tensors(Path(ph["compare_ckpt"])), z
+        )
+        del m2
+    meta_before = z.run_metadata(model)
+
+    for p in model.parameters():
+        p.requires_grad_(getattr(p, "qat_role", None) is not None)
+    opt = z.make_optimizer(model, scale_lr=spec["lr"], eps=spec["eps"])
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    engine.train()
+    losses = []
+    for step in range(ph["steps"]):
+        x = data["train"][step, rank]
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        both = [None] * world
+        torch.distributed.all_gather_object(both, loss.item())
+        losses.append(both)
+
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(input_ids=data["eval"]).logits
+
+    if ph.get("skewed_routing"):
+        # rank 1 feeds one repeated token: its router picks the same top-k experts for every token,
+        # so the other experts get zero tokens there while rank 0 routes to all of them.
+        counts: dict[str, torch.Tensor] = {}
+
+        def hook(mod, args):
+            idx = args[1]
+            counts.setdefault(mod._qat_name, torch.zeros(len(mod), dtype=torch.long))
+            counts[mod._qat_name] += torch.bincount(idx.flatten(), minlength=len(mod))
+
+        for n, mod in model.named_modules():
+            if isinstance(mod, LinearizedMoeExperts):
+                mod._qat_name = n
+                mod.register_forward_pre_hook(hook)
+        x = data["eval"] if rank == 0 else torch.full_like(data["eval"], 7)
+        engine.train()
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)  # the backward gathers expert params again: hooks must match across ranks
+        with torch.no_grad():
+            engine.eval()
+            engine(input_ids=x)
+        gathered = [None] * world
+        torch.distributed.all_gather_object(gathered, {k: v.tolist() for k, v in counts.items()})
+        checks["expert_token_counts"] = gathered
+
+    sd = z.consolidated_state_dict(model)
+    saved = z.save_consolidated(model, out / f"{ph['name']}_saved", scheme=scheme)
+    meta = z.run_metadata(model)
+    all_checks = [None] * world
+    torch.distributed.all_gather_object(all_checks, checks)
+    if rank == 0:
+        assert saved is not None
+        torch.save(
+            {
+                "losses": losses,
+                "quant_params": {k: v for k, v in sd.items() if "_quantizer." in k},
+                "n_state": len(sd),
+                "logits": logits,
+                "checks": all_checks,
+                "meta_before": meta_before,
+                "meta": meta,
+                "engine_bf16": engine.bfloat16_enabled(),
+            },
+            out / f"{ph['name']}.pt",
+        )
+    else:
+        assert saved is None and sd == {}
+    del engine, model, opt
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    data = torch.load(spec["data"])
+    torch.manual_seed(0)
+    for ph in spec["phases"]:
+        run_phase(ph, spec, data)
+    print(f"[rank{os.environ.get('RANK')}] WORKER OK", flush=True)
+
+
+if __name__ == "__main__":
+    main()
