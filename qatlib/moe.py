@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import ContextManager
+from contextlib import AbstractContextManager as ContextManager
 
 import torch
 from torch import nn
@@ -21,7 +21,36 @@ _FUSED_ATTRS = ("gate_up_proj", "down_proj", "num_experts", "hidden_dim", "inter
 
 def is_fused_experts(module: nn.Module) -> bool:
     """Duck-typed: any module with the fused-expert attributes (Qwen3-MoE and its relatives)."""
-    return all(hasattr(module, a) for a in _FUSED_ATTRS) and isinstance(getattr(module, "gate_up_proj"), nn.Parameter)
+    return all(hasattr(module, a) for a in _FUSED_ATTRS) and isinstance(module.gate_up_proj, nn.Parameter)
+
+
+def _check_layout(name: str, module: nn.Module) -> None:
+    """Refuse fused layouts the copy below would scramble silently.
+
+    transformers' ``use_experts_implementation`` records the layout on the module; the copy in
+    `linearize_moe_experts` assumes Qwen3-MoE's: ``gate_up_proj [E, 2I, H]`` with gate rows before
+    up rows, ``down_proj [E, H, I]``, no biases, and ``act(gate) * up`` as the gate."""
+    problems = []
+    if getattr(module, "is_transposed", False):
+        problems.append("transposed weights")
+    if not getattr(module, "is_concatenated", True):
+        problems.append("interleaved gate/up rows")
+    if getattr(module, "has_bias", False) or hasattr(module, "gate_up_proj_bias"):
+        problems.append("expert biases")
+    if not getattr(module, "has_gate", True):
+        problems.append("no gate projection")
+    if getattr(module, "has_post_expert_norm", False):
+        problems.append("a post-expert norm")
+    apply_gate = getattr(type(module), "_apply_gate", None)
+    if apply_gate is not None and getattr(apply_gate, "__name__", "") != "_default_apply_gate":
+        problems.append(f"a custom gate function ({type(module).__name__}._apply_gate)")
+    e, h, i = module.num_experts, module.hidden_dim, module.intermediate_dim
+    # ZeRO-3 partitioned parameters keep their full shape in ``ds_shape``.
+    gu, dn = (tuple(getattr(p, "ds_shape", p.shape)) for p in (module.gate_up_proj, module.down_proj))
+    if gu != (e, 2 * i, h) or dn != (e, h, i):
+        problems.append(f"gate_up_proj {gu} / down_proj {dn} instead of {(e, 2 * i, h)} / {(e, h, i)}")
+    if problems:
+        raise NotImplementedError(f"cannot linearise the fused experts {name} ({type(module).__name__}): {'; '.join(problems)}")
 
 
 class ExpertMLP(nn.Module):
@@ -75,6 +104,8 @@ def linearize_moe_experts(
     partitioned at creation and later filled by the streaming loader.
     """
     targets = [(name, m) for name, m in model.named_modules() if is_fused_experts(m)]
+    for name, fused in targets:
+        _check_layout(name, fused)
     for name, fused in targets:
         dtype = fused.gate_up_proj.dtype
         with init_context():

@@ -121,34 +121,50 @@ def compute_qparams(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, tor
 
 
 # --------------------------------------------------------------------------- STE helpers
+# ``value.detach() + (x - x.detach())`` has exactly the value of ``value`` (``x - x.detach()`` is 0)
+# and the gradient of ``x``. The textbook ``x + (value - x).detach()`` is not exact once ``x`` is
+# far larger than ``value`` (``1e10 + (7 - 1e10)`` is 0 in fp32), which would break
+# ``fake_quantize == dequantize(quantize)`` for far out-of-range elements.
+def _identity_grad(x: torch.Tensor) -> torch.Tensor:
+    return x - x.detach()
+
+
 def _round_ste(x: torch.Tensor) -> torch.Tensor:
-    return x + (torch.round(x) - x).detach()
+    return torch.round(x).detach() + _identity_grad(x)
 
 
 def _fp8_cast_ste(x: torch.Tensor) -> torch.Tensor:
-    return x + (x.to(_FP8).float() - x).detach()
-
-
-def _clamp(x: torch.Tensor, lo: float, hi: float, pass_grad: bool) -> torch.Tensor:
-    """Clamp; gradients are zero outside the range (masked) unless ``pass_grad``."""
-    if pass_grad:
-        return x + (torch.clamp(x, lo, hi) - x).detach()
-    return torch.clamp(x, lo, hi)
+    return x.detach().to(_FP8).float() + _identity_grad(x)
 
 
 # --------------------------------------------------------------------------- core ops
-def _codes_fp32(
-    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, spec: QuantSpec, pass_grad: bool
-) -> torch.Tensor:
-    """Codes as fp32 (differentiable through STE), in the grouped view."""
+def _codes_fp32(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor:
+    """Codes as fp32 (differentiable through STE), in the grouped view.
+
+    The clamp is a plain ``torch.clamp``: zero gradient (to x, scale and zero point alike) where it
+    is active, so the scale gradient of a clipped element is ``qmin`` / ``qmax`` (LSQ)."""
     xg = _grouped(x.float(), spec)
     s = _expand(scale.float(), spec)
     if spec.is_fp8:
-        return _fp8_cast_ste(_clamp(xg / s, -FP8_E4M3_MAX, FP8_E4M3_MAX, pass_grad))
+        return _fp8_cast_ste(torch.clamp(xg / s, -FP8_E4M3_MAX, FP8_E4M3_MAX))
     q = _round_ste(xg / s)
     if zero_point is not None:
         q = q + _round_ste(_expand(zero_point.float(), spec))
-    return _clamp(q, spec.qmin, spec.qmax, pass_grad)
+    return torch.clamp(q, spec.qmin, spec.qmax)
+
+
+def _clipped_mask(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor:
+    """Elements (grouped view) where the clamp of `_codes_fp32` is active."""
+    with torch.no_grad():
+        xg = _grouped(x.float(), spec)
+        s = _expand(scale.float(), spec)
+        if spec.is_fp8:
+            v = xg / s
+            return (v < -FP8_E4M3_MAX) | (v > FP8_E4M3_MAX)
+        q = torch.round(xg / s)
+        if zero_point is not None:
+            q = q + torch.round(_expand(zero_point.float(), spec))
+        return (q < spec.qmin) | (q > spec.qmax)
 
 
 def _dequant_fp32(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor:
@@ -170,7 +186,7 @@ def quantize(
     """Codes of ``x``: ``torch.int8`` for every int format (values in [qmin, qmax]) or
     ``torch.float8_e4m3fn`` for fp8. Same shape as ``x``."""
     with torch.no_grad():
-        q = _codes_fp32(x, scale, zero_point, spec, pass_grad=False).reshape(x.shape)
+        q = _codes_fp32(x, scale, zero_point, spec).reshape(x.shape)
     return q.to(_FP8) if spec.is_fp8 else q.to(torch.int8)
 
 
@@ -206,11 +222,19 @@ def fake_quantize(
     ``d/ds = round(x/s) - x/s``; clamped elements ``qmin`` or ``qmax`` (minus z)).
     ``clamp_grad="mask"`` zeroes the input gradient where the clamp is active (what a true
     quantizer does); ``"pass"`` passes it through everywhere (the upstream toolkit's behaviour).
+    ``clamp_grad`` only changes the gradient to ``x``: scale / zero-point gradients are LSQ in both
+    modes, and the value is the same bit for bit.
     """
     if clamp_grad not in ("mask", "pass"):
         raise ValueError(f"clamp_grad must be 'mask' or 'pass', got {clamp_grad!r}")
-    q = _codes_fp32(x, scale, zero_point, spec, pass_grad=clamp_grad == "pass")
-    out = _dequant_fp32(q, scale, zero_point, spec).reshape(x.shape)
+    q = _codes_fp32(x, scale, zero_point, spec)
+    out = _dequant_fp32(q, scale, zero_point, spec)
+    if clamp_grad == "pass":
+        # identity gradient to x where the clamp is active too; adds exactly 0 to the value and
+        # leaves the scale / zero-point (LSQ) gradients as they are.
+        clipped = _clipped_mask(x, scale, zero_point, spec)
+        out = torch.where(clipped, out + _identity_grad(_grouped(x.float(), spec)), out)
+    out = out.reshape(x.shape)
     if spec.fp8_recast:
         out = _fp8_recast(out)
     return out.to(x.dtype)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
-from typing import ContextManager
 
 import torch
 import torch.nn.functional as TF
@@ -17,6 +17,8 @@ from ..moe import linearize_moe_experts
 from . import functional as F
 from .quantizer import Quantizer
 from .spec import Granularity, QuantScheme, QuantSpec
+
+_FP8_ATTN_FLAG = "qatlib_fp8_attn"  # == attention.FP8_ATTN_FLAG (not imported: that pulls in transformers)
 
 
 def weight_readable(w: torch.Tensor) -> bool:
@@ -263,13 +265,20 @@ def quantization_disabled(model: nn.Module) -> Iterator[None]:
     """Run ``model`` unquantized inside the block (the KD teacher is the same model, no copy)."""
     qs = [q for _, q in quantizers(model)]
     before = [q.enabled for q in qs]
+    # fp8_attn: the attention modules' FP8-probability switch (see attention.FP8_ATTN_FLAG).
+    attn = [m for m in model.modules() if hasattr(m, _FP8_ATTN_FLAG)]
+    attn_before = [getattr(m, _FP8_ATTN_FLAG) for m in attn]
     try:
         for q in qs:
             q.enabled = False
+        for m in attn:
+            setattr(m, _FP8_ATTN_FLAG, False)
         yield
     finally:
         for q, b in zip(qs, before):
             q.enabled = b
+        for m, b in zip(attn, attn_before):
+            setattr(m, _FP8_ATTN_FLAG, b)
 
 
 def convert(model: nn.Module) -> nn.Module:

@@ -68,10 +68,24 @@ class Quantizer(nn.Module):
 
     # ------------------------------------------------------------------ dtype
     def _apply(self, fn, recurse=True):  # noqa: D401 - nn.Module hook
-        """Keep fp32 masters through ``model.to(bfloat16)``; device moves still apply."""
+        """Keep fp32 masters through ``model.to(bfloat16)``; device moves still apply.
+
+        The fp32 values are restored from a copy taken before the cast: casting back up
+        (``bf16 -> fp32``) would keep the dtype but lose the precision the fp32 master exists for.
+        """
+        masters = {
+            name: (p.detach().clone(), None if p.grad is None else p.grad.detach().clone())
+            for name, p in self.named_parameters(recurse=False)
+            if p.dtype == torch.float32 and not hasattr(p, "ds_id")
+        }
         super()._apply(fn, recurse)
-        for p in self.parameters(recurse=False):
-            if p.is_floating_point() and p.dtype != torch.float32 and not hasattr(p, "ds_id"):
+        for name, p in self.named_parameters(recurse=False):
+            if name in masters and p.dtype != torch.float32:
+                data, grad = masters[name]
+                p.data = data.to(p.device)
+                if grad is not None and p.grad is not None:
+                    p.grad = grad.to(p.device)
+            elif p.is_floating_point() and p.dtype != torch.float32 and not hasattr(p, "ds_id"):
                 p.data = p.data.float()
         return self
 
