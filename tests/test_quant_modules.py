@@ -597,3 +597,38 @@ def test_fp8_attention_needs_eager():
         enable_fp8_attention(model)
     with pytest.raises(ValueError, match="config"):
         enable_fp8_attention(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        QuantSpec("fp8", "per-tensor", dynamic=True),
+        QuantSpec("int8", "per-token"),
+        QuantSpec("fp8", "per-head", num_heads=2, dynamic=True),
+    ],
+    ids=lambda s: s.describe(),
+)
+def test_dynamic_quantizer_passes_empty_input(spec):
+    """A zero-token MoE expert still runs; its dynamic input quantizer must not crash on [0, K]."""
+    q = Quantizer(spec)
+    x = torch.zeros(0, 8, requires_grad=True)
+    y = q(x)
+    assert y.shape == (0, 8)
+    y.sum().backward()
+    assert x.grad.shape == (0, 8)
+
+
+def test_fp8_dynamic_moe_forward_with_idle_expert():
+    """fp8_dynamic on an MoE whose routing leaves an expert without tokens (every expert runs)."""
+    model = build_model(tiny_qwen3_moe_config(num_experts=8, num_experts_per_tok=1))
+    prepare(model, PRESETS["fp8_dynamic"])
+    ids = torch.zeros(1, 2, dtype=torch.long)  # two identical tokens reach at most 1 expert per layer
+    out = model(ids).logits
+    assert torch.isfinite(out).all()
+
+
+def test_incompatible_scheme_message_names_values():
+    a = PRESETS["int4_weight_only"]
+    b = a.replace(weight=a.weight.replace(granularity="per-channel", group_size=None))
+    msg = "; ".join(a.compatible_with(b))
+    assert "weight.granularity: configured 'per-group', checkpoint 'per-channel'" in msg

@@ -246,6 +246,10 @@ def dynamic_fake_quantize(x: torch.Tensor, spec: QuantSpec, *, clamp_grad: str =
     The qparams are detached: gradients flow through the rounding STE only, as at inference the
     scale is a function of the data, not a parameter.
     """
+    if x.numel() == 0:
+        # An MoE expert that got no tokens still runs (same collectives on every ZeRO-3 rank):
+        # an empty input has no range to reduce and nothing to quantize.
+        return x
     scale, zp = compute_qparams(x, spec)
     return fake_quantize(x, scale, zp, spec, clamp_grad=clamp_grad)
 

@@ -183,8 +183,10 @@ class QuantScheme:
             if a is None or b is None:
                 continue
             for attr in ("qtype", "granularity", "group_size", "symmetric", "dynamic", "num_heads"):
-                if getattr(a, attr) != getattr(b, attr):
-                    problems.append(f"{role}.{attr}: configured {getattr(a, attr)!r}, checkpoint {getattr(b, attr)!r}")
+                va, vb = getattr(a, attr), getattr(b, attr)
+                if va != vb:
+                    va, vb = (v.value if isinstance(v, Granularity) else v for v in (va, vb))
+                    problems.append(f"{role}.{attr}: configured {va!r}, checkpoint {vb!r}")
         return problems
 
 
