@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .ptq import CalibrationReport, check_prepared_matches, finish_with_fallback, batch_inputs, kv_spec
+from .ptq import CalibrationReport, batch_inputs, check_prepared_matches, finish_with_fallback, kv_spec
 from .quant import QuantLinear, QuantScheme, QuantSpec, prepare, quant_linears
 from .quant import functional as F
 from .quant.linear import PrepareOptions, weight_readable
