@@ -1,0 +1,110 @@
+"""Perplexity windows / arithmetic and the lm-eval glue on a local multiple-choice task."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import local_texts
+
+from qatlib.eval.perplexity import make_windows, perplexity, perplexity_of_ids, tokenize_text
+from qatlib.eval.tasks import build_local_mc_task, make_mc_items
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: on a shared 2-core machine, 2 spinning OpenMP threads per process made
+    these steps ~50x slower (measured), while one thread loses little on tiny models."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_windows_counted_right():
+    ids = torch.arange(100)
+    w = make_windows(ids, 32)
+    assert w.shape == (3, 32)
+    assert torch.equal(w[1], torch.arange(32, 64))
+    assert make_windows(ids, 32, limit=2).shape == (2, 32)
+    assert make_windows(ids, 25).shape == (4, 25)
+    with pytest.raises(ValueError):
+        make_windows(torch.arange(10), 32)
+
+
+def test_perplexity_matches_hand_computation(tiny_qwen3, tiny_tokenizer, tmp_path):
+    text = "\n\n".join(local_texts(40))
+    f = tmp_path / "t.txt"
+    f.write_text(text)
+    seq = 48
+    out = perplexity(tiny_qwen3, tiny_tokenizer, f, seq_len=seq, batch_size=3, limit=5, progress=False)
+    ids = torch.tensor(tiny_tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert out["windows"] == 5 and out["tokens"] == 5 * (seq - 1)
+    nlls = []
+    with torch.no_grad():
+        for k in range(5):
+            w = ids[k * seq : (k + 1) * seq]
+            logp = torch.log_softmax(tiny_qwen3(w[None]).logits[0].double(), -1)
+            nlls.append(-logp[torch.arange(seq - 1), w[1:]])
+    nll = torch.cat(nlls).mean().item()
+    assert out["nll"] == pytest.approx(nll, rel=1e-5)
+    assert out["ppl"] == pytest.approx(math.exp(nll), rel=1e-5)
+    full = perplexity_of_ids(tiny_qwen3, ids, seq_len=seq, progress=False)
+    assert full["windows"] == ids.numel() // seq
+
+
+def test_perplexity_of_prepared_model(tiny_qwen3_moe, tiny_tokenizer):
+    from qatlib.quant import Granularity, QuantScheme, QuantSpec, prepare
+
+    ids = tokenize_text(tiny_tokenizer, "\n\n".join(local_texts(20)))
+    base = perplexity_of_ids(tiny_qwen3_moe, ids, seq_len=32, limit=4, progress=False)
+    prepare(tiny_qwen3_moe, QuantScheme("w2", weight=QuantSpec("int2", Granularity.CHANNEL)))
+    q = perplexity_of_ids(tiny_qwen3_moe, ids, seq_len=32, limit=4, progress=False)
+    assert math.isfinite(q["ppl"]) and q["ppl"] != base["ppl"]
+
+
+def test_mc_items_are_sound():
+    text = "\n\n".join(local_texts(120))
+    items = make_mc_items(text, n=40, context_words=20, continuation_words=6, seed=3)
+    assert items == make_mc_items(text, n=40, context_words=20, continuation_words=6, seed=3)
+    assert items != make_mc_items(text, n=40, context_words=20, continuation_words=6, seed=4)
+    labels = [it["label"] for it in items]
+    assert len(set(labels)) > 1  # the answer position is not constant
+    flat = " ".join(text.split())
+    for it in items:
+        assert len(it["choices"]) == 4 and len(set(it["choices"])) == 4
+        assert len(it["context"].split()) == 20
+        assert f"{it['context']} {it['choices'][it['label']]}" in flat
+    assert len({it["context"] for it in items}) == len(items)
+    near = make_mc_items(text, n=20, context_words=20, continuation_words=6, seed=3, neighborhood=2)
+    assert len(near) == 20 and all(len(set(it["choices"])) == 4 for it in near)
+
+
+def test_local_mc_task_runs_through_lm_eval(tiny_qwen3, tiny_tokenizer, tmp_path):
+    from qatlib.eval.harness import evaluate_tasks
+
+    text = "\n\n".join(local_texts(120))
+    info = build_local_mc_task(text, tmp_path / "tasks", n=12, seed=0, context_words=16, continuation_words=6)
+    assert sum(info["label_counts"]) == 12 and max(info["label_counts"]) < 12
+    data_file = json.loads(json.dumps(info))["data_file"]
+    assert data_file.startswith("/")
+    res = evaluate_tasks(
+        tiny_qwen3,
+        tiny_tokenizer,
+        [info["task"]],
+        include_path=info["include_path"],
+        limit=8,
+        batch_size=4,
+        hf_home=tmp_path / "hf",
+        output_path=tmp_path / "res.json",
+    )
+    r = res[info["task"]]
+    assert 0.0 <= r["acc"] <= 1.0 and 0.0 <= r["acc_norm"] <= 1.0
+    assert "acc_stderr" in r
+    task_files = sorted(p.name for p in (tmp_path / "tasks").iterdir())
+    assert task_files == [f"{info['task']}.jsonl", f"{info['task']}.yaml"]  # the cache went to hf_home
+    assert any((tmp_path / "hf").rglob("*.arrow"))
+    dumped = json.loads((tmp_path / "res.json").read_text())
+    assert info["task"] in dumped["results"]

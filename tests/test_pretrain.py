@@ -1,0 +1,95 @@
+"""Tiny base-model pre-training: config, expert implementation, schedule, a smoke run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import local_texts
+
+from qatlib import pretrain as pt
+
+TINY = dict(
+    vocab_size=384,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    intermediate_size=64,
+    max_position_embeddings=128,
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: on a shared 2-core machine, 2 spinning OpenMP threads per process made
+    these steps ~50x slower (measured), while one thread loses little on tiny models."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_default_model_size_and_grouped_mm():
+    m = pt.build_model()
+    assert m.config.model_type == "qwen3_moe"
+    assert m.config._experts_implementation == "grouped_mm"
+    n = pt.count_params(m)["total"]
+    assert 2.5e6 < n < 3.1e6
+    dense = pt.build_model({"arch": "qwen3", **TINY})
+    assert dense.config.model_type == "qwen3"
+    with pytest.raises(ValueError):
+        pt.model_config({"arch": "llama"})
+
+
+def test_tokenizer_training_is_deterministic():
+    from qatlib.tokenizer import train_tokenizer
+
+    texts = local_texts(120)
+    a = train_tokenizer(texts, vocab_size=400)
+    b = train_tokenizer(texts, vocab_size=400)
+    assert a.get_vocab() == b.get_vocab()
+    assert a.backend_tokenizer.to_str() == b.backend_tokenizer.to_str()
+
+
+def test_lr_schedule():
+    cfg = pt.TrainConfig(token_budget=100 * 8 * 256, lr=1e-3, warmup_fraction=0.1, min_lr_ratio=0.1)
+    assert cfg.steps == 100
+    lrs = [pt.lr_at(s, cfg.steps, cfg) for s in range(cfg.steps)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert lrs[-1] == pytest.approx(1e-4, rel=0.05)
+    with pytest.raises(ValueError):
+        pt.TrainConfig.from_dict({"bogus": 1})
+
+
+def test_pretrain_smoke_lowers_loss_and_saves(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    texts = local_texts(200)
+    cut = len(texts) * 4 // 5
+    (corpus / "train.txt").write_text("\n\n".join(texts[:cut]))
+    (corpus / "test.txt").write_text("\n\n".join(texts[cut:]))
+    out = tmp_path / "model"
+    train = dict(token_budget=60 * 4 * 64, seq_len=64, batch_size=4, lr=5e-3, eval_windows=4, log_every=5)
+    stats = pt.pretrain(corpus, out, model=TINY, train=train, progress=False)
+    assert stats["steps"] == 60 and stats["tokens"] == 60 * 4 * 64
+    assert stats["experts_implementation"] == "grouped_mm"
+    first = stats["history"][0]["loss"]
+    assert stats["final_loss_mean_last_logs"] < first - 1.0
+    assert stats["test"]["windows"] >= 1
+    assert json.loads((out / "pretrain_stats.json").read_text())["steps"] == 60
+    assert not list(tmp_path.glob(".model.tmp-*"))
+
+    from qatlib.models import load_model, load_tokenizer
+
+    m = load_model(out, torch_dtype="fp32")
+    tok = load_tokenizer(out)
+    assert len(tok) <= TINY["vocab_size"] and tok.eos_token == "<|im_end|>"
+    ids = torch.tensor([tok("Return the value of the argument.")["input_ids"]])
+    assert torch.isfinite(m(ids).logits).all()
