@@ -247,10 +247,33 @@ class Zero3Context:
             self._inits[dtype] = deepspeed.zero.Init(config_dict_or_path=cfg)
         return self._inits[dtype]
 
+    def close(self) -> None:
+        """End the run cleanly (see `shutdown`)."""
+        shutdown()
+
+    def __enter__(self) -> Zero3Context:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # On an error, skip the barrier: the other ranks may never reach it.
+        if exc_type is None:
+            self.close()
+
     def scale_init(self):
         """``zero.Init`` for new quantizer parameters: fp32 whatever the model dtype (an Init with the
         model's bf16 would turn ``torch.full(..., dtype=float32)`` scales into bf16)."""
         return self.zero_init(torch.float32)
+
+
+def shutdown() -> None:
+    """Barrier, then destroy the process group. A process that exits with the gloo process group
+    alive can abort in its C++ teardown ("terminate called without an active exception", SIGABRT)
+    after all its work succeeded, failing the whole torchrun job."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def init_zero3(

@@ -89,6 +89,7 @@ def main() -> None:
                 }
             )
         )
+    z.shutdown()
     print(f"[rank{rank}] WORKER OK", flush=True)
 
 

@@ -168,6 +168,9 @@ def main() -> None:
     torch.manual_seed(0)
     for ph in spec["phases"]:
         run_phase(ph, spec, data)
+    from qatlib.zero3_io import shutdown
+
+    shutdown()
     print(f"[rank{os.environ.get('RANK')}] WORKER OK", flush=True)
 
 
