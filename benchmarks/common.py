@@ -1,0 +1,280 @@
+"""What every benchmark shares: the machine record, paired timing, the default model, JSON output.
+
+Timings on a shared CPU drift by 2x within a minute, so no benchmark reports an absolute time as
+its result. Every figure is a RATIO of two things measured in the same process, interleaved round
+by round (`interleaved`): the reported ratio is the median over rounds of the per-round ratio,
+which cancels slow drifts of the machine's load; absolute medians are recorded beside it for
+orientation only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = Path("results/bench")
+DEFAULT_BASE_MODEL = "tiny-qwen3-moe"
+PACKAGES = ("torch", "transformers", "deepspeed", "compressed-tensors", "accelerate", "lm-eval", "qatlib")
+SCHEMA_VERSION = 1
+
+
+# --------------------------------------------------------------------------- machine
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def git_state(cwd: str | os.PathLike = REPO) -> dict[str, Any]:
+    """``{"commit", "dirty", "changed_files"}`` of the repository (None when git is absent); dirty
+    counts modified, staged and untracked (not ignored) files."""
+
+    def run(*args: str) -> str | None:
+        try:
+            r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    commit = run("rev-parse", "HEAD")
+    status = run("status", "--porcelain")  # untracked files count: the run used them too
+    changed = None if status is None else [line[3:] for line in status.splitlines() if line.strip()]
+    return {
+        "commit": commit,
+        "dirty": None if changed is None else bool(changed),
+        "changed_files": None if changed is None else len(changed),
+    }
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("MemTotal", "MemAvailable"):
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def machine() -> dict[str, Any]:
+    """Cores, torch threads, memory, load, package versions, git commit and date of this run."""
+    import torch
+
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    mem = _meminfo()
+    return {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "processor": platform.machine(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": affinity,
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "cuda": torch.cuda.is_available(),
+        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "mem_total_bytes": mem.get("MemTotal"),
+        "mem_available_bytes": mem.get("MemAvailable"),
+        "versions": {p: _version(p) for p in PACKAGES},
+        "git": git_state(),
+        "argv": " ".join(sys.argv),
+    }
+
+
+def load_avg() -> float | None:
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+
+
+# --------------------------------------------------------------------------- timing
+def timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def interleaved(
+    fns: Mapping[str, Callable[[], Any]], *, repeats: int, warmup: int = 1
+) -> dict[str, list[float]]:
+    """Seconds per call of each function, measured round-robin: every round runs each function
+    once (the order rotates from round to round), so all of them see the same load."""
+    names = list(fns)
+    for _ in range(warmup):
+        for n in names:
+            fns[n]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            times[n].append(timed(fns[n]))
+    return times
+
+
+def paired_ratio(num: Sequence[float], den: Sequence[float]) -> dict[str, float]:
+    """Median (and quartiles) over rounds of ``num[r] / den[r]``, plus the ratio of medians."""
+    ratios = sorted(a / b for a, b in zip(num, den))
+    q = _quartiles(ratios)
+    return {
+        "ratio": round(statistics.median(ratios), 4),
+        "ratio_q1": round(q[0], 4),
+        "ratio_q3": round(q[1], 4),
+        "ratio_of_medians": round(statistics.median(num) / statistics.median(den), 4),
+        "rounds": len(ratios),
+    }
+
+
+def _quartiles(xs: Sequence[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return (xs[0], xs[0]) if xs else (float("nan"), float("nan"))
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def median_ms(ts: Sequence[float]) -> float:
+    return round(1000.0 * statistics.median(ts), 3)
+
+
+# --------------------------------------------------------------------------- formats
+# Layers left in high precision, as in the default experiment (config/experiments/tiny-qwen3-moe.yaml).
+IGNORE = ("lm_head", "embed_tokens", "gate")
+
+FORMATS: dict[str, str] = {
+    "fp8_static": "FP8 E4M3 weights and static per-tensor activations",
+    "int4_g32": "int4 sym weight-only, groups of 32",
+    "int4_ch": "int4 sym weight-only, per-channel",
+    "w4a8_fp8_g32": "int4 g32 weights (FP8 recast) + static FP8 activations",
+    "int8_w8a8": "int8 per-channel weights + int8 per-token dynamic activations",
+    "int3_g32": "int3 sym weight-only, groups of 32",
+    "int2_g32": "int2 sym weight-only, groups of 32",
+}
+
+
+def format_scheme(name: str):
+    """The `QuantScheme` of a benchmark format name (`FORMATS`)."""
+    from qatlib.quant import PRESETS
+    from qatlib.quant.spec import Granularity
+
+    def weight_only(bits: int, group: int | None):
+        s = PRESETS[f"int{bits}_weight_only"]
+        w = (
+            s.weight.replace(group_size=group)
+            if group
+            else s.weight.replace(granularity=Granularity.CHANNEL, group_size=None)
+        )
+        return s.replace(name=name, weight=w)
+
+    if name == "fp8_static":
+        return PRESETS["fp8_static"]
+    if name == "w4a8_fp8_g32":
+        s = PRESETS["w4a8_fp8"]
+        return s.replace(name=name, weight=s.weight.replace(group_size=32))
+    if name == "int8_w8a8":
+        return PRESETS["int8"].replace(name=name)
+    if name == "int4_ch":
+        return weight_only(4, None)
+    if name in ("int4_g32", "int3_g32", "int2_g32"):
+        return weight_only(int(name[3]), 32)
+    raise KeyError(f"unknown benchmark format {name!r}; choose from {', '.join(FORMATS)}")
+
+
+# --------------------------------------------------------------------------- default model
+def base_models_spec(name: str = DEFAULT_BASE_MODEL) -> dict[str, Any]:
+    """``config/base_models.yaml[name]`` (``model`` / ``train`` overrides of `qatlib.pretrain`)."""
+    import yaml
+
+    with open(REPO / "config" / "base_models.yaml", encoding="utf-8") as f:
+        models = yaml.safe_load(f)
+    if name not in models:
+        raise KeyError(f"no base model {name!r} in config/base_models.yaml (have {', '.join(models)})")
+    return models[name]
+
+
+def find_base_model(results: str | os.PathLike = "results", name: str = DEFAULT_BASE_MODEL) -> Path | None:
+    """The pipeline's pre-trained base model folder, or None."""
+    for d in (Path(results) / "base" / name, Path(results) / "bench" / "cache" / "base" / name):
+        if (d / "config.json").is_file() and any(d.glob("*.safetensors")):
+            return d
+    return None
+
+
+def default_model(results: str | os.PathLike = "results", name: str = DEFAULT_BASE_MODEL, *, seed: int = 0):
+    """``(model, source)``: the pre-trained default model if the pipeline (or the quality
+    benchmark) produced it, else the same architecture freshly initialised from its config (speed
+    and memory do not depend on the weights' values). fp32, ``use_cache`` off, experts on
+    ``grouped_mm``."""
+    from qatlib.pretrain import build_model, ensure_grouped_mm
+
+    path = find_base_model(results, name)
+    if path is not None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        model.config.use_cache = False
+        ensure_grouped_mm(model)
+        return model, str(path)
+    model = build_model(base_models_spec(name).get("model"), seed=seed)
+    return model, f"built from config/base_models.yaml[{name}] (random init)"
+
+
+# --------------------------------------------------------------------------- output
+def write_result(out_dir: str | os.PathLike, name: str, payload: Mapping[str, Any]) -> Path:
+    """``<out_dir>/<name>.json`` (atomic), with the schema version first."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    doc = {"benchmark": name, "schema_version": SCHEMA_VERSION, **payload}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, Path):
+        return str(o)
+    return str(o)
+
+
+def target(
+    name: str,
+    value: float | None,
+    threshold: float,
+    *,
+    higher_is_better: bool,
+    unit: str = "",
+    note: str = "",
+) -> dict[str, Any]:
+    """One target row: ``met`` is None when the value could not be measured."""
+    met = None if value is None else (value >= threshold if higher_is_better else value <= threshold)
+    op = ">=" if higher_is_better else "<="
+    return {"target": f"{name} {op} {threshold}{unit}", "value": value, "met": met, "note": note}
+
+
+@contextlib.contextmanager
+def stopwatch() -> Iterator[dict[str, float]]:
+    rec: dict[str, float] = {}
+    t0 = time.perf_counter()
+    try:
+        yield rec
+    finally:
+        rec["s"] = time.perf_counter() - t0
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)

@@ -1,0 +1,170 @@
+"""What every stage script shares: the config flags, threads, logging, progress bars and the
+``timings/<stage>.json`` record.
+
+Config flags follow the upstream ``tools/run.py``: ``-c/--config`` (the experiment YAML),
+``--model-path`` (overrides ``model.model_path``), ``--save-path`` (the stage's output folder),
+plus ``--set dotted.key=value`` (repeatable, values read as YAML) for any other key; everything
+is validated by `qatlib.config.load_config` before any work starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+log = logging.getLogger("qatlib.scripts")
+
+
+def parser(
+    description: str, *, config: bool = True, model: bool = True, save: bool = True
+) -> argparse.ArgumentParser:
+    """An argument parser with the shared flags (run flags always; config flags on request)."""
+    ap = argparse.ArgumentParser(description=description)
+    if config:
+        ap.add_argument("-c", "--config", required=True, help="experiment YAML (upstream AngelSlim layout)")
+        ap.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config key (dotted path; the value is read as YAML); repeatable",
+        )
+    if model:
+        ap.add_argument(
+            "--model-path", default=None, help="model folder or hub id (overrides model.model_path)"
+        )
+    if save:
+        ap.add_argument("--save-path", default=None, help="output folder (overrides global.save_path)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--timing", default=None, help="write {stage, wall_s, ...} JSON here when done")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return ap
+
+
+def load_experiment(args: argparse.Namespace, extra: Sequence[str] = ()):
+    """The validated `ExperimentConfig` of ``args.config`` with ``--set``, ``--model-path``,
+    ``--save-path`` and ``extra`` (``key=value`` strings) applied; exits with the config error."""
+    from qatlib.config import ConfigError, load_config
+
+    sets = list(args.overrides)
+    if getattr(args, "model_path", None):
+        sets.append(f"model.model_path={json.dumps(str(args.model_path))}")
+    if getattr(args, "save_path", None):
+        sets.append(f"global.save_path={json.dumps(str(args.save_path))}")
+    sets += list(extra)
+    try:
+        return load_config(args.config, sets)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def setup(args: argparse.Namespace) -> None:
+    """Logging (rank-prefixed under torchrun), torch threads, progress bars on/off."""
+    prefix = f"[rank {rank()}] " if world_size() > 1 else ""
+    logging.basicConfig(
+        level=logging.INFO if rank() == 0 else logging.WARNING,
+        format=f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
+    if args.no_progress:
+        os.environ["TQDM_DISABLE"] = "1"
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def write_json(path: str | os.PathLike, obj) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, p)
+
+
+@contextlib.contextmanager
+def stage(name: str, args: argparse.Namespace) -> Iterator[dict]:
+    """Run a stage: set up, time it, and (rank 0) write ``args.timing`` when it succeeds.
+
+    Yields a dict whose entries are added to the timing record.
+    """
+    setup(args)
+    extra: dict = {}
+    t0 = time.perf_counter()
+    log.info("stage %s: start", name)
+    yield extra
+    wall = time.perf_counter() - t0
+    log.info("stage %s: done in %.1f s", name, wall)
+    if args.timing and rank() == 0:
+        import torch
+
+        record = {
+            "stage": name,
+            "wall_s": round(wall, 3),
+            "world_size": world_size(),
+            "torch_threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+        }
+        record.update(extra)
+        write_json(args.timing, record)
+
+
+def resolve_model_dir(path: str, *, cache_dir: str | None = None) -> str:
+    """A local folder for ``path``: itself when it exists, else the hub snapshot of that id
+    (downloaded once into the HF cache; the ZeRO-3 loader needs files on disk)."""
+    if Path(path).exists():
+        return path
+    from huggingface_hub import snapshot_download
+
+    log.info("%s is not a local folder: fetching the hub snapshot", path)
+    return snapshot_download(
+        path,
+        cache_dir=cache_dir,
+        allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.py"],
+    )
+
+
+# ----------------------------------------------------------------------------- config -> qatlib
+# TODO(lead): these two belong in qatlib (e.g. ExperimentConfig.prepare_options() / .ignore_layers);
+# every stage that rebuilds a prepared model must use the same ones.
+def prepare_options(cfg):
+    """`PrepareOptions` from ``compression.QAT.plugin_config.quant_config``."""
+    from qatlib.quant import PrepareOptions
+
+    qc = cfg.qat.plugin_config.quant_config
+    return PrepareOptions(
+        weight_init_value=qc.weight_scale_init_value,
+        act_init_value=qc.activation_scale_init_value,
+        lwc_init=qc.lwc.lwc_init_value if qc.lwc.enable_lwc else None,
+    )
+
+
+def ignore_layers(cfg) -> list[str]:
+    """``compression.quantization.ignore_layers`` (``lm_head`` when the list is empty)."""
+    return list(cfg.quantization.ignore_layers) or ["lm_head"]
+
+
+def torch_dtype(cfg):
+    """The model dtype of ``model.torch_dtype`` (None for ``auto``)."""
+    from qatlib.models import resolve_dtype
+
+    d = resolve_dtype(cfg.model.torch_dtype_name)
+    return None if d == "auto" else d

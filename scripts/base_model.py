@@ -1,0 +1,57 @@
+"""Stage `base_model`: pre-train a tiny base model (and its tokenizer) on the offline corpus.
+
+    python scripts/base_model.py --name tiny-qwen3-moe --corpus results/corpus \
+        --save-path results/base/tiny-qwen3-moe [--spec-json '{"model": {...}, "train": {...}}']
+
+Without --spec-json the definition is read from config/base_models.yaml (--base-models).
+"""
+
+from __future__ import annotations
+
+import json
+
+import _common
+
+
+def main(argv=None) -> int:
+    ap = _common.parser(__doc__.splitlines()[0], config=False, model=False)
+    ap.add_argument("--name", required=True, help="base model name (a key of --base-models)")
+    ap.add_argument("--corpus", required=True, help="corpus folder (train.txt, test.txt)")
+    ap.add_argument("--spec-json", default=None, help="the model's definition as JSON (model / train)")
+    ap.add_argument("--base-models", default="config/base_models.yaml", help="definitions of the base models")
+    args = ap.parse_args(argv)
+    if not args.save_path:
+        ap.error("--save-path is required")
+    if args.spec_json:
+        spec = json.loads(args.spec_json)
+    else:
+        import yaml
+
+        with open(args.base_models, encoding="utf-8") as f:
+            models = yaml.safe_load(f)
+        if args.name not in models:
+            ap.error(f"no base model {args.name!r} in {args.base_models}")
+        spec = models[args.name]
+    unknown = sorted(set(spec) - {"model", "train"})
+    if unknown:
+        ap.error(f"base model {args.name!r}: unknown keys {unknown} (expected model, train)")
+
+    from qatlib.pretrain import pretrain
+
+    with _common.stage("base_model", args) as record:
+        train = dict(spec.get("train") or {})
+        if args.threads:
+            train.setdefault("num_threads", args.threads)
+        stats = pretrain(
+            args.corpus, args.save_path, model=spec.get("model"), train=train, progress=not args.no_progress
+        )
+        summary = {k: stats.get(k) for k in ("steps", "tokens", "final_loss", "tokens_per_second")}
+        if "test" in stats:
+            summary["test_ppl"] = stats["test"]["ppl"]
+        print(json.dumps(summary, indent=2))
+        record.update(name=args.name, **summary)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

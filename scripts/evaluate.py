@@ -1,0 +1,152 @@
+"""Stage `evaluate`: perplexity and task accuracy of one variant -> eval/<variant>.json.
+
+    python scripts/evaluate.py -c config/experiments/tiny-qwen3-moe.yaml --variant qat \
+        --model-path results/tiny-qwen3-moe/qat --scales results/tiny-qwen3-moe/qat \
+        --out results/tiny-qwen3-moe/eval/qat.json
+
+Variants: ``bf16`` (the model as it is), ``ptq`` / ``qat`` (``--scales``: the model is prepared with
+the experiment's scheme and the scales are loaded: fake quantization in memory), ``export`` (the
+exported checkpoint reloaded from disk with ``AutoModelForCausalLM.from_pretrained``, which
+decompresses compressed-tensors weights and applies its activation quantization).
+``evaluation.ppl``: ``wikitext2``, ``c4`` or local text files; ``evaluation.tasks``: lm-eval task
+names, or local task folders (``<dir>/<name>.yaml``, e.g. the corpus rule's multiple-choice task).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import _common
+
+VARIANTS = ("bf16", "ptq", "qat", "export")
+
+
+def ppl_label(source: str) -> str:
+    """Dataset key in the result: hub sets by name, local files as ``<folder>/<stem>``."""
+    p = Path(source)
+    return source if not p.suffix else f"{p.parent.name}/{p.stem}"
+
+
+def split_tasks(tasks: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """(task names, include paths, hub task names) from ``evaluation.tasks``."""
+    names, include, hub = [], [], []
+    for t in tasks:
+        p = Path(t)
+        if p.is_dir():
+            if not (p / f"{p.name}.yaml").is_file():
+                raise SystemExit(
+                    f"error: evaluation.tasks: {p} has no {p.name}.yaml (a local task folder is named after its task)"
+                )
+            names.append(p.name)
+            include.append(str(p))
+        else:
+            names.append(t)
+            hub.append(t)
+    return names, include, hub
+
+
+def load_variant(cfg, variant: str, model_path: str, scales: str | None):
+    import torch
+
+    from qatlib.models import load_model
+
+    cuda = torch.cuda.is_available()
+    if variant == "export":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, trust_remote_code=cfg.model.trust_remote_code, device_map="auto" if cuda else None
+        )
+        return model.eval()
+    model = load_model(
+        model_path,
+        torch_dtype=cfg.model.torch_dtype,
+        trust_remote_code=cfg.model.trust_remote_code,
+        attn_implementation=cfg.model.attn_implementation,
+        device_map="auto" if cuda else None,
+    )
+    if scales:
+        from qatlib.quant import prepare
+        from qatlib.zero3_io import stream_load_scales
+
+        scheme = cfg.quant_scheme()
+        prepare(model, scheme, ignore=_common.ignore_layers(cfg), options=_common.prepare_options(cfg))
+        rep = stream_load_scales(model, scales, scheme)
+        if rep.get("misses"):
+            raise SystemExit(f"error: {scales}: {rep['misses']} quantizer parameters have no value there")
+    return model.eval()
+
+
+def main(argv=None) -> int:
+    ap = _common.parser(__doc__.splitlines()[0], save=False)
+    ap.add_argument("--variant", required=True, choices=VARIANTS)
+    ap.add_argument("--scales", default=None, help="PTQ / QAT checkpoint whose scales to load (ptq, qat)")
+    ap.add_argument("--out", required=True, help="result JSON")
+    ap.add_argument("--hf-home", default=None, help="HF cache folder for datasets (lm-eval's Arrow files)")
+    args = ap.parse_args(argv)
+    if args.variant in ("ptq", "qat") and not args.scales:
+        ap.error(f"--variant {args.variant} needs --scales")
+    cfg = _common.load_experiment(args)
+    ev = cfg.evaluation
+    if ev is None or not (ev.ppl or ev.tasks):
+        ap.error(f"{args.config}: no `evaluation` (ppl / tasks) to run")
+
+    with _common.stage(f"evaluate-{args.variant}", args) as record:
+        from qatlib.eval.harness import evaluate_tasks
+        from qatlib.eval.perplexity import perplexity
+        from qatlib.models import load_tokenizer
+
+        t0 = time.perf_counter()
+        model_dir = _common.resolve_model_dir(cfg.model.model_path, cache_dir=cfg.model.cache_dir)
+        model = load_variant(cfg, args.variant, model_dir, args.scales)
+        tok = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+        result = {
+            "variant": args.variant,
+            "model_path": str(model_dir),
+            "scales": args.scales,
+            "ppl": {},
+            "tasks": {},
+        }
+        for src in ev.ppl:
+            r = perplexity(
+                model,
+                tok,
+                src,
+                seq_len=ev.max_seq_length,
+                batch_size=ev.batch_size,
+                limit=ev.limit,
+                progress=not args.no_progress,
+                cache_dir=args.hf_home,
+            )
+            result["ppl"][ppl_label(src)] = r
+            print(f"{args.variant} ppl {ppl_label(src)}: {r['ppl']:.4f} ({r['windows']} windows)")
+        if ev.tasks:
+            names, include, hub = split_tasks(list(ev.tasks))
+            result["tasks"] = evaluate_tasks(
+                model,
+                tok,
+                names,
+                num_fewshot=ev.num_fewshot,
+                limit=ev.limit,
+                batch_size=ev.batch_size,
+                include_path=include or None,
+                include_defaults=bool(hub),
+                hf_home=args.hf_home,
+                max_length=ev.max_seq_length,
+                seed=cfg.global_.seed,
+            )
+            for task, m in result["tasks"].items():
+                print(f"{args.variant} {task}: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items()))
+        result["wall_s"] = round(time.perf_counter() - t0, 3)
+        bad = [k for k, r in result["ppl"].items() if not math.isfinite(r["ppl"])]
+        if bad:
+            raise SystemExit(f"error: non-finite perplexity on {', '.join(bad)} ({args.variant})")
+        _common.write_json(args.out, result)
+        record.update(variant=args.variant)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

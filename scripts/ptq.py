@@ -1,0 +1,71 @@
+"""Stage `ptq_calibrate`: PTQ calibration -> the PTQ checkpoint QAT warm-starts from.
+
+    python scripts/ptq.py -c config/experiments/tiny-qwen3-moe.yaml \
+        --model-path results/base/tiny-qwen3-moe --save-path results/tiny-qwen3-moe/ptq
+
+Calibrates on the experiment's ``dataset`` (``num_samples`` samples of ``max_seq_length`` tokens,
+``batch_size`` per forward; ``compression.QAT.hf_dataset`` wins over ``dataset.data_path``).
+"""
+
+from __future__ import annotations
+
+import _common
+
+
+def main(argv=None) -> int:
+    ap = _common.parser(__doc__.splitlines()[0])
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --save-path")
+    args = ap.parse_args(argv)
+    cfg = _common.load_experiment(args)
+    if cfg.dataset is None and not cfg.qat.hf_dataset:
+        ap.error(
+            f"{args.config}: PTQ calibrates on `dataset` (or compression.QAT.hf_dataset); neither is set"
+        )
+
+    with _common.stage("ptq_calibrate", args) as record:
+        import torch
+        from torch.utils.data import DataLoader
+
+        from qatlib.data import PadCollator, load_training_data
+        from qatlib.models import load_model, load_tokenizer
+        from qatlib.ptq import calibrate, save_ptq_checkpoint
+
+        scheme = cfg.quant_scheme()
+        model_dir = _common.resolve_model_dir(cfg.model.model_path, cache_dir=cfg.model.cache_dir)
+        cuda = torch.cuda.is_available()
+        model = load_model(
+            model_dir,
+            torch_dtype=cfg.model.torch_dtype,
+            trust_remote_code=cfg.model.trust_remote_code,
+            attn_implementation=cfg.model.attn_implementation,
+            device_map=(cfg.model.device_map or "auto") if cuda else None,
+        )
+        tok = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+        ds_cfg = cfg.dataset
+        source = cfg.qat.hf_dataset or ds_cfg.data_path
+        data = load_training_data(
+            source,
+            tok,
+            ds_cfg.max_seq_length if ds_cfg else 2048,
+            ds_cfg.num_samples if ds_cfg else 128,
+            hf_cache_dir=cfg.qat.hf_cache_dir,
+        )
+        loader = DataLoader(
+            data, batch_size=ds_cfg.batch_size if ds_cfg else 1, collate_fn=PadCollator.for_tokenizer(tok)
+        )
+        from tqdm.auto import tqdm
+
+        batches = tqdm(loader, desc="PTQ calibration", disable=args.no_progress, mininterval=2.0)
+        report = calibrate(
+            model, scheme, batches, ignore=_common.ignore_layers(cfg), options=_common.prepare_options(cfg)
+        )
+        save_ptq_checkpoint(
+            model, scheme, cfg.global_.save_path, calibration=report, tokenizer=tok, overwrite=args.overwrite
+        )
+        record.update(scheme=scheme.name, batches=report.num_batches, tokens=report.num_tokens)
+        print(f"PTQ checkpoint ({scheme.name}): {cfg.global_.save_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

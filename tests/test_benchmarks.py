@@ -1,0 +1,169 @@
+"""Smoke tests of the benchmarks: the --quick path writes valid JSON, and the helpers compute what
+they say. Nothing here asserts a timing (the machine is shared); the numbers are the benchmark's
+output, not the test's business."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from benchmarks import common, pipeline, quality
+from benchmarks.run import main
+
+
+def _check_common(doc: dict, name: str) -> None:
+    assert doc["benchmark"] == name
+    assert "error" not in doc, doc.get("error")
+    assert doc["quick"] is True
+    m = doc["machine"]
+    for key in ("cpu_count", "torch_threads", "date_utc", "load_avg_1m"):
+        assert key in m
+    assert (
+        m["versions"]["torch"] == torch.__version__.split("+")[0]
+        or m["versions"]["torch"] == torch.__version__
+    )
+    for pkg in ("transformers", "deepspeed", "compressed-tensors"):
+        assert pkg in m["versions"]
+    assert "commit" in m["git"]
+
+
+def _report_renders(doc: dict, name: str) -> None:
+    """The report builder renders benchmark JSON generically: it must accept ours."""
+    build = pytest.importorskip("qatlib.report.build")
+    blocks = build.json_tables(doc, f"{name}.json")
+    assert blocks
+
+
+def test_quick_speed_memory_pipeline(tmp_path):
+    out = tmp_path / "bench"
+    rc = main(
+        [
+            "--quick",
+            "--only",
+            "speed,memory,pipeline",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+            "--results",
+            str(tmp_path / "res"),
+        ]
+    )
+    assert rc == 0
+    for name in ("speed", "memory", "pipeline"):
+        doc = json.loads((out / f"{name}.json").read_text())
+        _check_common(doc, name)
+        _report_renders(doc, name)
+    speed = json.loads((out / "speed.json").read_text())
+    (row,) = speed["step"]
+    assert row["format"] == "w4a8_fp8_g32"
+    for key in ("qat_over_plain", "plain_wgrad_over_plain", "qat_over_plain_wgrad"):
+        assert row[key] > 0 and math.isfinite(row[key])
+    assert speed["fake_quant"][0]["fq_fwd_vs_clone"] > 0
+    assert speed["targets"][0]["met"] in (True, False)
+    assert speed["profile_top_ops_qat"] and speed["profile_extra_ops_qat_minus_plain"]
+    assert speed["fused_prototype_check"]["values_bit_exact"]
+    mem = json.loads((out / "memory.json").read_text())
+    (kd,) = mem["kd_loss"]
+    assert kd["tracker_chunked_peak_bytes"] > 0 and kd["tracker_full_peak_bytes"] > 0
+    assert mem["zero3_load"]["status"] == "not run"  # no zero3_load.json in this folder
+    pipe = json.loads((out / "pipeline.json").read_text())
+    assert pipe["status"] == "not run" and pipe["missing_stages"]
+
+
+@pytest.mark.slow
+def test_quick_quality(tmp_path):
+    out = tmp_path / "bench"
+    argv = [
+        "--quick",
+        "--only",
+        "quality",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+        "--results",
+        str(tmp_path / "res"),
+    ]
+    assert main(argv) == 0
+    doc = json.loads((out / "quality.json").read_text())
+    _check_common(doc, "quality")
+    _report_renders(doc, "quality")
+    assert doc["eval_check"]["abs_diff"] < 1e-6 * doc["eval_check"]["qatlib_eval_perplexity"]
+    fmts = {r["format"]: r for r in doc["formats"]}
+    assert set(fmts) == {"fp8_static", "w4a8_fp8_g32"}
+    assert fmts["w4a8_fp8_g32"]["gptq_ppl"] is not None and fmts["fp8_static"]["gptq_ppl"] is None
+    for r in fmts.values():
+        for key in ("bf16_ppl", "rtn_ppl", "qat_ppl"):
+            assert math.isfinite(r[key]) and r[key] > 1
+    assert [r["variant"] for r in doc["ablation_kd_loss_equal_steps"]] == ["origin", "kl"]
+    assert [r["lr"] for r in doc["ablation_lr_equal_steps"]] == [1e-4, 1e-3]
+    assert len(doc["ablation_lwc_equal_steps"]) == 2 and len(doc["ablation_e2e_vs_blockwise_equal_wall"]) == 2
+    assert "errors" not in doc
+    for fmt in ("w4a8_fp8_g32", "fp8_static"):
+        assert any(f"[{fmt}]" in t["target"] and t["met"] in (True, False) for t in doc["targets"])
+
+
+def test_paired_ratio_and_interleaving():
+    r = common.paired_ratio([2.0, 4.0, 6.0], [1.0, 2.0, 2.0])
+    assert r["ratio"] == 2.0 and r["ratio_of_medians"] == 2.0 and r["rounds"] == 3
+    calls = []
+    t = common.interleaved(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=2, warmup=1
+    )
+    assert calls == ["a", "b", "a", "b", "b", "a"]  # warm-up, then the order rotates
+    assert len(t["a"]) == len(t["b"]) == 2
+
+
+def test_fused_prototype_matches_fake_quantize():
+    """The proposal measured by the speed benchmark computes exactly what qatlib computes."""
+    from benchmarks import speed
+    from qatlib.quant.spec import Granularity, QuantSpec
+
+    specs = [common.format_scheme(n).weight for n in speed.SPEED_FORMATS]
+    specs += [common.format_scheme(n).input for n in speed.SPEED_FORMATS if common.format_scheme(n).input]
+    specs += [QuantSpec("int4", Granularity.GROUP, group_size=32, symmetric=False)]
+    r = speed.check_fused(specs)
+    assert r["values_bit_exact"] and r["max_rel_grad_error"] < 1e-4
+
+
+def test_formats_are_what_they_say():
+    s = common.format_scheme("w4a8_fp8_g32")
+    assert s.weight.qtype == "int4" and s.weight.group_size == 32 and s.weight.fp8_recast and s.input.is_fp8
+    assert common.format_scheme("int4_ch").weight.granularity.value == "per-channel"
+    assert common.format_scheme("int2_g32").weight.qtype == "int2"
+    assert set(common.FORMATS) >= set(quality.QUALITY_FORMATS)
+    with pytest.raises(KeyError):
+        common.format_scheme("int5_g7")
+
+
+def test_recovery_and_noise_flag():
+    w = 50
+    g = torch.Generator().manual_seed(0)
+    base = 100 + torch.rand(w, generator=g, dtype=torch.float64)
+    bf16 = {"ppl": 10.0, "_nll": base}
+    ptq = {"ppl": 11.0, "_nll": base + 5.0 + 0.01 * torch.rand(w, generator=g, dtype=torch.float64)}
+    qat = {"ppl": 10.2, "_nll": base + 1.0 + 0.01 * torch.rand(w, generator=g, dtype=torch.float64)}
+    r = quality.recovery(bf16, ptq, qat)
+    assert r["recovery"] == pytest.approx(0.8) and not r["noise"] and r["recovery_se"] < 0.01
+    tiny = {"ppl": 10.01, "_nll": ptq["_nll"]}  # PTQ costs 0.1%: any recovery is noise
+    assert quality.recovery(bf16, tiny, qat)["noise"]
+
+
+def test_pipeline_reads_stage_timings(tmp_path):
+    res = tmp_path / "results"
+    (res / "timings").mkdir(parents=True)
+    (res / "exp" / "timings").mkdir(parents=True)
+    (res / "timings" / "corpus.json").write_text(json.dumps({"stage": "corpus", "wall_s": 30.0}))
+    (res / "exp" / "timings" / "zero3_qat.json").write_text(
+        json.dumps({"stage": "zero3_qat", "wall_s": 90.0})
+    )
+    (res / "exp" / "timings" / "ptq_calibrate.json").write_text("{not json")
+    out = pipeline.run(results=str(res), experiment="exp")
+    assert [r["stage"] for r in out["stages"]] == ["corpus", "ptq_calibrate", "zero3_qat"]
+    assert out["total_wall_s"] == 120.0 and out["status"] == "partial"
+    assert out["stages"][0]["share"] == 0.25 and "error" in out["stages"][1]
+    assert "convert_export" in out["missing_stages"]

@@ -1,0 +1,418 @@
+"""The Snakemake workflow and its DVC wrapper.
+
+Fast: lint, the default DAG (dry run), the exported schema is fresh, config validation at DAG
+time, each experiment's DAG, DVC's stage and offline plots. Slow (CI runs it): the whole DAG for
+real on the `.test` config in a copy of the repository, then: finite numbers for every variant,
+the export reloads from disk, a second run does nothing, and a config change re-runs exactly the
+stages downstream of what changed (Snakemake directly, and through params.yaml as DVC does).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+TEST_CONFIG = ".test/config/config.yaml"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+DEFAULT_DAG = {
+    "corpus": 1,
+    "base_model": 1,
+    "local_task": 1,
+    "ptq_calibrate": 1,
+    "zero3_qat": 1,
+    "convert_export": 1,
+    "evaluate": 4,
+    "sqnr": 1,
+    "report": 1,
+    "all": 1,
+}
+
+needs_snakemake = pytest.mark.skipif(shutil.which("snakemake") is None, reason="snakemake not installed")
+
+
+def run(cmd, cwd, timeout=600, check=True):
+    res = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    out = res.stdout + res.stderr
+    if check and res.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, cmd))} failed ({res.returncode}):\n{out[-6000:]}")
+    return res.returncode, out
+
+
+def snakemake(args, cwd=REPO, workdir=None, **kw):
+    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile") if workdir else "Snakefile"]
+    if workdir:
+        cmd += ["--directory", str(workdir)]
+    return run([*cmd, *args], cwd, **kw)
+
+
+def job_counts(out: str) -> dict[str, int]:
+    """The `Job stats` table of a Snakemake (dry) run: rule -> number of jobs."""
+    m = re.search(r"Job stats:\n.*?\n-+\s+-+\n(.*?)\ntotal\s+\d+", out, re.S)
+    assert m, f"no job stats in:\n{out[-3000:]}"
+    counts = {}
+    for line in m.group(1).splitlines():
+        rule, n = line.split()
+        counts[rule] = int(n)
+    return counts
+
+
+def dry_jobs(out: str) -> set[str]:
+    """`rule[wildcards]` of every job a dry run lists (evaluate jobs with their variant)."""
+    jobs = set()
+    for block in re.split(r"\n(?=\[|(?:local)?rule )", out):
+        m = re.search(r"^(?:local)?rule (\w+):", block, re.M)
+        if not m:
+            continue
+        w = re.search(r"wildcards: (.*)", block)
+        variant = re.search(r"variant=(\w+)", w.group(1)) if w else None
+        jobs.add(f"{m.group(1)}[{variant.group(1)}]" if variant else m.group(1))
+    return jobs
+
+
+# ----------------------------------------------------------------------------- fast
+@needs_snakemake
+def test_lint_is_clean():
+    code, out = snakemake(["--lint"], check=False)
+    assert "Lints for" not in out, out
+    assert code == 0, out
+
+
+@pytest.mark.skipif(shutil.which("snakefmt") is None, reason="snakefmt not installed")
+def test_snakefmt_is_clean():
+    files = ["Snakefile", *sorted(str(p.relative_to(REPO)) for p in (REPO / "workflow/rules").glob("*.smk"))]
+    code, out = run(["snakefmt", "--check", *files], REPO, check=False)
+    assert code == 0, out
+
+
+@needs_snakemake
+def test_default_dag_lists_exactly_the_expected_rules(tmp_path):
+    _, out = snakemake(["-n"], workdir=tmp_path)
+    assert job_counts(out) == DEFAULT_DAG
+    assert "results/tiny-qwen3-moe/report.html" in out
+    # the zero3_qat job launches torchrun with the configured ranks and DeepSpeed JSON
+    _, out = snakemake(["-n", "-p", "results/tiny-qwen3-moe/qat"], workdir=tmp_path)
+    assert "torchrun --standalone --nproc_per_node=2" in out
+    assert "zero3_cpu.json" in out
+
+
+def test_committed_schema_is_a_fresh_export():
+    from qatlib.config import config_json_schema
+
+    committed = json.loads((REPO / "workflow/schemas/experiment.schema.json").read_text())
+    assert committed == config_json_schema(), (
+        "workflow/schemas/experiment.schema.json is stale: "
+        "python -m qatlib.config --schema workflow/schemas/experiment.schema.json"
+    )
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "config/experiments").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_experiment_validates(path, monkeypatch):
+    from qatlib.config import load_config
+
+    monkeypatch.chdir(REPO)  # DeepSpeed JSON paths are relative to the repository
+    cfg = load_config(path)
+    assert cfg.zero3_enabled and cfg.qat.from_ptq_ckpt == f"results/{path.stem}/ptq"
+    assert cfg.global_.save_path == f"results/{path.stem}/qat"
+
+
+def test_real_experiments_carry_the_upstream_recipe(monkeypatch):
+    from qatlib.config import load_config
+
+    monkeypatch.chdir(REPO)
+    formats = {}
+    for name in ("qwen3-4b", "qwen3-30b", "qwen3-30b-w4a8", "qwen3-30b-int4"):
+        cfg = load_config(REPO / f"config/experiments/{name}.yaml")
+        qat = cfg.qat
+        assert (qat.loss_type, qat.lm_loss_weight, qat.kd_loss_weight) == ("cakld", 1.0, 1.0)
+        hf = qat.hf_args
+        assert hf["bf16"] and hf["gradient_checkpointing"] and hf["learning_rate"] == 1e-6
+        assert cfg.model.torch_dtype_name == "bfloat16" and cfg.model.device_map is None
+        qc = qat.plugin_config.quant_config
+        assert qc.weight_scale_init_value == 0.1
+        assert {"lm_head", "embed_tokens"} <= set(cfg.quantization.ignore_layers)
+        assert cfg.evaluation.ppl == ["wikitext2", "c4"]
+        assert set(cfg.evaluation.tasks) == {"piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande"}
+        formats[name] = cfg.quant_scheme().name
+    assert formats == {
+        "qwen3-4b": "fp8_static",
+        "qwen3-30b": "fp8_static",
+        "qwen3-30b-w4a8": "w4a8_fp8",
+        "qwen3-30b-int4": "int4_weight_only",
+    }
+    assert load_config(REPO / "config/experiments/qwen3-30b.yaml").model.model_path == "Qwen/Qwen3-30B-A3B"
+
+
+def _test_experiments(tmp_path, edit=None) -> Path:
+    """A copy of the .test experiments (optionally edited) in tmp_path/experiments."""
+    d = tmp_path / "experiments"
+    shutil.copytree(REPO / ".test/config/experiments", d, dirs_exist_ok=True)
+    if edit:
+        p = d / "tiny-test.yaml"
+        p.write_text(edit(p.read_text()))
+    return d
+
+
+@needs_snakemake
+def test_bad_experiment_fails_the_dag_naming_the_key(tmp_path):
+    exps = _test_experiments(tmp_path, lambda s: s.replace("      max_steps: 10\n", "      max_step: 10\n"))
+    code, out = snakemake(
+        ["-n", "--configfile", str(REPO / TEST_CONFIG), "--config", f"experiments_dir={exps}"],
+        workdir=tmp_path / "wd",
+        check=False,
+    )
+    assert code != 0
+    assert "tiny-test.yaml" in out and "max_step" in out
+
+
+@needs_snakemake
+def test_yaml_1e_minus_4_is_a_number_at_dag_time(tmp_path):
+    # PyYAML alone reads 1e-4 as a string, which the schema refuses; the workflow reads it like qatlib
+    exps = _test_experiments(tmp_path, lambda s: s.replace("learning_rate: 1.0e-4", "learning_rate: 1e-4"))
+    assert "learning_rate: 1e-4" in (exps / "tiny-test.yaml").read_text()
+    _, out = snakemake(
+        ["-n", "--configfile", str(REPO / TEST_CONFIG), "--config", f"experiments_dir={exps}"],
+        workdir=tmp_path / "wd",
+    )
+    assert job_counts(out)["zero3_qat"] == 1
+
+
+@needs_snakemake
+def test_every_tiny_experiment_has_a_dag(tmp_path):
+    for exp in ("tiny-qwen3-moe", "tiny-qwen3"):
+        _, out = snakemake(["-n", f"results/{exp}/report.html"], workdir=tmp_path)
+        assert job_counts(out)["zero3_qat"] == 1
+
+
+@needs_snakemake
+def test_real_experiment_without_its_data_is_a_missing_input(tmp_path):
+    code, out = snakemake(["-n", "results/qwen3-30b/report.html"], workdir=tmp_path, check=False)
+    assert code != 0
+    assert "MissingInputException" in out and "sharegpt_gpt4-qwen3_a22B_output.jsonl" in out
+
+
+def test_dvc_stage_tracks_checkpoints_persistently():
+    spec = yaml.safe_load((REPO / "dvc.yaml").read_text())
+    stage = spec["stages"]["workflow"]
+    assert stage["cmd"].startswith("snakemake ")
+    assert set(stage["params"]) == {"experiment", "overrides"}
+    outs = {next(iter(o)): o[next(iter(o))] for o in stage["outs"]}
+    for name in ("ptq", "qat", "export"):
+        out = outs[f"results/${{experiment}}/{name}"]
+        assert out["persist"] is True
+    assert all(o["persist"] and o.get("cache", True) for o in outs.values())
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    assert params["experiment"] == config["experiment"] and params["overrides"] == {}
+
+
+@pytest.mark.skipif(shutil.which("dvc") is None, reason="dvc not installed")
+def test_dvc_plots_show_writes_the_plots(tmp_path):
+    run(["dvc", "init", "--no-scm", "-q"], tmp_path)
+    for f in ("dvc.yaml", "params.yaml"):
+        shutil.copy(REPO / f, tmp_path / f)
+    plots = tmp_path / "results/tiny-qwen3-moe/plots"
+    plots.mkdir(parents=True)
+    (plots / "loss.csv").write_text("step,lm_loss,total_loss\n1,5.0,5.1\n2,4.9,5.0\n")
+    (plots / "sqnr.csv").write_text("layer,layer_type,ptq_db,qat_db,delta_db\na,q_proj,20.0,20.5,0.5\n")
+    template = REPO / ".dvc/plots_template.html"
+    args = ["--html-template", str(template)] if template.is_file() else []
+    run(["dvc", "plots", "show", "-o", "out", *args], tmp_path)
+    html = (tmp_path / "out/index.html").read_text()
+    assert "Training loss" in html and "Per-layer weight SQNR" in html and "vegaEmbed" in html
+    if template.is_file():  # scripts/dvc_plots_template.py: renders with no network
+        assert "cdn.jsdelivr.net" not in html and "vega@5.20.2" in html
+
+
+# ----------------------------------------------------------------------------- slow: the real DAG
+def copy_repo(dst: Path) -> Path:
+    """Tracked and untracked (not ignored) files of the repository, as a fresh git repo."""
+    files = (
+        subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True, check=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
+    for f in filter(None, files):
+        src = REPO / f
+        if src.is_file():
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / f)
+    for f in (".dvc/plots_template.html", ".dvc/config.local"):
+        if (REPO / f).is_file():
+            shutil.copy2(REPO / f, dst / f)
+    run(["git", "init", "-q"], dst)
+    run(["git", "add", "-A"], dst)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "copy"], dst)
+    return dst
+
+
+def edit_yaml(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"{old!r} not in {path}"
+    path.write_text(text.replace(old, new))
+
+
+@pytest.mark.slow
+@needs_snakemake
+def test_end_to_end_on_the_test_config(tmp_path):
+    repo = copy_repo(tmp_path / "repo")
+    sm = [*SNAKEMAKE, "--configfile", TEST_CONFIG]
+    exp = repo / "results/tiny-test"
+
+    # 1. the whole DAG, for real
+    _, out = run([*sm], repo, timeout=1200)
+    assert "Report: results/tiny-test/report.html" in out
+    html = (exp / "report.html").read_text()
+    assert "<html" in html.lower() and "QAT" in html
+    for v in ("bf16", "ptq", "qat", "export"):
+        res = json.loads((exp / f"eval/{v}.json").read_text())
+        assert res["variant"] == v
+        ppl = res["ppl"]["corpus/test"]["ppl"]
+        assert math.isfinite(ppl) and 1 < ppl < 1024, (v, ppl)
+        acc = res["tasks"]["qat_local_mc"]["acc"]
+        assert math.isfinite(acc) and 0 <= acc <= 1
+    metrics = json.loads((exp / "metrics.json").read_text())
+    assert all(math.isfinite(metrics[f"ppl/corpus/test/{v}"]) for v in ("bf16", "ptq", "qat", "export"))
+    sqnr = (exp / "analysis/sqnr.csv").read_text().splitlines()
+    assert sqnr[0] == "layer,layer_type,ptq_db,qat_db,delta_db" and len(sqnr) > 1
+    for stage in (
+        "corpus",
+        "base_model",
+        "ptq_calibrate",
+        "zero3_qat",
+        "convert_export",
+        "sqnr",
+        "report",
+        "evaluate-qat",
+    ):
+        t = json.loads((exp / f"timings/{stage}.json").read_text())
+        assert t["wall_s"] > 0
+    assert json.loads((exp / "qat/run_metadata.json").read_text())
+    assert json.loads((exp / "qat/scale_load.json").read_text())["misses"] == 0
+
+    # 2. the exported checkpoint reloads from disk with plain transformers (compressed-tensors)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(exp / "export"))
+    assert "quantization_config" in json.loads((exp / "export/config.json").read_text())
+    with torch.no_grad():
+        logits = model(torch.arange(1, 17).unsqueeze(0)).logits
+    assert torch.isfinite(logits).all()
+
+    # 3. nothing to do the second time
+    _, out = run([*sm, "-n"], repo)
+    assert "Nothing to be done" in out, out[-3000:]
+
+    # 4. a QAT hyper-parameter: QAT and what follows; not corpus, base model, PTQ, bf16/ptq evals
+    yml = repo / ".test/config/experiments/tiny-test.yaml"
+    edit_yaml(yml, "learning_rate: 1.0e-4", "learning_rate: 2.0e-4")
+    _, out = run([*sm, "-n"], repo)
+    assert dry_jobs(out) == {
+        "zero3_qat",
+        "convert_export",
+        "evaluate[qat]",
+        "evaluate[export]",
+        "sqnr",
+        "report",
+        "all",
+    }, out[-4000:]
+    edit_yaml(yml, "learning_rate: 2.0e-4", "learning_rate: 1.0e-4")
+    # ... also a training-only key inside a section PTQ reads (quant_config.learnable)
+    edit_yaml(yml, "          norm: false", "          norm: true")
+    _, out = run([*sm, "-n"], repo)
+    assert dry_jobs(out) == {
+        "zero3_qat",
+        "convert_export",
+        "evaluate[qat]",
+        "evaluate[export]",
+        "sqnr",
+        "report",
+        "all",
+    }, out[-4000:]
+    edit_yaml(yml, "          norm: true", "          norm: false")
+
+    # 5. a calibration setting: PTQ and everything after it, but not the bf16 evaluation
+    edit_yaml(yml, "  num_samples: 40 ", "  num_samples: 32 ")
+    _, out = run([*sm, "-n"], repo)
+    assert dry_jobs(out) == {
+        "ptq_calibrate",
+        "zero3_qat",
+        "convert_export",
+        "evaluate[ptq]",
+        "evaluate[qat]",
+        "evaluate[export]",
+        "sqnr",
+        "report",
+        "all",
+    }, out[-4000:]
+    edit_yaml(yml, "  num_samples: 32 ", "  num_samples: 40 ")
+
+    # 6. an evaluation setting: the four evaluations and the report only
+    edit_yaml(yml, "  limit: 40 ", "  limit: 30 ")
+    _, out = run([*sm, "-n"], repo)
+    assert dry_jobs(out) == {
+        "evaluate[bf16]",
+        "evaluate[ptq]",
+        "evaluate[qat]",
+        "evaluate[export]",
+        "report",
+        "all",
+    }, out[-4000:]
+    edit_yaml(yml, "  limit: 30 ", "  limit: 40 ")
+
+    # 7. the same through params.yaml, as `dvc exp run -S overrides...` does it
+    params = repo / "params.yaml"
+    edit_yaml(
+        params,
+        "overrides: {}",
+        "overrides:\n  compression:\n    QAT:\n      hf_args:\n        learning_rate: 0.0002",
+    )
+    _, out = run([*sm, "-n", "--config", "experiment=tiny-test"], repo)
+    assert dry_jobs(out) == {
+        "zero3_qat",
+        "convert_export",
+        "evaluate[qat]",
+        "evaluate[export]",
+        "sqnr",
+        "report",
+        "all",
+    }, out[-4000:]
+    edit_yaml(
+        params,
+        "overrides:\n  compression:\n    QAT:\n      hf_args:\n        learning_rate: 0.0002",
+        "overrides: {}",
+    )
+    _, out = run([*sm, "-n"], repo)
+    assert "Nothing to be done" in out, out[-3000:]
+
+    # 8. a code change re-runs the stages that execute it (and what their new outputs feed)
+    (repo / "scripts/export.py").write_text((repo / "scripts/export.py").read_text() + "\n")
+    _, out = run([*sm, "-n"], repo)
+    assert dry_jobs(out) == {"convert_export", "evaluate[export]", "report", "all"}, out[-4000:]
+    task_code = repo / "qatlib/eval/tasks/local_mc.py"
+    task_code.write_text(task_code.read_text() + "\n")
+    _, out = run([*sm, "-n"], repo)
+    assert dry_jobs(out) == {
+        "convert_export",
+        "local_task",
+        "evaluate[bf16]",
+        "evaluate[ptq]",
+        "evaluate[qat]",
+        "evaluate[export]",
+        "report",
+        "all",
+    }, out[-4000:]

@@ -1,0 +1,68 @@
+# Evaluation of four variants, each its own job (with more cores than QAT takes, bf16 and ptq
+# run while QAT trains):
+#   bf16    the base model as it is (the experiment's dtype; "bf16" = unquantized)
+#   ptq     base model + PTQ scales, fake-quantized in memory
+#   qat     the QAT checkpoint (weights + trained scales), fake-quantized in memory
+#   export  the exported compressed-tensors checkpoint, reloaded from disk with
+#           AutoModelForCausalLM.from_pretrained (what vLLM / SGLang deploy)
+# Perplexity on evaluation.ppl and accuracy on evaluation.tasks (lm-eval) -> eval/<variant>.json.
+
+
+rule evaluate:
+    """Perplexity and task accuracy of one variant."""
+    input:
+        unpack(variant_inputs),
+        sources=lambda wc: eval_inputs(wc.exp),
+        code=code("evaluate", "evaluate.py"),
+    output:
+        result=f"{RESULTS}/{{exp}}/eval/{{variant}}.json",
+        timing=f"{RESULTS}/{{exp}}/timings/evaluate-{{variant}}.json",
+    log:
+        f"{RESULTS}/{{exp}}/logs/evaluate-{{variant}}.log",
+    conda:
+        "../envs/qatlib.yaml"
+    threads: config["threads"]
+    resources:
+        mem_mb=mem_mb("evaluate"),
+        gpu=gpus(1),
+    params:
+        config=lambda wc: stage_config(wc.exp, eval_stage(wc.variant)),
+        yaml=lambda wc: experiment_yaml(wc.exp),
+        args=variant_args,
+        sets=lambda wc: cli_sets(
+            wc.exp, eval_stage(wc.variant), "evaluation.ppl", "evaluation.tasks"
+        ),
+        hf_home=f"{RESULTS}/.hf_home",
+        progress=progress_flag(),
+    shell:
+        "python {input.code[0]} -c {params.yaml} --variant {wildcards.variant} {params.args}"
+        " --out {output.result} {params.sets} --hf-home {params.hf_home} --threads {threads}"
+        " {params.progress} --timing {output.timing} 2>&1 | tee {log}"
+
+
+rule sqnr:
+    """Per-layer weight SQNR (dB) of the PTQ and the QAT scales against the full-precision weight
+    (QAT trains scales only, so the QAT checkpoint's weights are the base weights)."""
+    input:
+        ptq=rules.ptq_calibrate.output.ptq,
+        qat=rules.zero3_qat.output.qat,
+        code=code("sqnr", "sqnr.py"),
+    output:
+        csv=report(
+            f"{RESULTS}/{{exp}}/analysis/sqnr.csv",
+            caption="../report/sqnr.rst",
+            category="Analysis",
+            subcategory="{exp}",
+        ),
+        timing=f"{RESULTS}/{{exp}}/timings/sqnr.json",
+    log:
+        f"{RESULTS}/{{exp}}/logs/sqnr.log",
+    conda:
+        "../envs/qatlib.yaml"
+    resources:
+        mem_mb=mem_mb("analyze"),
+    params:
+        config=lambda wc: stage_config(wc.exp, "sqnr"),
+    shell:
+        "python {input.code[0]} --ptq-ckpt {input.ptq} --qat-ckpt {input.qat} --out {output.csv}"
+        " --timing {output.timing} 2>&1 | tee {log}"

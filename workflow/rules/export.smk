@@ -1,0 +1,27 @@
+# Export: the QAT checkpoint -> a deployable compressed-tensors checkpoint (vLLM / SGLang /
+# transformers), by compression.QAT.save_format.
+
+
+rule convert_export:
+    """Rebuild the QAT model (weights + trained scales), convert and export it."""
+    input:
+        qat=rules.zero3_qat.output.qat,
+        code=code("convert_export", "export.py"),
+    output:
+        export=directory(f"{RESULTS}/{{exp}}/export"),
+        timing=f"{RESULTS}/{{exp}}/timings/convert_export.json",
+    log:
+        f"{RESULTS}/{{exp}}/logs/convert_export.log",
+    conda:
+        "../envs/qatlib.yaml"
+    threads: config["threads"]
+    resources:
+        mem_mb=mem_mb("convert_export"),
+    params:
+        config=lambda wc: stage_config(wc.exp, "convert_export"),
+        yaml=lambda wc: experiment_yaml(wc.exp),
+        sets=lambda wc: cli_sets(wc.exp, "convert_export"),
+    shell:
+        "python {input.code[0]} -c {params.yaml} --model-path {input.qat}"
+        " --save-path {output.export} {params.sets} --threads {threads}"
+        " --timing {output.timing} 2>&1 | tee {log}"
