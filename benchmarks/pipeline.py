@@ -4,7 +4,8 @@ Every workflow rule writes ``{"stage", "wall_s", ...}`` when it succeeds: the sh
 ``results/timings/`` (``corpus.json``, ``base_model-<name>.json``), the experiment's into
 ``results/<exp>/timings/`` (``ptq_calibrate``, ``zero3_qat``, ``convert_export``,
 ``evaluate-<variant>``, ``sqnr``, ``report``). This benchmark runs nothing: it collects those
-records in workflow order, with each stage's share of the total. A missing stage is listed as
+records in workflow order, with each stage's share of the total (a record copied into both
+folders is counted once). A missing stage is listed as
 missing (the DAG has not run, or not that far).
 """
 
@@ -59,9 +60,17 @@ def run(*, results: str = "results", experiment: str = "tiny-qwen3-moe") -> dict
     res = Path(results)
     dirs = [("shared", res / "timings"), ("experiment", res / experiment / "timings")]
     rows = []
+    seen: dict[str, str] = {}
+    copies = []
     for scope, d in dirs:
         for path in sorted(d.glob("*.json")) if d.is_dir() else []:
             rec = _read(path)
+            key = json.dumps(rec, sort_keys=True)
+            if "error" not in rec and key in seen:
+                # the experiment folder may hold copies of the shared stages' records: count once
+                copies.append({"file": str(path), "same_as": seen[key]})
+                continue
+            seen[key] = str(path)
             rows.append(
                 {
                     "stage": path.stem,
@@ -88,6 +97,7 @@ def run(*, results: str = "results", experiment: str = "tiny-qwen3-moe") -> dict
         "total_wall_s": round(total, 1),
         "stages": rows,
         "missing_stages": missing,
+        "duplicate_records_skipped": copies,
     }
     if not rows:
         out["note"] = (

@@ -62,6 +62,7 @@ from torch import nn
 
 from .moe import LinearizedMoeExperts, is_fused_experts, linearize_moe_experts
 from .quant import ROLE_LWC, ROLE_SCALE, PrepareOptions, Quantizer, QuantLinear, QuantScheme, prepare
+from .quant.quantizer import role_parameters
 
 log = logging.getLogger(__name__)
 
@@ -698,7 +699,7 @@ def _weight_plan(model: nn.Module, model_dir: Path, ignore: Sequence[str]) -> li
                         _shape_after(shapes[a.target], a.dst)
                     )
                 plan.append(PlanEntry(info, tuple(assigns)))
-    optional = {n for n, p in model.named_parameters() if getattr(p, "qat_role", None)}  # quantizer params
+    optional = {n for n, _ in role_parameters(model)}  # quantizer params
     for name, shape in shapes.items():
         if name in reported or (name in optional and name not in covered):
             continue
@@ -1053,15 +1054,11 @@ def build_qat_model(
 
 # =========================================================================== optimizer
 def qat_parameters(model: nn.Module, role: str, *, trainable_only: bool = True) -> list[nn.Parameter]:
-    """Parameters whose ``qat_role`` is ``role`` ("scale" / "lwc"), each once (by identity: a tied
+    """Quantizer parameters of ``role`` ("scale" / "lwc"), each once (by identity: a tied
     parameter handed twice trips DeepSpeed's duplicate check), in module order."""
     seen, out = set(), []
-    for p in model.parameters():
-        if (
-            getattr(p, "qat_role", None) == role
-            and id(p) not in seen
-            and (p.requires_grad or not trainable_only)
-        ):
+    for _, p in role_parameters(model, role):
+        if id(p) not in seen and (p.requires_grad or not trainable_only):
             seen.add(id(p))
             out.append(p)
     return out

@@ -162,8 +162,12 @@ def test_pipeline_reads_stage_timings(tmp_path):
         json.dumps({"stage": "zero3_qat", "wall_s": 90.0})
     )
     (res / "exp" / "timings" / "ptq_calibrate.json").write_text("{not json")
+    (res / "exp" / "timings" / "corpus.json").write_text(
+        json.dumps({"stage": "corpus", "wall_s": 30.0})
+    )  # a copy
     out = pipeline.run(results=str(res), experiment="exp")
     assert [r["stage"] for r in out["stages"]] == ["corpus", "ptq_calibrate", "zero3_qat"]
     assert out["total_wall_s"] == 120.0 and out["status"] == "partial"
     assert out["stages"][0]["share"] == 0.25 and "error" in out["stages"][1]
     assert "convert_export" in out["missing_stages"]
+    assert len(out["duplicate_records_skipped"]) == 1

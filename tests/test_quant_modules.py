@@ -29,6 +29,7 @@ from qatlib.quant import (
 )
 from qatlib.quant.attention import FP8_ATTN_IMPL, enable_fp8_attention, fp8_eager_attention_forward
 from qatlib.quant.linear import matches_any
+from qatlib.quant.quantizer import PARAM_ROLES, role_parameters
 
 FP8 = torch.float8_e4m3fn
 VOCAB = 512
@@ -104,7 +105,8 @@ def test_static_quantizer_params_and_roles():
     q = Quantizer(QuantSpec("int4", Granularity.CHANNEL, symmetric=False), (6, 8), init_value=0.5)
     assert dict(q.named_parameters()).keys() == {"scale", "zero_point"}
     assert q.scale.shape == (6, 1) and torch.equal(q.scale, torch.full((6, 1), 0.5))
-    assert q.scale.qat_role == ROLE_SCALE and q.zero_point.qat_role == ROLE_SCALE
+    roles = {n: r for n, r in ((n, PARAM_ROLES[n]) for n, _ in q.named_parameters())}
+    assert roles == {"scale": ROLE_SCALE, "zero_point": ROLE_SCALE}
     with pytest.raises(ValueError, match="does not match"):
         q.set_qparams(torch.ones(6), torch.zeros(6))
     with pytest.raises(ValueError, match="zero point"):
@@ -161,7 +163,11 @@ def test_lwc_scale_at_init_and_gradients(sym):
     spec = QuantSpec("int4", Granularity.GROUP, group_size=8, symmetric=sym)
     q = Quantizer(spec, (4, 16), lwc_init=4.0)
     assert dict(q.named_parameters()).keys() == {"clip_factor_w_max", "clip_factor_w_min"}
-    assert q.uses_lwc and q.scale is None and q.clip_factor_w_max.qat_role == ROLE_LWC
+    assert (
+        q.uses_lwc
+        and q.scale is None
+        and [n for n, _ in role_parameters(q, ROLE_LWC)] == ["clip_factor_w_max", "clip_factor_w_min"]
+    )
     assert q.clip_factor_w_max.shape == (4, 2)
 
     scale, zp = q.qparams(w)
@@ -632,3 +638,13 @@ def test_incompatible_scheme_message_names_values():
     b = a.replace(weight=a.weight.replace(granularity="per-channel", group_size=None))
     msg = "; ".join(a.compatible_with(b))
     assert "weight.granularity: configured 'per-group', checkpoint 'per-channel'" in msg
+
+
+def test_roles_survive_deepcopy():
+    """Roles come from the Quantizer attribute, so a deep-copied model keeps its trainable scales."""
+    import copy
+
+    model = build_model(tiny_qwen3_config())
+    prepare(model, PRESETS["int4_weight_only"].replace(weight=QuantSpec("int4", "per-group", group_size=32)))
+    n = len(list(role_parameters(model, ROLE_SCALE)))
+    assert n > 0 and len(list(role_parameters(copy.deepcopy(model), ROLE_SCALE))) == n

@@ -171,7 +171,7 @@ def reference_run(model_dir: Path, ptq_dir: Path, data: dict, steps: int) -> dic
         model, report = prepared_from(model_dir, ptq_dir)
         init_params = quant_params(model)
         for p in model.parameters():
-            p.requires_grad_(getattr(p, "qat_role", None) is not None)
+            p.requires_grad_(id(p) in _quant_ids(model))
         opt = z.make_optimizer(model, scale_lr=LR, eps=EPS)
         model.train()
         losses = []
@@ -588,9 +588,11 @@ def test_param_groups_dedupe_and_roles():
     assert [(g["name"], g["lr"]) for g in groups] == [("scale", 1e-4), ("lwc", 1e-3)]
     ids = [id(p) for g in groups for p in g["params"]]
     assert len(ids) == len(set(ids))
-    assert all(p.qat_role == "lwc" for p in groups[1]["params"])
+    from qatlib.quant.quantizer import role_parameters
+
+    assert {id(p) for p in groups[1]["params"]} == {id(p) for _, p in role_parameters(model, "lwc")}
     assert sum(p.numel() for g in groups for p in g["params"]) == sum(
-        p.numel() for p in {id(p): p for p in model.parameters() if getattr(p, "qat_role", None)}.values()
+        p.numel() for p in {id(p): p for p in model.parameters() if id(p) in _quant_ids(model)}.values()
     )
     opt = z.make_optimizer(model, scale_lr=1e-4, lwc_lr=1e-3)
     assert isinstance(opt, torch.optim.AdamW) and len(opt.param_groups) == 2
@@ -623,3 +625,9 @@ def test_non_zero_path_is_untouched(ckpts):
     assert z.consolidated_state_dict(model).keys() == model.state_dict().keys()
     meta = z.run_metadata(model)
     assert meta["world_size"] == 1 and meta["zero_stage"] == 0 and meta["ranks"][0]["share_max"] == 1.0
+
+
+def _quant_ids(model):
+    from qatlib.quant.quantizer import role_parameters
+
+    return {id(p) for _, p in role_parameters(model)}

@@ -12,6 +12,23 @@ from .spec import QuantSpec
 # Parameter roles, so optimizers and `learnable` switches select parameters by role, not by name.
 ROLE_SCALE = "scale"
 ROLE_LWC = "lwc"
+# A Quantizer's parameters by attribute name. Roles are derived from the module type + attribute,
+# never stored on the Parameter object: attributes set on a Parameter are lost by copy.deepcopy.
+PARAM_ROLES = {
+    "scale": ROLE_SCALE,
+    "zero_point": ROLE_SCALE,
+    "clip_factor_w_max": ROLE_LWC,
+    "clip_factor_w_min": ROLE_LWC,
+}
+
+
+def role_parameters(model: nn.Module, role: str | None = None):
+    """``(qualified_name, param)`` of every Quantizer parameter (of ``role``, if given), in module order."""
+    for mname, m in model.named_modules():
+        if isinstance(m, Quantizer):
+            for pname, p in m.named_parameters(recurse=False):
+                if role is None or PARAM_ROLES.get(pname) == role:
+                    yield (f"{mname}.{pname}" if mname else pname), p
 
 
 class Quantizer(nn.Module):
@@ -57,14 +74,10 @@ class Quantizer(nn.Module):
         if lwc_init is not None:
             self.clip_factor_w_max = nn.Parameter(torch.full(shape, float(lwc_init), dtype=torch.float32))
             self.clip_factor_w_min = nn.Parameter(torch.full(shape, float(lwc_init), dtype=torch.float32))
-            self.clip_factor_w_max.qat_role = ROLE_LWC
-            self.clip_factor_w_min.qat_role = ROLE_LWC
             return
         self.scale = nn.Parameter(torch.full(shape, float(init_value), dtype=torch.float32))
-        self.scale.qat_role = ROLE_SCALE
         if spec.has_zero_point:
             self.zero_point = nn.Parameter(torch.zeros(shape, dtype=torch.float32))
-            self.zero_point.qat_role = ROLE_SCALE
 
     # ------------------------------------------------------------------ dtype
     def _apply(self, fn, recurse=True):  # noqa: D401 - nn.Module hook
@@ -105,7 +118,9 @@ class Quantizer(nn.Module):
                 raise ValueError("LWC qparams depend on the weight: pass it")
             xmin, xmax = F.observe_range(x, self.spec)
             return F.qparams_from_range(
-                xmin * torch.sigmoid(self.clip_factor_w_min), xmax * torch.sigmoid(self.clip_factor_w_max), self.spec
+                xmin * torch.sigmoid(self.clip_factor_w_min),
+                xmax * torch.sigmoid(self.clip_factor_w_max),
+                self.spec,
             )
         return self.scale, self.zero_point
 
@@ -123,7 +138,9 @@ class Quantizer(nn.Module):
         if self.scale is None:
             raise ValueError("this quantizer has no stored scale (dynamic or LWC)")
         if tuple(scale.shape) != tuple(self.scale.shape):
-            raise ValueError(f"scale shape {tuple(scale.shape)} does not match {tuple(self.scale.shape)} ({self.spec.describe()})")
+            raise ValueError(
+                f"scale shape {tuple(scale.shape)} does not match {tuple(self.scale.shape)} ({self.spec.describe()})"
+            )
         self.scale.copy_(scale.to(self.scale.dtype))
         if self.zero_point is not None:
             if zero_point is None:

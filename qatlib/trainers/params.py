@@ -1,7 +1,7 @@
 """Which tensors train, and the optimizer groups they go in.
 
 Selection is by module TYPE and parameter ROLE, never by name substrings: quantizer parameters
-carry ``qat_role`` (``"scale"`` for scales / zero points, ``"lwc"`` for clip factors, see
+carry a role (``"scale"`` for scales / zero points, ``"lwc"`` for clip factors, see
 `qatlib.quant.quantizer`), and norms are modules whose class name ends with ``RMSNorm`` /
 ``LayerNorm``. The ``learnable`` switches of ``plugin_config.quant_config`` map to:
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 from torch import nn
 
 from ..quant import quant_linears
-from ..quant.quantizer import ROLE_LWC, ROLE_SCALE, Quantizer
+from ..quant.quantizer import PARAM_ROLES, ROLE_LWC, ROLE_SCALE, Quantizer
 
 NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
 
@@ -98,7 +98,7 @@ def _role_params(q: Quantizer | None, prefix: str, role: str) -> Iterator[tuple[
     if q is None:
         return
     for pname, p in q.named_parameters(recurse=False):
-        if getattr(p, "qat_role", None) == role:
+        if PARAM_ROLES.get(pname) == role:
             yield f"{prefix}.{pname}", p
 
 

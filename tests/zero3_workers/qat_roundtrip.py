@@ -23,6 +23,12 @@ import torch
 logging.basicConfig(level=logging.INFO, format=f"[rank{os.environ.get('RANK', '?')}] %(name)s: %(message)s")
 
 
+def _quant_ids(model):
+    from qatlib.quant.quantizer import role_parameters
+
+    return {id(p) for _, p in role_parameters(model)}
+
+
 def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -79,10 +85,10 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
     ]
     checks["n_params"] = sum(1 for _ in model.parameters())
     checks["scale_dtypes"] = sorted(
-        {str(p.ds_tensor.dtype) for p in model.parameters() if getattr(p, "qat_role", None)}
+        {str(p.ds_tensor.dtype) for p in model.parameters() if id(p) in _quant_ids(model)}
     )
     checks["weight_dtypes"] = sorted(
-        {str(p.ds_tensor.dtype) for p in model.parameters() if not getattr(p, "qat_role", None)}
+        {str(p.ds_tensor.dtype) for p in model.parameters() if id(p) not in _quant_ids(model)}
     )
     checks["gathered_mismatch"] = gathered_equals(model, checkpoint_tensors(Path(ph["compare_ckpt"])), z)
     for other in ph.get("also_load", []):  # e.g. the fused-key layout of the same weights
@@ -94,7 +100,7 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
     meta_before = z.run_metadata(model)
 
     for p in model.parameters():
-        p.requires_grad_(getattr(p, "qat_role", None) is not None)
+        p.requires_grad_(id(p) in _quant_ids(model))
     opt = z.make_optimizer(model, scale_lr=spec["lr"], eps=spec["eps"])
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
     engine.train()

@@ -20,7 +20,6 @@ from snakemake.exceptions import WorkflowError
 RESULTS = config["results"]
 EXP = config["experiment"]
 VARIANTS = config["variants"]
-OVERRIDES = config.get("overrides") or {}
 STARTED_AT = time.time()
 
 # Paths an experiment YAML may point at workflow products with: `results/...` is rewritten to
@@ -74,6 +73,24 @@ _YamlLoader.add_implicit_resolver(
 def load_yaml(path):
     with open(path, encoding="utf-8") as f:
         return yaml.load(f, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader)
+
+
+def yaml_leaves(d):
+    """String leaves read as YAML values, like the scripts' --set (`snakemake --config
+    'overrides={...}'` hands every nested value over as a string)."""
+    if isinstance(d, dict):
+        return {k: yaml_leaves(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [yaml_leaves(v) for v in d]
+    if isinstance(d, str):
+        try:
+            return yaml.load(d, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader)
+        except yaml.YAMLError:
+            return d
+    return d
+
+
+OVERRIDES = yaml_leaves(config.get("overrides") or {})
 
 
 def deep_merge(base, extra):
