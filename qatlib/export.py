@@ -47,7 +47,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from . import __version__
-from .ptq import atomic_output_dir, check_output_dir, scale_state_dict
+from .ptq import SCALES_FILE, SCHEME_FILE, atomic_output_dir, check_output_dir, scale_state_dict
 from .quant import QuantLinear, QuantScheme, QuantSpec, quant_linears
 from .quant import functional as F
 from .quant.linear import weight_readable
@@ -541,6 +541,10 @@ def export(
 
     weights = {"real": "real", "real_and_kvcache": "real", "fake": "fake"}.get(save_format)
     want_kv = save_format in ("save_kvcache_only", "real_and_kvcache")
+    # A `fake` save is also a warm-start / resume checkpoint (`resume_ckpt_dir`): it carries the
+    # scales in the PTQ key format + quant_scheme.json. Plain in-memory models only: the ZeRO-3
+    # path (`modules`) streams each layer once, for the weights.
+    resume_scales = scale_state_dict(model) if save_format == "fake" and modules is None else None
     state, kv = export_tensors(
         model, weights, fmt, kv=want_kv, modules=modules, verify=verify, keep=is_main_process
     )
@@ -559,6 +563,13 @@ def export(
                 tokenizer.save_pretrained(str(tmp))
         if want_kv:
             save_file(kv, str(tmp / KV_SCALES_FILE), metadata={"format": "pt"})
+        if resume_scales:
+            save_file(
+                resume_scales,
+                str(tmp / SCALES_FILE),
+                metadata={"format": "pt", "qatlib": "fake-export-scales"},
+            )
+            (tmp / SCHEME_FILE).write_text(json.dumps(scheme.to_dict(), indent=2) + "\n")
         (tmp / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     log.info("exported %s (%s) to %s", scheme.name, save_format, out_dir)
     return Path(out_dir)

@@ -3,8 +3,10 @@
     python scripts/ptq.py -c config/experiments/tiny-qwen3-moe.yaml \
         --model-path results/base/tiny-qwen3-moe --save-path results/tiny-qwen3-moe/ptq
 
-Calibrates on the experiment's ``dataset`` (``num_samples`` samples of ``max_seq_length`` tokens,
-``batch_size`` per forward; ``compression.QAT.hf_dataset`` wins over ``dataset.data_path``).
+Weight scales are set from the weights (round-to-nearest); static activation scales (input,
+q / k / v outputs) are calibrated on the experiment's ``dataset`` (``num_samples`` samples of
+``max_seq_length`` tokens, ``batch_size`` per forward; ``compression.QAT.hf_dataset`` wins over
+``dataset.data_path``). Weight-only and dynamic-activation schemes read no data.
 """
 
 from __future__ import annotations
@@ -41,21 +43,34 @@ def main(argv=None) -> int:
             device_map=(cfg.model.device_map or "auto") if cuda else None,
         )
         tok = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-        ds_cfg = cfg.dataset
-        source = cfg.qat.hf_dataset or ds_cfg.data_path
-        data = load_training_data(
-            source,
-            tok,
-            ds_cfg.max_seq_length if ds_cfg else 2048,
-            ds_cfg.num_samples if ds_cfg else 128,
-            hf_cache_dir=cfg.qat.hf_cache_dir,
-        )
-        loader = DataLoader(
-            data, batch_size=ds_cfg.batch_size if ds_cfg else 1, collate_fn=PadCollator.for_tokenizer(tok)
-        )
-        from tqdm.auto import tqdm
+        # Weight scales come from the weights; only static activation scales need calibration data.
+        static_act = [
+            r for r in ("input", "q", "k", "v") if (sp := getattr(scheme, r)) is not None and not sp.dynamic
+        ]
+        batches = []
+        if static_act:
+            ds_cfg = cfg.dataset
+            source = cfg.qat.hf_dataset or (ds_cfg.data_path if ds_cfg else None)
+            if not source:
+                raise SystemExit(
+                    f"error: {args.config}: {scheme.name} has static activation scales ({', '.join(static_act)}): "
+                    "PTQ needs calibration data (dataset.data_path or compression.QAT.hf_dataset)"
+                )
+            data = load_training_data(
+                source,
+                tok,
+                ds_cfg.max_seq_length if ds_cfg else 2048,
+                ds_cfg.num_samples if ds_cfg else 128,
+                hf_cache_dir=cfg.qat.hf_cache_dir,
+            )
+            loader = DataLoader(
+                data, batch_size=ds_cfg.batch_size if ds_cfg else 1, collate_fn=PadCollator.for_tokenizer(tok)
+            )
+            from tqdm.auto import tqdm
 
-        batches = tqdm(loader, desc="PTQ calibration", disable=args.no_progress, mininterval=2.0)
+            batches = tqdm(loader, desc="PTQ calibration", disable=args.no_progress, mininterval=2.0)
+        else:
+            print(f"{scheme.name}: no static activation scale, weight scales need no calibration data")
         report = calibrate(
             model, scheme, batches, ignore=_common.ignore_layers(cfg), options=_common.prepare_options(cfg)
         )

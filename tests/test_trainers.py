@@ -821,3 +821,30 @@ def test_zero3_resume_after_kill_matches_single_process(tmp_path):
     exp = load_file(str(tmp_path / "ref_saved" / "scales.safetensors"))
     for k in exp:
         torch.testing.assert_close(got[k], exp[k], rtol=1e-4, atol=1e-7)
+
+
+def test_fake_export_is_a_resume_checkpoint(tmp_path):
+    """`resume_ckpt_dir` accepts a `fake` save: weights are the fake-quantized ones and the scales
+    come back exactly, so the resumed model reproduces the exported one."""
+    from conftest import build_model, tiny_qwen3_config
+
+    from qatlib.export import export
+    from qatlib.quant import PRESETS, QuantSpec, prepare
+    from qatlib.resume import load_saved_model
+
+    scheme = PRESETS["int4_weight_only"].replace(weight=QuantSpec("int4", "per-group", group_size=32))
+    model = prepare(build_model(tiny_qwen3_config(), seed=1), scheme)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("weight_quantizer.scale"):
+                p.mul_(1.1)  # "trained" scales, not the ones a fresh prepare would compute
+    export(model, scheme, tmp_path / "fake", "fake")
+    resumed = prepare(build_model(tiny_qwen3_config(), seed=2), scheme)
+    report = load_saved_model(resumed, tmp_path / "fake")
+    assert report["misses"] == 0
+    want = {n: p for n, p in model.named_parameters() if "_quantizer." in n}
+    got = dict(resumed.named_parameters())
+    for n, p in want.items():
+        assert torch.equal(got[n], p), n
+    ids = torch.arange(24).reshape(2, 12)
+    torch.testing.assert_close(resumed(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
