@@ -73,6 +73,10 @@ def main() -> None:
         )
     except Exception as e:
         print(f"[rank{rank}] FATAL {type(e).__name__}: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+        # Both ranks hold the same verdict (rank 0 decides and broadcasts it); wait until both have
+        # reported it, else torchrun may SIGTERM the slower rank as soon as the first one exits.
+        if isinstance(e, z.Zero3Error):
+            torch.distributed.barrier()
         raise
     print(f"[rank{rank}] UNEXPECTED: the truncated checkpoint loaded", flush=True)
 
