@@ -1,5 +1,7 @@
 # ZeRO-3 QAT: `torchrun --standalone --nproc_per_node=<ranks>` over scripts/qat.py with the
 # experiment's DeepSpeed JSON (compression.QAT.hf_args.deepspeed, under config/deepspeed/).
+# Snakemake exports OMP/MKL_NUM_THREADS = the job's threads (ranks x threads_per_rank); each
+# rank must use threads_per_rank, or the ranks oversubscribe the cores (several times slower).
 
 
 rule zero3_qat:
@@ -40,8 +42,9 @@ rule zero3_qat:
         threads_per_rank=config["threads_per_rank"],
         progress=progress_flag(),
     shell:
-        "OMP_NUM_THREADS={params.threads_per_rank} torchrun --standalone"
-        " --nproc_per_node={params.ranks} {input.code[0]} -c {params.yaml}"
+        "OMP_NUM_THREADS={params.threads_per_rank} MKL_NUM_THREADS={params.threads_per_rank}"
+        " torchrun --standalone --nproc_per_node={params.ranks} {input.code[0]} -c {params.yaml}"
         " --model-path {params.model} --from-ptq-ckpt {input.ptq} --save-path {output.qat}"
-        " --run-dir {params.run_dir} {params.sets} {params.progress}"
+        " --run-dir {params.run_dir} {params.sets} --threads {params.threads_per_rank}"
+        " {params.progress}"
         " --timing {output.timing} 2>&1 | tee {log}"
