@@ -435,7 +435,8 @@ def check_disjoint(splits: dict[str, list[Document]]) -> None:
 
 
 # --------------------------------------------------------------------------- output
-def _atomic_write(path: Path, data: str) -> None:
+def atomic_write_text(path: Path, data: str) -> None:
+    """Write text via a temporary file + rename: readers never see a half-written file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -533,7 +534,7 @@ def build_corpus(
     total = hashlib.sha256()
     for name in SPLITS:
         text = "\n\n".join(d.text for d in splits[name]) + "\n"
-        _atomic_write(out / f"{name}.txt", text)
+        atomic_write_text(out / f"{name}.txt", text)
         digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
         total.update(f"{name}:{digest}\n".encode())
         manifest["splits"][name] = {
@@ -547,14 +548,14 @@ def build_corpus(
     if write_sft:
         recs = sft_records(splits["train"], chunk_chars=sft_chunk_chars)
         data = "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in recs)
-        _atomic_write(out / "train_sft.jsonl", data)
+        atomic_write_text(out / "train_sft.jsonl", data)
         manifest["sft"] = {
             "file": "train_sft.jsonl",
             "records": len(recs),
             "sha256": hashlib.sha256(data.encode("utf-8")).hexdigest(),
         }
     manifest["content_hash"] = total.hexdigest()
-    _atomic_write(out / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
 
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
-import tempfile
 from pathlib import Path
 
 import yaml
+
+from ...corpus import atomic_write_text as _atomic_write
 
 TASK_VERSION = 1
 
@@ -120,18 +120,6 @@ def task_yaml(task: str, data_file: str | Path, *, cache_dir: str | Path | None 
         ],
         "metadata": {"version": TASK_VERSION},
     }
-
-
-def _atomic_write(path: Path, data: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _read_text_or_file(src: str | Path) -> str:
