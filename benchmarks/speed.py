@@ -28,10 +28,10 @@ architecture from its config), every figure a ratio of interleaved measurements
     (no grad) and forward + backward (scale gradient) vs ``tensor.clone()`` (read + write, the
     floor of any elementwise op), as effective GB/s (input + output bytes / time) and ratios.
 ``compile``
-    `qatlib.quant.functional.fake_quantize` wrapped in ``torch.compile`` (inductor; CPU needs a
-    C++ compiler) and swapped in for the module attribute, which is what `Quantizer` calls:
-    compiled vs eager QAT step and fake-quant op; the cold compile time (fresh inductor cache)
-    is reported separately.
+    qatlib's opt-in ``quant_config.compile_fake_quant`` (`qatlib.quant.functional.compiled`:
+    ``torch.compile``, inductor; CPU needs a C++ compiler), switched on in the same prepared
+    model: compiled vs eager QAT step and fake-quant op; the cold compile time (fresh inductor
+    cache) is reported separately.
 ``profile``
     torch.profiler over QAT and plain steps: the ops taking the most self CPU time, and the
     forward time spent inside the quantizers (a ``record_function`` around `Quantizer.forward`).
@@ -146,6 +146,19 @@ class StepBench:
         with quantization_disabled(self.model):
             self._step()
 
+    def qat_compiled(self) -> None:
+        """The QAT step with ``compile_fake_quant`` on (what `PrepareOptions` sets in qatlib)."""
+        from qatlib.quant import quantizers
+
+        qs = [q for _, q in quantizers(self.model)]
+        for q in qs:
+            q.compile = True
+        try:
+            self._step()
+        finally:
+            for q in qs:
+                q.compile = False
+
     def qat_fused(self) -> None:
         """The QAT step with the fused prototype in place of `fake_quantize`."""
         with fake_quantize_swapped(fused_fake_quantize):
@@ -210,13 +223,10 @@ def fake_quantize_swapped(fn: Callable) -> Iterator[None]:
 
 
 def compiled_fake_quantize() -> Callable:
-    import torch._dynamo.config as dcfg
-
+    """qatlib's compiled fake-quant (``compile_fake_quant``), as `Quantizer` calls it."""
     from qatlib.quant import functional as F
 
-    # Every quantized tensor shape / spec is a guard: weights of 4 shapes, experts' token counts.
-    dcfg.recompile_limit = max(dcfg.recompile_limit, 64)
-    return torch.compile(F.fake_quantize, dynamic=None)
+    return F.compiled(F.fake_quantize)
 
 
 # --------------------------------------------------------------------------- fake-quant op
@@ -570,12 +580,7 @@ def _run(s: SpeedSettings, results: str) -> dict[str, Any]:
             log(f"speed: compiled step {name}")
             sb = benches[name]
             with fresh_inductor_cache():
-                comp = compiled_fake_quantize()
-
-                def qat_compiled(sb=sb, comp=comp):
-                    with fake_quantize_swapped(comp):
-                        sb.qat()
-
+                qat_compiled = sb.qat_compiled
                 eager_s = statistics.median(interleaved({"e": sb.qat}, repeats=2, warmup=0)["e"])
                 t0 = time.perf_counter()
                 for _ in range(s.compile_warmup_steps):

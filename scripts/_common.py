@@ -143,25 +143,6 @@ def resolve_model_dir(path: str, *, cache_dir: str | None = None) -> str:
 
 
 # ----------------------------------------------------------------------------- config -> qatlib
-# TODO(lead): these two belong in qatlib (e.g. ExperimentConfig.prepare_options() / .ignore_layers);
-# every stage that rebuilds a prepared model must use the same ones.
-def prepare_options(cfg):
-    """`PrepareOptions` from ``compression.QAT.plugin_config.quant_config``."""
-    from qatlib.quant import PrepareOptions
-
-    qc = cfg.qat.plugin_config.quant_config
-    return PrepareOptions(
-        weight_init_value=qc.weight_scale_init_value,
-        act_init_value=qc.activation_scale_init_value,
-        lwc_init=qc.lwc.lwc_init_value if qc.lwc.enable_lwc else None,
-    )
-
-
-def ignore_layers(cfg) -> list[str]:
-    """``compression.quantization.ignore_layers`` (``lm_head`` when the list is empty)."""
-    return list(cfg.quantization.ignore_layers) or ["lm_head"]
-
-
 def torch_dtype(cfg):
     """The model dtype of ``model.torch_dtype`` (None for ``auto``)."""
     from qatlib.models import resolve_dtype

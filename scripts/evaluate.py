@@ -72,7 +72,7 @@ def load_variant(cfg, variant: str, model_path: str, scales: str | None):
         from qatlib.zero3_io import stream_load_scales
 
         scheme = cfg.quant_scheme()
-        prepare(model, scheme, ignore=_common.ignore_layers(cfg), options=_common.prepare_options(cfg))
+        prepare(model, scheme, ignore=cfg.ignore_layers, options=cfg.prepare_options())
         rep = stream_load_scales(model, scales, scheme)
         if rep.get("misses"):
             raise SystemExit(f"error: {scales}: {rep['misses']} quantizer parameters have no value there")

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
             trust_remote_code=cfg.model.trust_remote_code,
             attn_implementation=cfg.model.attn_implementation,
         )
-        prepare(model, scheme, ignore=_common.ignore_layers(cfg), options=_common.prepare_options(cfg))
+        prepare(model, scheme, ignore=cfg.ignore_layers, options=cfg.prepare_options())
         loaded = stream_load_scales(model, args.model_path, scheme)
         if loaded.get("misses"):
             raise SystemExit(

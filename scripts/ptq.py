@@ -72,7 +72,7 @@ def main(argv=None) -> int:
         else:
             print(f"{scheme.name}: no static activation scale, weight scales need no calibration data")
         report = calibrate(
-            model, scheme, batches, ignore=_common.ignore_layers(cfg), options=_common.prepare_options(cfg)
+            model, scheme, batches, ignore=cfg.ignore_layers, options=cfg.prepare_options()
         )
         save_ptq_checkpoint(
             model, scheme, cfg.global_.save_path, calibration=report, tokenizer=tok, overwrite=args.overwrite

@@ -66,8 +66,8 @@ def main(argv=None) -> int:
                 ctx,
                 scheme,
                 from_ptq_ckpt=ptq,
-                ignore=_common.ignore_layers(cfg),
-                options=_common.prepare_options(cfg),
+                ignore=cfg.ignore_layers,
+                options=cfg.prepare_options(),
                 scales_report_path=scale_report,
                 **common,
             )
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
             from qatlib.zero3_io import stream_load_scales
 
             model = load_model(model_dir, torch_dtype=cfg.model.torch_dtype, **common)
-            prepare(model, scheme, ignore=_common.ignore_layers(cfg), options=_common.prepare_options(cfg))
+            prepare(model, scheme, ignore=cfg.ignore_layers, options=cfg.prepare_options())
             if ptq:
                 stream_load_scales(model, ptq, scheme, report_path=scale_report)
         tok = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)

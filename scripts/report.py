@@ -5,14 +5,12 @@
 
 Writes the effective experiment config (the YAML with every ``--set``, as validated) to
 ``--config-out`` (default ``<exp-dir>/config.yaml``) and shows it in the report. Timings of the
-shared stages (``--shared-timings``: corpus, base model) are copied into ``<exp-dir>/timings/``
-so the report's wall-time table covers the whole DAG.
+shared stages (``--shared-timings``: corpus, local tasks, base model) join the report's wall-time
+table so it covers the whole DAG.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import _common
@@ -44,11 +42,7 @@ def main(argv=None) -> int:
         )
         config_out.parent.mkdir(parents=True, exist_ok=True)
         config_out.write_text(header + "\n" + yaml.safe_dump(effective, sort_keys=False))
-        for t in args.shared_timings:
-            stage = json.loads(Path(t).read_text()).get("stage", Path(t).stem)
-            # undeclared copies (no rule reads them): the report's wall-time table reads timings/*.json
-            shutil.copyfile(t, exp / "timings" / f"{stage}.json")
-        build_report(exp, out, title=args.title, config=config_out)
+        build_report(exp, out, title=args.title, config=config_out, extra_timings=args.shared_timings)
         print(f"report: {out}")
     return 0
 

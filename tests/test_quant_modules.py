@@ -648,3 +648,67 @@ def test_roles_survive_deepcopy():
     prepare(model, PRESETS["int4_weight_only"].replace(weight=QuantSpec("int4", "per-group", group_size=32)))
     n = len(list(role_parameters(model, ROLE_SCALE)))
     assert n > 0 and len(list(role_parameters(copy.deepcopy(model), ROLE_SCALE))) == n
+
+
+def _inductor_available() -> bool:
+    """torch.compile on CPU needs a C++ compiler; without one the compiled path cannot run."""
+    import shutil
+
+    return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+
+
+@pytest.mark.skipif(not _inductor_available(), reason="torch.compile (inductor) needs a C++ compiler")
+@pytest.mark.parametrize("name", ["fp8_static", "w4a8_fp8", "fp8_dynamic"])
+def test_compiled_fake_quant_matches_eager(name):
+    """``compile_fake_quant`` runs the same arithmetic: outputs bit-identical, gradients to the
+    input, weight and every scale equal to eager within fp32 reduction-order noise."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48)
+    x = torch.randn(2, 5, 64)
+
+    def run(compile: bool):
+        scheme = PRESETS[name]
+        if scheme.weight.group_size:
+            scheme = _with_group(scheme, 32)
+        ql = QuantLinear(lin, scheme, compile=compile)
+        if ql.input_quantizer is not None and ql.input_quantizer.scale is not None:
+            with torch.no_grad():
+                ql.input_quantizer.scale.fill_(x.abs().max().item() / 448)
+        xi = x.clone().requires_grad_(True)
+        out = ql(xi)
+        (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+        grads = {n: p.grad.clone() for n, p in ql.named_parameters() if p.grad is not None}
+        lin.zero_grad(set_to_none=True)
+        return out.detach(), xi.grad, grads, [q.compile for _, q in ql.quantizers()]
+
+    out_e, gx_e, g_e, flags_e = run(False)
+    out_c, gx_c, g_c, flags_c = run(True)
+    assert flags_c and all(flags_c) and not any(flags_e)
+    assert torch.equal(out_c, out_e)
+    torch.testing.assert_close(gx_c, gx_e, rtol=1e-5, atol=1e-6)
+    assert g_c.keys() == g_e.keys()
+    assert PRESETS[name].weight.dynamic or "weight_quantizer.scale" in g_e
+    for k in g_e:
+        torch.testing.assert_close(g_c[k], g_e[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_compile_fake_quant_flag_reaches_every_quantizer(tmp_path):
+    """``quant_config.compile_fake_quant`` -> `PrepareOptions` -> every `Quantizer` of `prepare`."""
+    from qatlib.config import load_config
+
+    cfg_path = tmp_path / "exp.yaml"
+    (tmp_path / "train.jsonl").write_text('{"text": "hello"}\n')
+    cfg_path.write_text(
+        "model: {name: Qwen, model_path: /nonexistent}\n"
+        "dataset: {name: TextDataset, data_path: train.jsonl}\n"
+        "compression:\n  name: QAT\n  quantization: {name: fp8_static}\n"
+        "  QAT:\n    plugin_config:\n      quant_config: {compile_fake_quant: true}\n"
+    )
+    cfg = load_config(cfg_path)
+    opts = cfg.prepare_options()
+    assert opts.compile_fake_quant is True
+    model = prepare(build_model(tiny_qwen3_config()), cfg.quant_scheme(), ignore=cfg.ignore_layers, options=opts)
+    flags = [q.compile for _, q in quantizers(model)]
+    assert flags and all(flags)
+    default = load_config(cfg_path, ["compression.QAT.plugin_config.quant_config.compile_fake_quant=false"])
+    assert default.prepare_options().compile_fake_quant is False

@@ -34,15 +34,20 @@ def set_hf_home(hf_home: str | Path) -> None:
         cfg.HF_DATASETS_CACHE = home / "datasets"
 
 
+# lm-eval bookkeeping that sits among a task's metrics (numbers, but not scores).
+NON_METRICS = frozenset({"sample_len", "sample_count", "samples"})
+
+
 def flatten_results(results: dict) -> dict[str, dict[str, float]]:
     """``{task: {acc, acc_stderr, acc_norm, acc_norm_stderr, ...}}`` from lm-eval's ``results``
-    (the ``,none`` filter suffix dropped; non-numeric entries such as ``alias`` skipped)."""
+    (the ``,none`` filter suffix dropped; non-numeric entries such as ``alias`` and bookkeeping
+    such as ``sample_len`` skipped)."""
     flat: dict[str, dict[str, float]] = {}
     for task, metrics in results.items():
         row = {}
         for key, value in metrics.items():
             metric, _, filt = key.partition(",")
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or metric in NON_METRICS:
                 continue
             name = metric if filt in ("", "none") else f"{metric},{filt}"
             row[name] = float(value)

@@ -45,6 +45,7 @@ class QuantLinear(nn.Module):
         lwc_init: float | None = None,
         clamp_grad: str = "mask",
         init_from_weight: bool = True,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         self.in_features = linear.in_features
@@ -53,17 +54,28 @@ class QuantLinear(nn.Module):
         self.bias = linear.bias
         wshape = (self.out_features, self.in_features)
         self.weight_quantizer = (
-            Quantizer(scheme.weight, wshape, init_value=weight_init_value, lwc_init=lwc_init, clamp_grad=clamp_grad)
+            Quantizer(
+                scheme.weight,
+                wshape,
+                init_value=weight_init_value,
+                lwc_init=lwc_init,
+                clamp_grad=clamp_grad,
+                compile=compile,
+            )
             if scheme.weight is not None
             else None
         )
         self.input_quantizer = (
-            Quantizer(scheme.input, (self.in_features,), init_value=act_init_value, clamp_grad=clamp_grad)
+            Quantizer(
+                scheme.input, (self.in_features,), init_value=act_init_value, clamp_grad=clamp_grad, compile=compile
+            )
             if scheme.input is not None
             else None
         )
         self.output_quantizer = (
-            Quantizer(output_spec, (self.out_features,), init_value=act_init_value, clamp_grad=clamp_grad)
+            Quantizer(
+                output_spec, (self.out_features,), init_value=act_init_value, clamp_grad=clamp_grad, compile=compile
+            )
             if output_spec is not None
             else None
         )
@@ -193,6 +205,7 @@ class PrepareOptions:
     lwc_init: float | None = None  # None: no LWC parameters are created
     clamp_grad: str = "mask"
     init_from_weight: bool = True
+    compile_fake_quant: bool = False  # torch.compile the fake-quant ops (F.compiled)
 
 
 def prepare(
@@ -238,6 +251,7 @@ def prepare(
                 lwc_init=options.lwc_init,
                 clamp_grad=options.clamp_grad,
                 init_from_weight=options.init_from_weight,
+                compile=options.compile_fake_quant,
             )
         ql.to(child.weight.device)
         setattr(parent, child_name, ql)

@@ -52,11 +52,13 @@ class Quantizer(nn.Module):
         init_value: float = 1.0,
         lwc_init: float | None = None,
         clamp_grad: str = "mask",
+        compile: bool = False,
     ) -> None:
         super().__init__()
         self.spec = spec
         self.enabled = True
         self.clamp_grad = clamp_grad
+        self.compile = compile  # run the fake-quant through torch.compile (F.compiled)
         self.calibrating = False
         self._obs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.register_buffer("initialized", torch.tensor(False), persistent=False)
@@ -185,9 +187,11 @@ class Quantizer(nn.Module):
             self._observe(x)
             return x
         if self.spec.dynamic:
-            return F.dynamic_fake_quantize(x, self.spec, clamp_grad=self.clamp_grad)
+            fq = F.compiled(F.dynamic_fake_quantize) if self.compile else F.dynamic_fake_quantize
+            return fq(x, self.spec, clamp_grad=self.clamp_grad)
         scale, zp = self.qparams(x)
-        return F.fake_quantize(x, scale, zp, self.spec, clamp_grad=self.clamp_grad)
+        fq = F.compiled(F.fake_quantize) if self.compile else F.fake_quantize
+        return fq(x, scale, zp, self.spec, clamp_grad=self.clamp_grad)
 
     def extra_repr(self) -> str:
         return self.spec.describe() + (" lwc" if self.uses_lwc else "")

@@ -38,6 +38,7 @@ from typing import Any
 import jinja2
 
 from .. import analysis
+from ..eval.harness import NON_METRICS
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +200,8 @@ def _task_metrics(evals: Mapping[str, dict]) -> list[tuple[str, str]]:
                 continue
             for m, val in metrics.items():
                 if "stderr" in m or not isinstance(val, (int, float)) or isinstance(val, bool):
+                    continue
+                if m.partition(",")[0] in NON_METRICS:  # eval JSONs written before the filter
                     continue
                 seen[(task, m)] = None
     return sorted(seen)
@@ -757,7 +760,9 @@ def _stage_order(path: Path) -> tuple[int, str]:
     return idx, path.stem
 
 
-def _metadata_section(exp: Path, commit: str, config: Path | None, evals: Mapping[str, dict]) -> dict:
+def _metadata_section(
+    exp: Path, commit: str, config: Path | None, evals: Mapping[str, dict], extra_timings: Sequence[Path] = ()
+) -> dict:
     sec = {"id": "run", "title": "Run metadata", "blocks": []}
     sec["blocks"].append(
         _table(
@@ -770,7 +775,12 @@ def _metadata_section(exp: Path, commit: str, config: Path | None, evals: Mappin
     sec["blocks"].append(_table(["package", "version"], package_versions().items(), "Package versions", 2))
 
     timings = []  # (label, wall_s, world_size); the label is the file name: evaluate-bf16, evaluate-qat, ...
-    for path in sorted((exp / "timings").glob("*.json"), key=_stage_order):
+    # the experiment's own stages plus shared ones (corpus, base model) that live outside exp/;
+    # a shared record also present in exp/timings (older runs copied them there) is shown once
+    own = list((exp / "timings").glob("*.json"))
+    names = {p.stem for p in own}
+    shared = [p for p in extra_timings if p.stem.split("-")[0] not in names]
+    for path in sorted(own + shared, key=_stage_order):
         try:
             t = _read_json(path)
         except ValueError as e:
@@ -902,6 +912,7 @@ def build_report(
     bench_dir: str | os.PathLike | None = None,
     config: str | os.PathLike | None = None,
     base_weights: str | os.PathLike | None = None,
+    extra_timings: Sequence[str | os.PathLike] = (),
 ) -> Path:
     """Write the report of ``exp_dir`` to ``out_html``, and ``metrics.json`` + ``plots/*.csv`` beside it.
 
@@ -909,7 +920,8 @@ def build_report(
     exists). ``config``: the experiment YAML shown in the report (default: ``<exp_dir>/config.yaml``
     or the single ``*.yaml`` there). ``base_weights``: the full-precision weights behind the PTQ
     scales, for computing SQNR when ``analysis/sqnr.csv`` is absent (default: weights in ``ptq/``,
-    else the QAT checkpoint's). Raises `ReportError` when a required ``eval/*.json`` is missing.
+    else the QAT checkpoint's). ``extra_timings``: timing JSONs of stages shared between
+    experiments (corpus, base model), listed in the wall-time table with the experiment's own. Raises `ReportError` when a required ``eval/*.json`` is missing.
     """
     exp = Path(exp_dir)
     if not exp.is_dir():
@@ -934,7 +946,7 @@ def build_report(
         _optional("Scales", "scales", lambda: _scales_section(exp, plots, outputs)),
         _optional("Per-layer SQNR", "sqnr", lambda: _sqnr_section(exp, plots, outputs, base)),
         _optional("Scale warm start", "scale-load", lambda: _scale_load_section(exp)),
-        _optional("Run metadata", "run", lambda: _metadata_section(exp, commit, cfg, evals)),
+        _optional("Run metadata", "run", lambda: _metadata_section(exp, commit, cfg, evals, [Path(t) for t in extra_timings])),
         _optional("Benchmarks", "bench", lambda: _bench_section(bench)),
     ]
     for s in sections:

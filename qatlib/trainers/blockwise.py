@@ -394,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..config import ConfigError, load_config
     from ..data import training_data_from_config
     from ..models import load_model, load_tokenizer
-    from ..quant import PrepareOptions, prepare
+    from ..quant import prepare
     from ..zero3_io import save_consolidated, stream_load_scales
 
     ap = argparse.ArgumentParser(prog="python -m qatlib.trainers.blockwise", description="blockwise QAT")
@@ -415,7 +415,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     torch.manual_seed(cfg.global_.seed)
     scheme = cfg.quant_scheme()
-    qc = cfg.qat.plugin_config.quant_config
     model = load_model(
         cfg.model.model_path,
         torch_dtype=cfg.model.torch_dtype,
@@ -423,13 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         attn_implementation=cfg.model.attn_implementation,
     )
     tok = load_tokenizer(cfg.model.model_path, trust_remote_code=cfg.model.trust_remote_code)
-    # same options / ignore list as the end-to-end stage (scripts/_common.py)
-    options = PrepareOptions(
-        weight_init_value=qc.weight_scale_init_value,
-        act_init_value=qc.activation_scale_init_value,
-        lwc_init=qc.lwc.lwc_init_value if qc.lwc.enable_lwc else None,
-    )
-    prepare(model, scheme, ignore=list(cfg.quantization.ignore_layers) or ["lm_head"], options=options)
+    prepare(model, scheme, ignore=cfg.ignore_layers, options=cfg.prepare_options())
     ptq = cfg.qat.from_ptq_ckpt
     if ptq:
         stream_load_scales(model, ptq, scheme)
