@@ -23,6 +23,7 @@ ZeRO-3 load peak.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -37,12 +38,12 @@ from .common import REPO, _meminfo, log
 @dataclass
 class MemorySettings:
     # (vocab, tokens, chunk_size): a 32k vocabulary (Llama-2 class) and Qwen3's 151,936, each with
-    # qatlib's default chunk (1024 rows) and a smaller one.
-    configs: tuple[tuple[int, int, int], ...] = (
-        (32768, 4096, 1024),
+    # qatlib's default chunk (None: CHUNK_ELEMENTS // vocab rows, 1024 and 220 here) and a fixed one.
+    configs: tuple[tuple[int, int, int | None], ...] = (
+        (32768, 4096, None),
         (32768, 4096, 256),
+        (151936, 1024, None),
         (151936, 1024, 1024),
-        (151936, 1024, 128),
     )
     loss_type: str = "cakld"
     dtype: str = "bfloat16"
@@ -91,7 +92,7 @@ class _RssSampler:
         self.peak = max(self.peak, self.current())
 
 
-def _worker(vocab: int, tokens: int, loss_type: str, chunk_size: int, dtype: str, chunked: bool) -> dict:
+def _worker(vocab: int, tokens: int, loss_type: str, chunk_size: int | None, dtype: str, chunked: bool) -> dict:
     """Runs in a fresh process: growth of the resident set during one loss forward + backward."""
     import torch
 
@@ -104,9 +105,14 @@ def _worker(vocab: int, tokens: int, loss_type: str, chunk_size: int, dtype: str
     t = torch.randn(1, tokens, vocab, generator=g, dtype=dt)
     labels = torch.randint(0, vocab, (1, tokens), generator=g)
     cfg = LossConfig(loss_type=loss_type, kd_loss_weight=1.0, lm_loss_weight=1.0, chunk_size=chunk_size)
-    # warm the code paths on a tiny problem so that one-off allocations do not count
+    # warm the code paths on a tiny problem so that one-off allocations do not count (2-row chunks:
+    # 4 rows in one chunk would take the plain path)
     qat_loss(
-        s[:, :4].detach().clone().requires_grad_(True), labels[:, :4], cfg, t[:, :4], chunked=chunked
+        s[:, :4].detach().clone().requires_grad_(True),
+        labels[:, :4],
+        dataclasses.replace(cfg, chunk_size=2),
+        t[:, :4],
+        chunked=chunked,
     ).loss.backward()
     before = _RssSampler.current()
     with _RssSampler() as rs:
@@ -118,7 +124,9 @@ def _worker(vocab: int, tokens: int, loss_type: str, chunk_size: int, dtype: str
     }
 
 
-def rss_probe(vocab: int, tokens: int, *, loss_type: str, chunk_size: int, dtype: str, chunked: bool) -> dict:
+def rss_probe(
+    vocab: int, tokens: int, *, loss_type: str, chunk_size: int | None, dtype: str, chunked: bool
+) -> dict:
     cmd = [
         sys.executable,
         "-m",
@@ -150,7 +158,7 @@ def rss_probe(vocab: int, tokens: int, *, loss_type: str, chunk_size: int, dtype
 def kd_rows(s: MemorySettings) -> list[dict[str, Any]]:
     import torch
 
-    from qatlib.losses import kd_memory_probe
+    from qatlib.losses import LossConfig, kd_memory_probe
 
     rows = []
     for vocab, tokens, chunk in s.configs:
@@ -159,7 +167,8 @@ def kd_rows(s: MemorySettings) -> list[dict[str, Any]]:
             "tokens": tokens,
             "dtype": s.dtype,
             "loss_type": s.loss_type,
-            "chunk_size": chunk,
+            "chunk_size": chunk,  # None: qatlib's default (CHUNK_ELEMENTS // vocab rows)
+            "chunk_rows": LossConfig(chunk_size=chunk).rows_per_chunk(vocab),
             "logits_bytes": vocab * tokens * torch.finfo(getattr(torch, s.dtype)).bits // 8,
         }
         need = _estimate_full_bytes(vocab, tokens)

@@ -214,3 +214,31 @@ def test_memory_probe_chunked_uses_less():
     assert r["chunked_peak"] < 0.5 * r["full_peak"]
     # chunked: about the logits' gradient plus one chunk's workspace, not several fp32 copies
     assert r["chunked_peak"] < 4 * r["fp32_logits_bytes"]
+
+
+def test_default_chunk_follows_an_element_budget():
+    """Rows per chunk = CHUNK_ELEMENTS // vocab (1024 rows at 32k, 220 at Qwen3's 151,936)."""
+    from qatlib.losses import CHUNK_ELEMENTS
+
+    assert CHUNK_ELEMENTS == 1 << 25
+    cfg = LossConfig()
+    assert cfg.rows_per_chunk(32768) == 1024
+    assert cfg.rows_per_chunk(151936) == 220
+    assert cfg.rows_per_chunk(1 << 26) == 1
+    assert LossConfig(chunk_size=7).rows_per_chunk(151936) == 7
+    with pytest.raises(ValueError, match="chunk_size"):
+        LossConfig(chunk_size=0)
+
+
+def test_default_chunk_memory(monkeypatch):
+    """The budget sets the peak: several chunks -> well under the plain formulation; one chunk
+    covering every row -> the plain formulation itself (no extra gradient buffer)."""
+    import qatlib.losses as L
+
+    one = kd_memory_probe(n_tokens=512, vocab=2048, dtype=torch.float32)
+    assert one["chunk_size"] == (1 << 25) // 2048
+    assert one["chunked_peak"] <= 1.02 * one["full_peak"]
+    monkeypatch.setattr(L, "CHUNK_ELEMENTS", 64 * 2048)
+    many = kd_memory_probe(n_tokens=512, vocab=2048, dtype=torch.float32)
+    assert many["chunk_size"] == 64
+    assert many["chunked_peak"] < 0.5 * many["full_peak"]
