@@ -7,3 +7,7 @@ cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 $PY -m pip install -q --disable-pip-version-check "torch==2.13.0"
 $PY -m pip install -q --disable-pip-version-check -c requirements/constraints.txt -e ".[eval,workflow,test]"
+# `dvc plots show` offline: inline vega into a local HTML template (needs npm; optional).
+if command -v npm >/dev/null 2>&1; then
+  $PY scripts/dvc_plots_template.py || echo "install.sh: offline DVC plots template not made (see README, DVC)" >&2
+fi

@@ -422,8 +422,12 @@ class Lab:
         steps: int | None = None,
         lwc: bool = False,
         lr: float | None = None,
+        norm: bool = False,
+        start=None,
     ):
-        """RTN warm start + end-to-end QAT; returns (model, record)."""
+        """RTN warm start (or the prepared model ``start``) + end-to-end QAT; returns (model, record).
+
+        ``norm``: the RMSNorm weights learn too (upstream's ``learnable.norm``)."""
         from transformers import TrainingArguments
         from transformers.trainer_callback import PrinterCallback
 
@@ -435,7 +439,7 @@ class Lab:
         s = self.s
         steps = steps or s.qat_steps
         loss_type = loss_type or s.loss_type
-        m = self.rtn(scheme, lwc_init=s.lwc_init if lwc else None)
+        m = start if start is not None else self.rtn(scheme, lwc_init=s.lwc_init if lwc else None)
         args = TrainingArguments(
             output_dir=str(self.work / "trainer"),
             max_steps=steps,
@@ -457,7 +461,7 @@ class Lab:
             m,
             args,
             loss_config=LossConfig(loss_type=loss_type, lm_loss_weight=1.0, kd_loss_weight=1.0),
-            learnable=Learnable(act_scale=True, weight_scale=True, lwc=lwc),
+            learnable=Learnable(act_scale=True, weight_scale=True, lwc=lwc, norm=norm),
             lwc_lr=s.lwc_lr if lwc else None,
             train_dataset=self.train,
             data_collator=PadCollator.for_tokenizer(self.tok),
@@ -475,6 +479,7 @@ class Lab:
             "s_per_step": round(wall / steps, 4),
             "loss_type": loss_type,
             "lwc": lwc,
+            "norm": norm,
             "lr": lr or s.lr,
             "first_total_loss": logs[0]["total_loss"] if logs else None,
             "last_total_loss": logs[-1]["total_loss"] if logs else None,

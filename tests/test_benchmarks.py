@@ -171,3 +171,25 @@ def test_pipeline_reads_stage_timings(tmp_path):
     assert out["stages"][0]["share"] == 0.25 and "error" in out["stages"][1]
     assert "convert_export" in out["missing_stages"]
     assert len(out["duplicate_records_skipped"]) == 1
+
+
+def test_pipeline_counts_only_the_experiments_shared_stages(tmp_path):
+    """Shared records of other experiments (another base model) are not counted; the default
+    experiment's base model and local task are expected."""
+    res = tmp_path / "results"
+    (res / "timings").mkdir(parents=True)
+    for stem, wall in [
+        ("corpus", 10.0),
+        ("local_task-qat_local_mc", 1.0),
+        ("base_model-tiny-qwen3-moe", 100.0),
+        ("base_model-tiny-qwen3", 70.0),
+    ]:
+        (res / "timings" / f"{stem}.json").write_text(json.dumps({"stage": stem, "wall_s": wall}))
+    out = pipeline.run(results=str(res), experiment="tiny-qwen3-moe")
+    assert [r["stage"] for r in out["stages"]] == [
+        "corpus",
+        "local_task-qat_local_mc",
+        "base_model-tiny-qwen3-moe",
+    ]
+    assert out["total_wall_s"] == 111.0
+    assert "base_model-tiny-qwen3-moe" not in out["missing_stages"] and "zero3_qat" in out["missing_stages"]

@@ -541,3 +541,28 @@ def test_renders_in_headless_chromium(exp_dir, tmp_path):
         timeout=120,
     )
     assert png.is_file() and png.stat().st_size > 10_000
+
+
+def test_shared_timings_and_no_bookkeeping_metrics(exp_dir, tmp_path):
+    """Shared stages (corpus, base model) join the wall-time table without being copied into the
+    experiment; lm-eval's ``sample_len`` is not shown or exported as a metric."""
+    for v in EVALS:
+        p = exp_dir / "eval" / f"{v}.json"
+        d = json.loads(p.read_text())
+        for t in d["tasks"].values():
+            t["sample_len"] = 200.0
+        p.write_text(json.dumps(d))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "corpus.json").write_text(json.dumps({"stage": "corpus", "wall_s": 7.0}))
+    (shared / "base_model-tiny.json").write_text(json.dumps({"stage": "base_model", "wall_s": 140.0}))
+    before = sorted(p.name for p in (exp_dir / "timings").iterdir())
+    html, out = build(exp_dir, extra_timings=[shared / "corpus.json", shared / "base_model-tiny.json"])
+    assert sorted(p.name for p in (exp_dir / "timings").iterdir()) == before
+    assert "base_model-tiny" in html and "2:20.0" in html
+    # total = 61 + 3725 + 30 + 7 + 140 = 3963 s
+    assert "1:06:03.0" in html
+    assert html.index(">corpus<") < html.index("base_model-tiny") < html.index(">ptq_calibrate<")
+    assert "sample_len" not in html
+    metrics = json.loads((out.parent / "metrics.json").read_text())
+    assert not any("sample_len" in k for k in metrics)
