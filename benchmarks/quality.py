@@ -701,22 +701,15 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
                 out.append(ablation_row(f"lr {lr:g}", bf16, rtn, res, rec, lr=lr))
             abl["lr_equal_steps"] = out
 
-        def lwc_ablation() -> None:
-            log("quality: ablation LWC")
-            qm, rec = lab.qat(scheme, lwc=True)
-            res = variants[f"{af}/qat-lwc"] = ev(qm, mc=False)
-            abl["lwc_equal_steps"] = [
-                ablation_row("learned scales (no LWC)", bf16, rtn, main_res, main_rec),
-                ablation_row("LWC", bf16, rtn, res, rec, lwc_init=s.lwc_init, lwc_lr=s.lwc_lr),
-            ]
-
-        def norm_ablation() -> None:
-            log("quality: ablation learnable norm")
-            qm, rec = lab.qat(scheme, norm=True)
-            res = variants[f"{af}/qat-norm"] = ev(qm, mc=False)
-            abl["norm_equal_steps"] = [
-                ablation_row("scales only", bf16, rtn, main_res, main_rec),
-                ablation_row("scales + RMSNorm weights (learnable.norm)", bf16, rtn, res, rec),
+        def versus_main(key: str, main_label: str, label: str, **qat_kw) -> None:
+            """One change to the main QAT run at equal steps, next to the main run."""
+            log(f"quality: ablation {key}")
+            qm, rec = lab.qat(scheme, **qat_kw)
+            res = variants[f"{af}/qat-{key}"] = ev(qm, mc=False)
+            extra = {"lwc_init": s.lwc_init, "lwc_lr": s.lwc_lr} if qat_kw.get("lwc") else {}
+            abl[f"{key}_equal_steps"] = [
+                ablation_row(main_label, bf16, rtn, main_res, main_rec),
+                ablation_row(label, bf16, rtn, res, rec, **extra),
             ]
 
         def blockwise_ablation() -> None:
@@ -757,9 +750,11 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
         if s.lrs:
             _guarded(errors, "ablation lr", lr_ablation)
         if s.lwc:
-            _guarded(errors, "ablation lwc", lwc_ablation)
+            _guarded(errors, "ablation lwc", versus_main, "lwc", "learned scales (no LWC)", "LWC", lwc=True)
         if s.norm:
-            _guarded(errors, "ablation norm", norm_ablation)
+            _guarded(
+                errors, "ablation norm", versus_main, "norm", "scales only", "scales + RMSNorm weights", norm=True
+            )
         if s.blockwise:
             _guarded(errors, "ablation blockwise", blockwise_ablation)
 

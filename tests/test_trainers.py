@@ -679,12 +679,29 @@ def _torchrun(worker: Path, spec: dict, tmp: Path, timeout: float = 300):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
 
 
+def _have_cxx() -> bool:
+    import shutil
+
+    return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+
+
 @pytest.mark.slow
 @pytest.mark.multirank
-def test_zero3_two_ranks_lm_plus_cakld_matches_single_process(tmp_path):
+@pytest.mark.parametrize(
+    "compile_fq",
+    [
+        False,
+        pytest.param(
+            True, marks=pytest.mark.skipif(not _have_cxx(), reason="torch.compile (inductor) needs a C++ compiler")
+        ),
+    ],
+    ids=["eager", "compiled"],
+)
+def test_zero3_two_ranks_lm_plus_cakld_matches_single_process(tmp_path, compile_fq):
     """ZeRO-3 (2 CPU ranks, batch 1 each) vs one process (batch 2), same samples in the same order:
     every loss component is logged each step and equals the single-process value (rtol 1e-4), and
-    the trained scales agree (rtol 1e-4): the token normalisation spans both ranks."""
+    the trained scales agree (rtol 1e-4): the token normalisation spans both ranks. ``compiled``:
+    the ZeRO-3 ranks run ``compile_fake_quant`` against the eager single-process reference."""
     from safetensors.torch import load_file
 
     from qatlib import zero3_io as z
@@ -710,6 +727,7 @@ def test_zero3_two_ranks_lm_plus_cakld_matches_single_process(tmp_path):
         "data": data,
         "steps": steps,
         "lr": 1e-3,
+        "compile": compile_fq,
     }
     proc = _torchrun(ROOT / "tests" / "trainer_workers" / "e2e_zero3.py", spec, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

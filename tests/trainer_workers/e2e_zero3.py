@@ -33,13 +33,15 @@ def main() -> None:
 
     from qatlib.data import PadCollator
     from qatlib.losses import LossConfig
-    from qatlib.quant import QuantScheme
+    from qatlib.quant import PrepareOptions, QuantScheme, quantizers
     from qatlib.trainers.end2end import QATTrainer
     from qatlib.trainers.params import Learnable
 
     scheme = QuantScheme.from_dict(spec["scheme"])
-    model = z.build_qat_model(spec["model"], ctx, scheme, from_ptq_ckpt=spec["ptq"])
+    options = PrepareOptions(compile_fake_quant=bool(spec.get("compile", False)))
+    model = z.build_qat_model(spec["model"], ctx, scheme, from_ptq_ckpt=spec["ptq"], options=options)
     assert z.model_is_zero3(model)
+    assert all(q.compile == options.compile_fake_quant for _, q in quantizers(model))
     out = Path(spec["out"])
     args = TrainingArguments(
         output_dir=str(out / "trainer"),
