@@ -1,12 +1,19 @@
-"""Shared fixtures: tiny Qwen3 / Qwen3-MoE models built from configs and an offline tokenizer.
+"""Shared fixtures: tiny Qwen3 / Qwen3-MoE models built from configs, an offline tokenizer, and
+the 2-rank torchrun launcher of the ZeRO-3 tests.
 
 Everything is built locally in seconds; nothing touches the hub.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import json
 import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,3 +89,39 @@ def tiny_qwen3():
 @pytest.fixture
 def tiny_qwen3_moe():
     return build_model(tiny_qwen3_moe_config())
+
+
+# --------------------------------------------------------------------------- multi-rank
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torchrun workers run with OMP_NUM_THREADS=1; match it so reductions run in the same order."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def torchrun(
+    worker: Path, spec: dict, tmp: Path, timeout: float = 300
+) -> tuple[subprocess.CompletedProcess, float]:
+    """Run ``worker spec.json`` on 2 CPU ranks (gloo, 1 thread each, offline); (process, seconds)."""
+    spec_path = tmp / f"{Path(worker).stem}_spec.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(worker), str(spec_path)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
+    return proc, time.perf_counter() - t0

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, build_model, tiny_qwen3_config
+from conftest import VOCAB, build_model, one_thread, tiny_qwen3_config, torchrun
 from transformers import TrainerCallback, TrainingArguments
 
 from qatlib.data import PadCollator
@@ -68,17 +64,6 @@ def targs(tmp_path, **kw):
     )
     base.update(kw)
     return TrainingArguments(**base)
-
-
-@contextlib.contextmanager
-def _one_thread():
-    """torchrun workers run with OMP_NUM_THREADS=1; match it so reductions run in the same order."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 def snapshot(model):
@@ -656,29 +641,6 @@ Z3_SCHEME = QuantScheme(
 )
 
 
-def _torchrun(worker: Path, spec: dict, tmp: Path, timeout: float = 300):
-    spec_path = tmp / "spec.json"
-    spec_path.write_text(json.dumps(spec))
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONUNBUFFERED": "1",
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(worker),
-        str(spec_path),
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
-
-
 def _have_cxx() -> bool:
     import shutil
 
@@ -709,7 +671,7 @@ def test_zero3_two_ranks_lm_plus_cakld_matches_single_process(tmp_path, compile_
 
     model_dir, ptq_dir = tmp_path / "model", tmp_path / "ptq"
     build_model(tiny_qwen3_config(initializer_range=0.1), seed=1).save_pretrained(model_dir)
-    with _one_thread():
+    with one_thread():
         from transformers import AutoModelForCausalLM
 
         pm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -729,7 +691,7 @@ def test_zero3_two_ranks_lm_plus_cakld_matches_single_process(tmp_path, compile_
         "lr": 1e-3,
         "compile": compile_fq,
     }
-    proc = _torchrun(ROOT / "tests" / "trainer_workers" / "e2e_zero3.py", spec, tmp_path)
+    proc, _ = torchrun(ROOT / "tests" / "trainer_workers" / "e2e_zero3.py", spec, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert proc.stdout.count("WORKER OK") == 2
     res = json.loads((tmp_path / "run" / "result.json").read_text())
@@ -742,7 +704,7 @@ def test_zero3_two_ranks_lm_plus_cakld_matches_single_process(tmp_path, compile_
     assert res["teacher_forwards"] == steps and res["world"] == 2
 
     # the same run in one process, batch 2 = both ranks' micro-batches
-    with _one_thread():
+    with one_thread():
         ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         prepare(ref, Z3_SCHEME, options=PrepareOptions(init_from_weight=False))
         z.stream_load_scales(ref, ptq_dir, Z3_SCHEME)
@@ -789,7 +751,7 @@ def test_zero3_resume_after_kill_matches_single_process(tmp_path):
 
     model_dir, ptq_dir = tmp_path / "model", tmp_path / "ptq"
     build_model(tiny_qwen3_config(initializer_range=0.1), seed=1).save_pretrained(model_dir)
-    with _one_thread():
+    with one_thread():
         pm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         prepare(pm, Z3_SCHEME)
         calibrate(pm, Z3_SCHEME, [torch.tensor([d["input_ids"]]) for d in make_data(2, seed=7)])
@@ -808,14 +770,14 @@ def test_zero3_resume_after_kill_matches_single_process(tmp_path):
         "save_steps": 2,
     }
     worker = ROOT / "tests" / "trainer_workers" / "e2e_zero3.py"
-    killed = _torchrun(worker, {**spec, "crash_at": 3}, tmp_path)
+    killed, _ = torchrun(worker, {**spec, "crash_at": 3}, tmp_path)
     assert killed.returncode != 0 and "killed at step 3" in killed.stdout + killed.stderr
     ckpt = tmp_path / "run" / "trainer" / "checkpoint-2"
     assert (ckpt / "trainer_state.json").is_file()
-    resumed = _torchrun(worker, {**spec, "resume_from": str(ckpt)}, tmp_path)
+    resumed, _ = torchrun(worker, {**spec, "resume_from": str(ckpt)}, tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
     assert [x["step"] for x in read_log(tmp_path / "run" / "trainer" / LOG_FILE)] == [1, 2, 3, 4]
-    with _one_thread():
+    with one_thread():
         ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         prepare(ref, Z3_SCHEME, options=PrepareOptions(init_from_weight=False))
         z.stream_load_scales(ref, ptq_dir, Z3_SCHEME)

@@ -313,85 +313,39 @@ def test_end_to_end_on_the_test_config(tmp_path):
     _, out = run([*sm, "-n"], repo)
     assert "Nothing to be done" in out, out[-3000:]
 
-    # 4. a QAT hyper-parameter: QAT and what follows; not corpus, base model, PTQ, bf16/ptq evals
+    def reruns(path: Path, old: str, new: str, *extra: str) -> set[str]:
+        """The jobs a dry run plans after replacing ``old`` by ``new`` in ``path`` (then undone)."""
+        edit_yaml(path, old, new)
+        try:
+            _, out = run([*sm, "-n", *extra], repo)
+        finally:
+            edit_yaml(path, new, old)
+        return dry_jobs(out)
+
+    qat_and_after = {"zero3_qat", "convert_export", "evaluate[qat]", "evaluate[export]", "sqnr", "report", "all"}
     yml = repo / ".test/config/experiments/tiny-test.yaml"
-    edit_yaml(yml, "learning_rate: 1.0e-4", "learning_rate: 2.0e-4")
-    _, out = run([*sm, "-n"], repo)
-    assert dry_jobs(out) == {
-        "zero3_qat",
-        "convert_export",
-        "evaluate[qat]",
-        "evaluate[export]",
-        "sqnr",
-        "report",
-        "all",
-    }, out[-4000:]
-    edit_yaml(yml, "learning_rate: 2.0e-4", "learning_rate: 1.0e-4")
+    # 4. a QAT hyper-parameter: QAT and what follows; not corpus, base model, PTQ, bf16/ptq evals
+    assert reruns(yml, "learning_rate: 1.0e-4", "learning_rate: 2.0e-4") == qat_and_after
     # ... also a training-only key inside a section PTQ reads (quant_config.learnable)
-    edit_yaml(yml, "          norm: false", "          norm: true")
-    _, out = run([*sm, "-n"], repo)
-    assert dry_jobs(out) == {
-        "zero3_qat",
-        "convert_export",
-        "evaluate[qat]",
-        "evaluate[export]",
-        "sqnr",
-        "report",
-        "all",
-    }, out[-4000:]
-    edit_yaml(yml, "          norm: true", "          norm: false")
-
+    assert reruns(yml, "          norm: false", "          norm: true") == qat_and_after
     # 5. a calibration setting: PTQ and everything after it, but not the bf16 evaluation
-    edit_yaml(yml, "  num_samples: 40 ", "  num_samples: 32 ")
-    _, out = run([*sm, "-n"], repo)
-    assert dry_jobs(out) == {
+    assert reruns(yml, "  num_samples: 40 ", "  num_samples: 32 ") == qat_and_after | {
         "ptq_calibrate",
-        "zero3_qat",
-        "convert_export",
         "evaluate[ptq]",
-        "evaluate[qat]",
-        "evaluate[export]",
-        "sqnr",
-        "report",
-        "all",
-    }, out[-4000:]
-    edit_yaml(yml, "  num_samples: 32 ", "  num_samples: 40 ")
-
+    }
     # 6. an evaluation setting: the four evaluations and the report only
-    edit_yaml(yml, "  limit: 40 ", "  limit: 30 ")
-    _, out = run([*sm, "-n"], repo)
-    assert dry_jobs(out) == {
+    assert reruns(yml, "  limit: 40 ", "  limit: 30 ") == {
         "evaluate[bf16]",
         "evaluate[ptq]",
         "evaluate[qat]",
         "evaluate[export]",
         "report",
         "all",
-    }, out[-4000:]
-    edit_yaml(yml, "  limit: 30 ", "  limit: 40 ")
-
+    }
     # 7. the same through params.yaml, as `dvc exp run -S overrides...` does it
+    lr_override = "overrides:\n  compression:\n    QAT:\n      hf_args:\n        learning_rate: 0.0002"
     params = repo / "params.yaml"
-    edit_yaml(
-        params,
-        "overrides: {}",
-        "overrides:\n  compression:\n    QAT:\n      hf_args:\n        learning_rate: 0.0002",
-    )
-    _, out = run([*sm, "-n", "--config", "experiment=tiny-test"], repo)
-    assert dry_jobs(out) == {
-        "zero3_qat",
-        "convert_export",
-        "evaluate[qat]",
-        "evaluate[export]",
-        "sqnr",
-        "report",
-        "all",
-    }, out[-4000:]
-    edit_yaml(
-        params,
-        "overrides:\n  compression:\n    QAT:\n      hf_args:\n        learning_rate: 0.0002",
-        "overrides: {}",
-    )
+    assert reruns(params, "overrides: {}", lr_override, "--config", "experiment=tiny-test") == qat_and_after
     _, out = run([*sm, "-n"], repo)
     assert "Nothing to be done" in out, out[-3000:]
 

@@ -9,17 +9,13 @@ bottom cover the same loaders on plain models (the non-ZeRO warm start).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, build_model, tiny_qwen3_config, tiny_qwen3_moe_config
+from conftest import VOCAB, build_model, one_thread, tiny_qwen3_config, tiny_qwen3_moe_config, torchrun
 from safetensors.torch import load_file, save_file
 
 from qatlib import zero3_io as z
@@ -48,44 +44,6 @@ RTOL, ATOL = 1e-5, 2e-7
 
 
 # --------------------------------------------------------------------------- helpers
-@contextlib.contextmanager
-def one_thread():
-    """The workers run with OMP_NUM_THREADS=1; match it so matmuls reduce in the same order."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-def torchrun(
-    worker: str, spec: dict, tmp: Path, timeout: float = 240
-) -> tuple[subprocess.CompletedProcess, float]:
-    spec_path = tmp / f"{Path(worker).stem}_spec.json"
-    spec_path.write_text(json.dumps(spec))
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONUNBUFFERED": "1",
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(WORKERS / worker),
-        str(spec_path),
-    ]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
-    return proc, time.perf_counter() - t0
-
-
 def load_plain(model_dir: Path):
     from transformers import AutoModelForCausalLM
 
@@ -289,7 +247,7 @@ def zero3_run(ckpts):
         ],
     }
     (tmp / "run").mkdir()
-    proc, seconds = torchrun("qat_roundtrip.py", spec, tmp, timeout=300)
+    proc, seconds = torchrun(WORKERS / "qat_roundtrip.py", spec, tmp, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert proc.stdout.count("WORKER OK") == 2
     results = {
@@ -461,7 +419,7 @@ def bad_run(ckpts):
     cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-5}}
     (tmp / "with_optimizer.json").write_text(json.dumps(cfg))
     spec["ds_config_with_optimizer"] = str(tmp / "with_optimizer.json")
-    proc, seconds = torchrun("bad_inputs.py", spec, tmp, timeout=240)
+    proc, seconds = torchrun(WORKERS / "bad_inputs.py", spec, tmp, timeout=240)
     return proc, seconds, spec
 
 
