@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .ptq import CalibrationReport, batch_inputs, check_prepared_matches, finish_with_fallback, kv_spec
-from .quant import QuantLinear, QuantScheme, QuantSpec, prepare, quant_linears
+from .ptq import CalibrationReport, batch_inputs, finish_with_fallback, prepare_for_calibration
+from .quant import QuantLinear, QuantScheme, QuantSpec, quant_linears
 from .quant import functional as F
 from .quant.linear import PrepareOptions, weight_readable
 from .quant.spec import Granularity
@@ -193,15 +193,9 @@ def gptq(
     Linears that saw fewer than ``min_tokens`` tokens (MoE experts no token was routed to) are
     rounded to nearest instead (counted in the report's ``fallbacks``).
     """
-    kvs = kv_spec(kv)
-    if kvs is not None:
-        scheme = scheme.replace(k=kvs, v=kvs)
     if scheme.weight is None:
         raise ValueError("GPTQ needs a weight format")
-    if not any(True for _ in quant_linears(model)):
-        prepare(model, scheme, ignore=ignore, options=options or PrepareOptions())
-    else:
-        check_prepared_matches(model, scheme)
+    scheme = prepare_for_calibration(model, scheme, ignore=ignore, kv=kv, options=options)
     for name, ql in quant_linears(model):
         if ql.weight_quantizer is not None and ql.weight_quantizer.uses_lwc:
             raise ValueError(f"GPTQ sets explicit scales; {name} uses LWC (prepare without lwc_init)")

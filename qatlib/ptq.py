@@ -213,6 +213,30 @@ def finish_with_fallback(named: list[tuple[str, Quantizer]], report: Calibration
         )
 
 
+def prepare_for_calibration(
+    model: nn.Module,
+    scheme: QuantScheme,
+    *,
+    ignore: Sequence[str],
+    kv: str | QuantSpec | None,
+    options: PrepareOptions | None,
+) -> QuantScheme:
+    """The scheme with ``kv`` added; ``model`` prepared with it unless it already holds matching
+    `QuantLinear` layers (then checked). Shared by RTN calibration and GPTQ."""
+    kvs = kv_spec(kv)
+    if kvs is not None:
+        scheme = scheme.replace(k=kvs, v=kvs)
+    if not any(True for _ in quant_linears(model)):
+        prepare(model, scheme, ignore=ignore, options=options or PrepareOptions())
+    else:
+        check_prepared_matches(model, scheme)
+        if kvs is not None and not any(ql.output_quantizer is not None for _, ql in quant_linears(model)):
+            raise ValueError(
+                "kv= needs output quantizers: pass an unprepared model (or prepare with scheme.k/v set)"
+            )
+    return scheme
+
+
 def calibrate(
     model: nn.Module,
     scheme: QuantScheme,
@@ -232,17 +256,7 @@ def calibrate(
     deployed model computes) unless ``quantize_weights_during_calibration`` is False. Experts that
     get no token take their sibling experts' range (logged and recorded in the report).
     """
-    kvs = kv_spec(kv)
-    if kvs is not None:
-        scheme = scheme.replace(k=kvs, v=kvs)
-    if not any(True for _ in quant_linears(model)):
-        prepare(model, scheme, ignore=ignore, options=options or PrepareOptions())
-    else:
-        check_prepared_matches(model, scheme)
-        if kvs is not None and not any(ql.output_quantizer is not None for _, ql in quant_linears(model)):
-            raise ValueError(
-                "kv= needs output quantizers: pass an unprepared model (or prepare with scheme.k/v set)"
-            )
+    scheme = prepare_for_calibration(model, scheme, ignore=ignore, kv=kv, options=options)
     report = CalibrationReport(scheme=scheme)
     statics: list[tuple[str, Quantizer]] = []
     for name, ql in quant_linears(model):

@@ -93,15 +93,7 @@ class QuantLinear(nn.Module):
         return self.weight if wq is None else wq(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.fake_quant_weight()
-        if self.input_quantizer is not None:
-            x = self.input_quantizer(x)
-        # Compute in the weight's dtype: under DeepSpeed's autocast-wrapped linear an fp32 x against
-        # bf16 weights would otherwise mix dtypes.
-        out = TF.linear(x.to(w.dtype), w, None if self.bias is None else self.bias.to(w.dtype))
-        if self.output_quantizer is not None:
-            out = self.output_quantizer(out)
-        return out
+        return _linear(self, x, self.fake_quant_weight())
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -142,13 +134,22 @@ class QDQLinear(nn.Module):
         return F.dequantize(self.weight, self.weight_scale, self.weight_zero_point, self.weight_spec, self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.dequantized_weight()
-        if self.input_quantizer is not None:
-            x = self.input_quantizer(x)
-        out = TF.linear(x.to(w.dtype), w, None if self.bias is None else self.bias.to(w.dtype))
-        if self.output_quantizer is not None:
-            out = self.output_quantizer(out)
-        return out
+        return _linear(self, x, self.dequantized_weight())
+
+
+def _linear(layer: QuantLinear | QDQLinear, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """input quantizer -> linear with ``w`` -> output quantizer: the same order in training
+    (`QuantLinear`) and in the converted model (`QDQLinear`), so their parity holds by construction.
+
+    Computes in the weight's dtype: under DeepSpeed's autocast-wrapped linear an fp32 x against
+    bf16 weights would otherwise mix dtypes.
+    """
+    if layer.input_quantizer is not None:
+        x = layer.input_quantizer(x)
+    out = TF.linear(x.to(w.dtype), w, None if layer.bias is None else layer.bias.to(w.dtype))
+    if layer.output_quantizer is not None:
+        out = layer.output_quantizer(out)
+    return out
 
 
 # --------------------------------------------------------------------------- selection
