@@ -647,6 +647,78 @@ def _have_cxx() -> bool:
     return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 
 
+Z3_WORKER = ROOT / "tests" / "trainer_workers" / "e2e_zero3.py"
+
+
+def _z3_setup(tmp_path: Path, n_samples: int, steps: int, **extra) -> tuple[dict, list]:
+    """A tiny dense model and its RTN PTQ checkpoint on disk; the worker spec and its data."""
+    from transformers import AutoModelForCausalLM
+
+    from qatlib.ptq import save_ptq_checkpoint
+
+    model_dir, ptq_dir = tmp_path / "model", tmp_path / "ptq"
+    build_model(tiny_qwen3_config(initializer_range=0.1), seed=1).save_pretrained(model_dir)
+    with one_thread():
+        pm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        prepare(pm, Z3_SCHEME)
+        calibrate(pm, Z3_SCHEME, [torch.tensor([d["input_ids"]]) for d in make_data(2, seed=7)])
+        save_ptq_checkpoint(pm, Z3_SCHEME, ptq_dir)
+    data = make_data(n_samples, lengths=(16,))
+    spec = {
+        "out": str(tmp_path / "run"),
+        "model": str(model_dir),
+        "ptq": str(ptq_dir),
+        "ds_config": str(DS_CPU),
+        "scheme": Z3_SCHEME.to_dict(),
+        "data": data,
+        "steps": steps,
+        "lr": 1e-3,
+        **extra,
+    }
+    return spec, data
+
+
+def _z3_reference(tmp_path: Path, spec: dict, data: list) -> dict[str, torch.Tensor]:
+    """The same training in one process (batch 2 = both ranks' micro-batches, same order); its
+    saved scales. The trainer log lands in ``tmp_path/ref/out``."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from qatlib import zero3_io as z
+
+    with one_thread():
+        ref = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+        prepare(ref, Z3_SCHEME, options=PrepareOptions(init_from_weight=False))
+        z.stream_load_scales(ref, spec["ptq"], Z3_SCHEME)
+        QATTrainer(
+            ref,
+            targs(
+                tmp_path / "ref",
+                max_steps=spec["steps"],
+                learning_rate=spec["lr"],
+                max_grad_norm=0.0,
+                train_sampling_strategy="sequential",
+            ),
+            loss_config=LossConfig(loss_type="cakld", lm_loss_weight=1.0, kd_loss_weight=1.0),
+            learnable=Learnable(weight_scale=True, act_scale=True),
+            train_dataset=data,
+            data_collator=PadCollator(0),
+        ).train()
+    z.save_consolidated(ref, tmp_path / "ref_saved", scheme=Z3_SCHEME)
+    return load_file(str(tmp_path / "ref_saved" / "scales.safetensors"))
+
+
+def _assert_same_scales(tmp_path: Path, spec: dict, exp: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import load_file
+
+    got = load_file(str(tmp_path / "run" / "saved" / "scales.safetensors"))
+    assert got.keys() == exp.keys()
+    init = load_file(str(next(Path(spec["ptq"]).glob("*.safetensors"))))
+    assert any(not torch.equal(exp[k], init[k]) for k in exp if k in init)  # the scales did train
+    for k in exp:
+        torch.testing.assert_close(got[k], exp[k], rtol=1e-4, atol=1e-7)
+
+
 @pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize(
@@ -664,34 +736,8 @@ def test_zero3_two_ranks_lm_plus_cakld_matches_single_process(tmp_path, compile_
     every loss component is logged each step and equals the single-process value (rtol 1e-4), and
     the trained scales agree (rtol 1e-4): the token normalisation spans both ranks. ``compiled``:
     the ZeRO-3 ranks run ``compile_fake_quant`` against the eager single-process reference."""
-    from safetensors.torch import load_file
-
-    from qatlib import zero3_io as z
-    from qatlib.ptq import save_ptq_checkpoint
-
-    model_dir, ptq_dir = tmp_path / "model", tmp_path / "ptq"
-    build_model(tiny_qwen3_config(initializer_range=0.1), seed=1).save_pretrained(model_dir)
-    with one_thread():
-        from transformers import AutoModelForCausalLM
-
-        pm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        prepare(pm, Z3_SCHEME)
-        calibrate(pm, Z3_SCHEME, [torch.tensor([d["input_ids"]]) for d in make_data(2, seed=7)])
-        save_ptq_checkpoint(pm, Z3_SCHEME, ptq_dir)
-    data = make_data(6, lengths=(16,))
-    steps = 3
-    spec = {
-        "out": str(tmp_path / "run"),
-        "model": str(model_dir),
-        "ptq": str(ptq_dir),
-        "ds_config": str(DS_CPU),
-        "scheme": Z3_SCHEME.to_dict(),
-        "data": data,
-        "steps": steps,
-        "lr": 1e-3,
-        "compile": compile_fq,
-    }
-    proc, _ = torchrun(ROOT / "tests" / "trainer_workers" / "e2e_zero3.py", spec, tmp_path)
+    spec, data = _z3_setup(tmp_path, 6, 3, compile=compile_fq)
+    proc, _ = torchrun(Z3_WORKER, spec, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert proc.stdout.count("WORKER OK") == 2
     res = json.loads((tmp_path / "run" / "result.json").read_text())
@@ -701,41 +747,16 @@ def test_zero3_two_ranks_lm_plus_cakld_matches_single_process(tmp_path, compile_
     for x in lines:
         assert all(k in x and math.isfinite(x[k]) for k in keys)
         assert x["total_loss"] == pytest.approx(x["lm_loss"] + x["kd/cakld"], rel=1e-6)
-    assert res["teacher_forwards"] == steps and res["world"] == 2
+    assert res["teacher_forwards"] == 3 and res["world"] == 2
 
-    # the same run in one process, batch 2 = both ranks' micro-batches
-    with one_thread():
-        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        prepare(ref, Z3_SCHEME, options=PrepareOptions(init_from_weight=False))
-        z.stream_load_scales(ref, ptq_dir, Z3_SCHEME)
-        tr = QATTrainer(
-            ref,
-            targs(
-                tmp_path / "ref",
-                max_steps=steps,
-                learning_rate=1e-3,
-                max_grad_norm=0.0,
-                train_sampling_strategy="sequential",
-            ),
-            loss_config=LossConfig(loss_type="cakld", lm_loss_weight=1.0, kd_loss_weight=1.0),
-            learnable=Learnable(weight_scale=True, act_scale=True),
-            train_dataset=data,
-            data_collator=PadCollator(0),
-        )
-        tr.train()
+    exp = _z3_reference(tmp_path, spec, data)
     ref_lines = read_log(tmp_path / "ref" / "out" / LOG_FILE)
+    assert len(ref_lines) == len(lines)
     for a, b in zip(lines, ref_lines):
         assert a["tokens"] == b["tokens"]
         for k in keys + ["loss"]:
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-7), k
-    z.save_consolidated(ref, tmp_path / "ref_saved", scheme=Z3_SCHEME)
-    got = load_file(str(tmp_path / "run" / "saved" / "scales.safetensors"))
-    exp = load_file(str(tmp_path / "ref_saved" / "scales.safetensors"))
-    assert got.keys() == exp.keys()
-    init = load_file(str(next(ptq_dir.glob("*.safetensors"))))
-    assert any(not torch.equal(exp[k], init[k]) for k in exp if k in init)  # the scales did train
-    for k in exp:
-        torch.testing.assert_close(got[k], exp[k], rtol=1e-4, atol=1e-7)
+    _assert_same_scales(tmp_path, spec, exp)
 
 
 @pytest.mark.slow
@@ -743,64 +764,15 @@ def test_zero3_two_ranks_lm_plus_cakld_matches_single_process(tmp_path, compile_
 def test_zero3_resume_after_kill_matches_single_process(tmp_path):
     """A 2-rank ZeRO-3 run killed after step 3 (checkpoints every 2 steps) and resumed from
     checkpoint-2 ends with the scales of an uninterrupted single-process run (rtol 1e-4)."""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    from qatlib import zero3_io as z
-    from qatlib.ptq import save_ptq_checkpoint
-
-    model_dir, ptq_dir = tmp_path / "model", tmp_path / "ptq"
-    build_model(tiny_qwen3_config(initializer_range=0.1), seed=1).save_pretrained(model_dir)
-    with one_thread():
-        pm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        prepare(pm, Z3_SCHEME)
-        calibrate(pm, Z3_SCHEME, [torch.tensor([d["input_ids"]]) for d in make_data(2, seed=7)])
-        save_ptq_checkpoint(pm, Z3_SCHEME, ptq_dir)
-    data = make_data(8, lengths=(16,))
-    steps = 4
-    spec = {
-        "out": str(tmp_path / "run"),
-        "model": str(model_dir),
-        "ptq": str(ptq_dir),
-        "ds_config": str(DS_CPU),
-        "scheme": Z3_SCHEME.to_dict(),
-        "data": data,
-        "steps": steps,
-        "lr": 1e-3,
-        "save_steps": 2,
-    }
-    worker = ROOT / "tests" / "trainer_workers" / "e2e_zero3.py"
-    killed, _ = torchrun(worker, {**spec, "crash_at": 3}, tmp_path)
+    spec, data = _z3_setup(tmp_path, 8, 4, save_steps=2)
+    killed, _ = torchrun(Z3_WORKER, {**spec, "crash_at": 3}, tmp_path)
     assert killed.returncode != 0 and "killed at step 3" in killed.stdout + killed.stderr
     ckpt = tmp_path / "run" / "trainer" / "checkpoint-2"
     assert (ckpt / "trainer_state.json").is_file()
-    resumed, _ = torchrun(worker, {**spec, "resume_from": str(ckpt)}, tmp_path)
+    resumed, _ = torchrun(Z3_WORKER, {**spec, "resume_from": str(ckpt)}, tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
     assert [x["step"] for x in read_log(tmp_path / "run" / "trainer" / LOG_FILE)] == [1, 2, 3, 4]
-    with one_thread():
-        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        prepare(ref, Z3_SCHEME, options=PrepareOptions(init_from_weight=False))
-        z.stream_load_scales(ref, ptq_dir, Z3_SCHEME)
-        QATTrainer(
-            ref,
-            targs(
-                tmp_path / "ref",
-                max_steps=steps,
-                learning_rate=1e-3,
-                max_grad_norm=0.0,
-                train_sampling_strategy="sequential",
-            ),
-            loss_config=LossConfig(loss_type="cakld", lm_loss_weight=1.0, kd_loss_weight=1.0),
-            learnable=Learnable(weight_scale=True, act_scale=True),
-            train_dataset=data,
-            data_collator=PadCollator(0),
-            log_file=False,
-        ).train()
-    z.save_consolidated(ref, tmp_path / "ref_saved", scheme=Z3_SCHEME)
-    got = load_file(str(tmp_path / "run" / "saved" / "scales.safetensors"))
-    exp = load_file(str(tmp_path / "ref_saved" / "scales.safetensors"))
-    for k in exp:
-        torch.testing.assert_close(got[k], exp[k], rtol=1e-4, atol=1e-7)
+    _assert_same_scales(tmp_path, spec, _z3_reference(tmp_path, spec, data))
 
 
 def test_fake_export_is_a_resume_checkpoint(tmp_path):
