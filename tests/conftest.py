@@ -106,6 +106,14 @@ def one_thread():
         torch.set_num_threads(n)
 
 
+@pytest.fixture
+def single_thread():
+    """One intra-op thread for the test: on a shared 2-core machine, 2 spinning OpenMP threads per
+    process made tiny-model steps ~50x slower (measured), while one thread loses little."""
+    with one_thread():
+        yield
+
+
 def torchrun(
     worker: Path, spec: dict, tmp: Path, timeout: float = 300
 ) -> tuple[subprocess.CompletedProcess, float]:

@@ -12,15 +12,7 @@ from conftest import local_texts
 from qatlib.eval.perplexity import make_windows, perplexity, perplexity_of_ids, tokenize_text
 from qatlib.eval.tasks import build_local_mc_task, make_mc_items
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a shared 2-core machine, 2 spinning OpenMP threads per process made
-    these steps ~50x slower (measured), while one thread loses little on tiny models."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_windows_counted_right():

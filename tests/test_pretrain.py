@@ -25,14 +25,7 @@ TINY = dict(
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a shared 2-core machine, 2 spinning OpenMP threads per process made
-    these steps ~50x slower (measured), while one thread loses little on tiny models."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_default_model_size_and_grouped_mm():
