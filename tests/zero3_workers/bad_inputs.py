@@ -19,6 +19,12 @@ from pathlib import Path
 import torch
 
 
+def say(line: str) -> None:
+    """One line to stderr in ONE write: both ranks share the pipe, and ``print`` writes the text and
+    its newline separately, so the other rank's line could land in between (seen in CI)."""
+    os.write(2, (line + "\n").encode())
+
+
 def main() -> None:
     from qatlib import zero3_io as z
     from qatlib.quant import QuantScheme
@@ -58,7 +64,7 @@ def main() -> None:
             results[name] = {"error": None}
         except z.Zero3Error as e:
             results[name] = {"error": str(e)}
-            print(f"[rank{rank}] CASE {name}: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+            say(f"[rank{rank}] CASE {name}: {str(e).splitlines()[0]}")
         results[name]["seconds"] = round(time.perf_counter() - t0, 3)
         torch.distributed.barrier()  # still in step after the error
     everyone = [None] * z.get_world_size()
@@ -66,13 +72,13 @@ def main() -> None:
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps(everyone, indent=1))
     torch.distributed.barrier()
-    print(f"[rank{rank}] CASES DONE", file=sys.stderr, flush=True)
+    say(f"[rank{rank}] CASES DONE")
     try:  # the uncaught one
         z.stream_load_weights(
             model if not state["prepared"] else z.build_empty_model(spec["model"], ctx), spec["truncated"]
         )
     except Exception as e:
-        print(f"[rank{rank}] FATAL {type(e).__name__}: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+        say(f"[rank{rank}] FATAL {type(e).__name__}: {str(e).splitlines()[0]}")
         # Both ranks hold the same verdict (rank 0 decides and broadcasts it); wait until both have
         # reported it, else torchrun may SIGTERM the slower rank as soon as the first one exits.
         if isinstance(e, z.Zero3Error):
