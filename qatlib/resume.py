@@ -11,8 +11,13 @@ Two kinds of directory are accepted:
   ``quant_scheme.json`` and a safetensors file with the quantizer keys of docs/design.md
   (``scales.safetensors``; LWC clip factors under their module path). Weights are copied
   into the prepared model, scales loaded with `qatlib.zero3_io.stream_load_scales`, and training
-  starts at step 0 from there (optimizer state is not part of such a save). Resuming from a
-  ``fake`` export continues from the fake-quantized weights: the original weights are not in it.
+  starts at step 0 from there (optimizer state is not part of such a save). When the saved
+  weights are exactly the model's own weights or their fake-quantized form at the loaded scales
+  (a ``fake`` export or consolidated save of an end-to-end run from the same base model), the
+  model keeps its own full-precision weights instead: the student computes the same thing, and
+  the KD teacher (the model with quantizers off) stays the original model rather than the
+  quantized one. Otherwise (weights trained, e.g. blockwise with ``weight_lr > 0``, or another base
+  model) the saved weights are copied and the teacher is those weights unquantized.
 
 Under ZeRO-3 a saved model is not loaded here: build the model from it instead
 (``zero3_io.build_qat_model(path, ..., from_ptq_ckpt=path)``).
@@ -128,21 +133,63 @@ def load_saved_weights(model: nn.Module, model_dir: str | os.PathLike) -> int:
     return n
 
 
+@torch.no_grad()
+def saved_weights_derive_from(model: nn.Module, model_dir: str | os.PathLike) -> bool:
+    """True when every weight tensor in ``model_dir`` equals the model's own, or for a quantized
+    linear its fake-quantized weight at the model's current scales: the save adds nothing the
+    model's full-precision weights and scales do not already give."""
+    from .quant.linear import QuantLinear
+
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        return False
+    qpre = _quantizer_prefixes(model)
+    own = {n: p for n, p in model.named_parameters(remove_duplicate=False) if not n.startswith(qpre)}
+    qlinears = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    files = sorted(f for f in Path(model_dir).glob("*.safetensors") if f.name not in NON_WEIGHT_FILES)
+    seen = 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                mine = own.get(key)
+                if mine is None:
+                    continue
+                t = fh.get_tensor(key)
+                if t.shape != mine.shape or t.dtype != mine.dtype:
+                    return False
+                if not torch.equal(t, mine):
+                    ql = qlinears.get(key)
+                    if ql is None or ql.weight_quantizer is None or not torch.equal(t, ql.fake_quant_weight()):
+                        return False
+                seen += 1
+    return seen > 0
+
+
 def load_saved_model(
     model: nn.Module, model_dir: str | os.PathLike, scheme: QuantScheme | None = None
 ) -> dict:
-    """Weights (`load_saved_weights`) + quantizer parameters (``stream_load_scales``) of a saved model
-    into a prepared, non-ZeRO ``model``. ``scheme`` defaults to the directory's ``quant_scheme.json``.
-    Returns the scale loader's report plus ``weights`` (tensors copied)."""
+    """Quantizer parameters (``stream_load_scales``) and, unless they derive from the model's own
+    (`saved_weights_derive_from`; see the module docstring), weights (`load_saved_weights`) of a
+    saved model into a prepared, non-ZeRO ``model``. ``scheme`` defaults to the directory's
+    ``quant_scheme.json``. Returns the scale loader's report plus ``weights`` (tensors copied) and
+    ``kept_base_weights``."""
     from .zero3_io import stream_load_scales
 
     model_dir = Path(model_dir)
     if scheme is None:
         scheme = QuantScheme.from_dict(json.loads((model_dir / SCHEME_FILE).read_text()))
-    nw = load_saved_weights(model, model_dir)
     report = stream_load_scales(model, model_dir, scheme)
     if report.get("hits", 0) == 0:
         raise ResumeError(f"{model_dir}: no quantizer parameter found in its safetensors files")
-    report["weights"] = nw
-    log.info("resumed weights (%d tensors) and scales (%d) from %s", nw, report["hits"], model_dir)
+    keep = saved_weights_derive_from(model, model_dir)
+    report["weights"] = 0 if keep else load_saved_weights(model, model_dir)
+    report["kept_base_weights"] = keep
+    if keep:
+        log.info(
+            "resumed scales (%d) from %s; its weights are this model's (fake-quantized), so the "
+            "full-precision weights are kept",
+            report["hits"],
+            model_dir,
+        )
+    else:
+        log.info("resumed weights (%d tensors) and scales (%d) from %s", report["weights"], report["hits"], model_dir)
     return report

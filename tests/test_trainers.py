@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -776,8 +777,9 @@ def test_zero3_resume_after_kill_matches_single_process(tmp_path):
 
 
 def test_fake_export_is_a_resume_checkpoint(tmp_path):
-    """`resume_ckpt_dir` accepts a `fake` save: weights are the fake-quantized ones and the scales
-    come back exactly, so the resumed model reproduces the exported one."""
+    """`resume_ckpt_dir` accepts a `fake` save. Into another base model: its weights are copied (the
+    fake-quantized ones) and the scales come back exactly, so the resumed model reproduces the
+    exported one."""
     from conftest import build_model, tiny_qwen3_config
 
     from qatlib.export import export
@@ -793,10 +795,46 @@ def test_fake_export_is_a_resume_checkpoint(tmp_path):
     export(model, scheme, tmp_path / "fake", "fake")
     resumed = prepare(build_model(tiny_qwen3_config(), seed=2), scheme)
     report = load_saved_model(resumed, tmp_path / "fake")
-    assert report["misses"] == 0
+    assert report["misses"] == 0 and not report["kept_base_weights"] and report["weights"] > 0
     want = {n: p for n, p in model.named_parameters() if "_quantizer." in n}
     got = dict(resumed.named_parameters())
     for n, p in want.items():
         assert torch.equal(got[n], p), n
     ids = torch.arange(24).reshape(2, 12)
     torch.testing.assert_close(resumed(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
+
+
+def test_resume_from_own_fake_export_keeps_the_original_weights(tmp_path):
+    """Resuming from a `fake` export of the same base model: scales come back, the full-precision
+    weights stay, so the student reproduces the export and the KD teacher (quantizers off) is the
+    original model, not the fake-quantized one. A consolidated save (original weights) likewise."""
+    from conftest import build_model, tiny_qwen3_config
+
+    from qatlib import zero3_io as z
+    from qatlib.export import export
+    from qatlib.quant import PRESETS, QuantSpec, prepare, quantization_disabled
+    from qatlib.resume import load_saved_model
+
+    scheme = PRESETS["int4_weight_only"].replace(weight=QuantSpec("int4", "per-group", group_size=32))
+    base = build_model(tiny_qwen3_config(), seed=1)
+    ids = torch.arange(24).reshape(2, 12)
+    with torch.no_grad():
+        base_logits = base(ids).logits
+    model = prepare(copy.deepcopy(base), scheme)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("weight_quantizer.scale"):
+                p.mul_(1.1)
+        quant_logits = model(ids).logits
+    export(model, scheme, tmp_path / "fake", "fake")
+    z.save_consolidated(model, tmp_path / "saved", scheme=scheme)
+    for d in ("fake", "saved"):
+        resumed = prepare(copy.deepcopy(base), scheme)
+        report = load_saved_model(resumed, tmp_path / d)
+        assert report["kept_base_weights"] and report["weights"] == 0, d
+        for (n, p), (_, q) in zip(resumed.named_parameters(), model.named_parameters()):
+            assert torch.equal(p, q), (d, n)  # the original weights and the trained scales
+        with torch.no_grad():
+            torch.testing.assert_close(resumed(ids).logits, quant_logits, rtol=0, atol=0)
+            with quantization_disabled(resumed):
+                torch.testing.assert_close(resumed(ids).logits, base_logits, rtol=0, atol=0)

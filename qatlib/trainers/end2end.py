@@ -330,8 +330,15 @@ def train_end2end(
         if kind == "hf":
             resume_from = str(path)
         else:
-            load_saved_model(model, path, scheme)
+            rep = load_saved_model(model, path, scheme)
             scales_loaded = True
+            if loss_cfg.kd_enabled and not rep["kept_base_weights"]:
+                log.warning(
+                    "resume_ckpt_dir %s holds weights that are not this base model's (or their "
+                    "fake-quantized form): the KD teacher is those weights with quantizers off, "
+                    "not the original model",
+                    path,
+                )
     if not scales_loaded and resume_from is None:
         if zero3:
             raise ValueError(
