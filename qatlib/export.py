@@ -227,10 +227,6 @@ def compressed_tensors_format(scheme: QuantScheme, *, w4a8_activation: str = "ru
             notes.append(
                 f"vLLM's compressed-tensors KV cache takes fp8 per-tensor scales, not {k.describe()}"
             )
-        changes.append(
-            "KV cache: k/v scales were calibrated/trained on the k_proj/v_proj outputs; the runtime applies them to "
-            "the cached keys/values, i.e. after k_norm and RoPE for keys (exact for values only)"
-        )
     ct_scheme = QuantizationScheme(targets=["Linear"], weights=wargs, input_activations=aargs, format=fmt)
     return CTFormat(ct_scheme, fmt.value, kv, tuple(changes), tuple(notes))
 

@@ -24,9 +24,31 @@ def _batches(n=2, b=2, t=24, seed=0):
 
 
 def _record_inputs(model):
-    """Forward pre-hooks on every QuantLinear: running (min, max) of its input, and of the k/v
-    projection outputs per head."""
+    """Forward pre-hooks on every QuantLinear: running (min, max) of its input; per-head absmax of
+    the values (v_proj outputs) and of the keys the attention kernel sees (k_proj output after
+    k_norm and RoPE, recomputed from the attention layer's input)."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
     seen, handles = {}, []
+
+    def absmax_per_head(key, x):  # x [..., heads * 16]
+        h = x.detach().float().reshape(-1, x.shape[-1] // 16, 16).abs().amax(dim=(0, 2))
+        seen[key] = h if key not in seen else torch.maximum(seen[key], h)
+
+    for name, attn in model.named_modules():
+        if not hasattr(attn, "k_norm"):
+            continue
+
+        def keys(m, args, kwargs, out, name=name):
+            h = kwargs["hidden_states"]
+            cos, sin = kwargs["position_embeddings"]
+            b, t, _ = h.shape
+            k = torch.nn.functional.linear(h, m.k_proj.fake_quant_weight(), m.k_proj.bias)
+            k = m.k_norm(k.view(b, t, -1, m.head_dim)).transpose(1, 2)
+            _, k = apply_rotary_pos_emb(k, k, cos, sin)
+            absmax_per_head(f"{name}.k_proj.out", k.transpose(1, 2).reshape(b, t, -1))
+
+        handles.append(attn.register_forward_hook(keys, with_kwargs=True))
     for name, ql in quant_linears(model):
 
         def pre(m, args, name=name):
@@ -36,10 +58,8 @@ def _record_inputs(model):
                 seen[name] = (min(lo, x.min().item()), max(hi, x.max().item()))
 
         def post(m, args, out, name=name):
-            if name.endswith(("k_proj", "v_proj")) and out.numel():
-                h = out.detach().float().reshape(*out.shape[:-1], -1, 16).abs().amax(dim=(0, 1, 3))
-                key = name + ".out"
-                seen[key] = h if key not in seen else torch.maximum(seen[key], h)
+            if name.endswith("v_proj") and out.numel():  # values are cached as v_proj computes them
+                absmax_per_head(name + ".out", out)
 
         handles += [ql.register_forward_pre_hook(pre), ql.register_forward_hook(post)]
     return seen, handles

@@ -482,13 +482,30 @@ def test_per_head_output_quantizers_get_head_counts():
     assert list(attn.q_proj.output_quantizer.parameters()) == []
     assert attn.o_proj.output_quantizer is None and model.model.layers[0].mlp.up_proj.output_quantizer is None
 
-    # calibration: per-head scales over every token of every batch
-    seen = []
-    hook = attn.k_proj.register_forward_hook(lambda m, i, o: seen.append(o.detach().reshape(-1, o.shape[-1])))
+    # calibration: per-head scales over every token of every batch, of the keys the attention
+    # kernel / KV cache sees (after k_norm and RoPE), recomputed here from the layer's input
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    seen, pre_rope = [], []
+
+    def hook(mod, args, kwargs, out):
+        h = kwargs["hidden_states"]
+        cos, sin = kwargs["position_embeddings"]
+        b, t, _ = h.shape
+        k = TF.linear(h, mod.k_proj.fake_quant_weight(), mod.k_proj.bias)
+        pre_rope.append(k.detach().reshape(b * t, -1))
+        k = mod.k_norm(k.view(b, t, -1, mod.head_dim)).transpose(1, 2)
+        _, k = apply_rotary_pos_emb(k, k, cos, sin)
+        seen.append(k.detach().transpose(1, 2).reshape(b * t, -1))
+
+    handle = attn.register_forward_hook(hook, with_kwargs=True)
     calibrate_activations(model, [_ids(0, 2, 7), _ids(1, 3, 5)])
-    hook.remove()
+    handle.remove()
     scale, _ = compute_qparams(torch.cat(seen), attn.k_proj.output_quantizer.spec)
-    assert torch.equal(attn.k_proj.output_quantizer.scale.data, scale)
+    torch.testing.assert_close(attn.k_proj.output_quantizer.scale.data, scale, rtol=1e-6, atol=0)
+    # ... which is not what the k_proj output would have given
+    wrong, _ = compute_qparams(torch.cat(pre_rope), attn.k_proj.output_quantizer.spec)
+    assert not torch.allclose(wrong, scale, rtol=0.05)
 
 
 # =========================================================================== fp8 attention
@@ -557,6 +574,53 @@ def test_fp8_attention_layer_matches_hand_reference():
         ref_plain = attn.o_proj(plain.reshape(b, t, nh * d))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     assert (out - ref_plain).abs().max() > 1e-4  # the FP8 cast is visible
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_kv_quantizers_act_on_post_rope_states(impl):
+    """k / v quantizers fake-quantize the key / value states the attention kernel receives (after
+    k_norm and RoPE), per KV head; the projections' own outputs are left alone. Hand reference:
+    per-head int8 keys (static scales) and per-tensor fp8 values through plain causal attention."""
+    cfg = tiny_qwen3_config(attn_implementation=impl)
+    model = build_model(cfg)
+    k_spec, v_spec = QuantSpec("int8", Granularity.HEAD), QuantSpec("fp8")
+    prepare(model, QuantScheme("kv_only", k=k_spec, v=v_spec))
+    assert model.config._attn_implementation == f"qatlib_qkv_{impl}"
+    attn = model.model.layers[0].self_attn
+    b, t, nh, nkv, d = 2, 5, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    k_scale, v_scale = torch.tensor([0.011, 0.023]), torch.tensor([0.004])
+    with torch.no_grad():
+        attn.k_proj.output_quantizer.scale.copy_(k_scale)
+        attn.v_proj.output_quantizer.scale.copy_(v_scale)
+    hs = torch.randn(b, t, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(t)[None].expand(b, t)
+    cos, sin = model.model.rotary_emb(hs, pos)
+    mask = torch.zeros(b, 1, t, t)
+    mask[:, :, torch.triu(torch.ones(t, t, dtype=torch.bool), 1)] = torch.finfo(torch.float32).min
+    with torch.no_grad():
+        out, _ = attn(hs, (cos, sin), mask)
+        kp, vp = attn.k_proj(hs), attn.v_proj(hs)
+        assert torch.equal(kp, TF.linear(hs, attn.k_proj.weight))  # not quantized in the projection
+        q = _rope(attn.q_norm(attn.q_proj(hs).view(b, t, nh, d)).transpose(1, 2), cos[:, None], sin[:, None])
+        k = _rope(attn.k_norm(kp.view(b, t, nkv, d)).transpose(1, 2), cos[:, None], sin[:, None])
+        v = vp.view(b, t, nkv, d).transpose(1, 2)
+        kq = torch.clamp(torch.round(k / k_scale[None, :, None, None]), -128, 127) * k_scale[None, :, None, None]
+        vq = (v / v_scale).clamp(-448, 448).to(FP8).float() * v_scale
+        ctx = torch.zeros(b, t, nh, d)
+        plain = torch.zeros(b, t, nh, d)
+        for bi in range(b):
+            for hi in range(nh):
+                kvh = hi // (nh // nkv)
+                p = torch.softmax((q[bi, hi] @ kq[bi, kvh].T) * d**-0.5 + mask[bi, 0], dim=-1)
+                ctx[bi, :, hi] = p @ vq[bi, kvh]
+                p0 = torch.softmax((q[bi, hi] @ k[bi, kvh].T) * d**-0.5 + mask[bi, 0], dim=-1)
+                plain[bi, :, hi] = p0 @ v[bi, kvh]
+        ref = attn.o_proj(ctx.reshape(b, t, nh * d))
+        ref_plain = attn.o_proj(plain.reshape(b, t, nh * d))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert (out - ref_plain).abs().max() > 1e-4  # the quantization is visible
+    with quantization_disabled(model), torch.no_grad():
+        torch.testing.assert_close(attn(hs, (cos, sin), mask)[0], ref_plain, rtol=1e-5, atol=1e-6)
 
 
 def test_fp8_attention_changes_logits_slightly_and_stays_causal():

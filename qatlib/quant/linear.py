@@ -72,6 +72,9 @@ class QuantLinear(nn.Module):
             if scheme.input is not None
             else None
         )
+        # q/k/v quantizers of an attention module are applied inside attention (quant/attention.py),
+        # to the states after q/k_norm and RoPE; `prepare` sets this for those projections
+        self.output_in_attention = False
         self.output_quantizer = (
             Quantizer(
                 output_spec, (self.out_features,), init_value=act_init_value, clamp_grad=clamp_grad, compile=compile
@@ -127,6 +130,7 @@ class QDQLinear(nn.Module):
         self.bias = None if ql.bias is None else nn.Parameter(ql.bias.detach().clone(), requires_grad=False)
         self.input_quantizer = ql.input_quantizer
         self.output_quantizer = ql.output_quantizer
+        self.output_in_attention = ql.output_in_attention
 
     def dequantized_weight(self) -> torch.Tensor:
         if self.weight_spec is None:
@@ -147,7 +151,7 @@ def _linear(layer: QuantLinear | QDQLinear, x: torch.Tensor, w: torch.Tensor) ->
     if layer.input_quantizer is not None:
         x = layer.input_quantizer(x)
     out = TF.linear(x.to(w.dtype), w, None if layer.bias is None else layer.bias.to(w.dtype))
-    if layer.output_quantizer is not None:
+    if layer.output_quantizer is not None and not layer.output_in_attention:
         out = layer.output_quantizer(out)
     return out
 
@@ -254,12 +258,17 @@ def prepare(
                 init_from_weight=options.init_from_weight,
                 compile=options.compile_fake_quant,
             )
+        ql.output_in_attention = out_spec is not None
         ql.to(child.weight.device)
         setattr(parent, child_name, ql)
     if scheme.fp8_attn:
         from .attention import enable_fp8_attention
 
         enable_fp8_attention(model)
+    if any(ql.output_in_attention for _, ql in quant_linears(model)):
+        from .attention import enable_qkv_quantization
+
+        enable_qkv_quantization(model)
     return model
 
 
