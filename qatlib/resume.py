@@ -80,6 +80,18 @@ def _quantizer_prefixes(model: nn.Module) -> tuple[str, ...]:
     return tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, Quantizer))
 
 
+def _weight_files(model_dir: str | os.PathLike) -> list[Path]:
+    return sorted(f for f in Path(model_dir).glob("*.safetensors") if f.name not in NON_WEIGHT_FILES)
+
+
+def _saved_keys(model_dir: str | os.PathLike):
+    """``(key, open safetensors handle)`` for every tensor of the weight files in ``model_dir``."""
+    for f in _weight_files(model_dir):
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                yield key, fh
+
+
 @torch.no_grad()
 def load_saved_weights(model: nn.Module, model_dir: str | os.PathLike) -> int:
     """Copy every non-quantizer parameter / persistent buffer of a (prepared, non-ZeRO) model from
@@ -101,27 +113,24 @@ def load_saved_weights(model: nn.Module, model_dir: str | os.PathLike) -> int:
             full = f"{mname}.{bname}" if mname else bname
             if b is not None and bname not in m._non_persistent_buffers_set and not full.startswith(qpre):
                 targets[full] = b
-    files = sorted(f for f in model_dir.glob("*.safetensors") if f.name not in NON_WEIGHT_FILES)
-    if not files:
+    if not _weight_files(model_dir):
         raise ResumeError(f"{model_dir}: no weight files (*.safetensors)")
     filled: set[int] = set()
     unexpected, mismatched = [], []
     n = 0
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for key in fh.keys():
-                dst = targets.get(key)
-                if dst is None:
-                    if not key.endswith(("inv_freq",)):
-                        unexpected.append(key)
-                    continue
-                t = fh.get_tensor(key)
-                if tuple(t.shape) != tuple(dst.shape):
-                    mismatched.append(f"{key}: file {list(t.shape)} vs model {list(dst.shape)}")
-                    continue
-                dst.copy_(t.to(dst.dtype))
-                filled.add(id(dst))
-                n += 1
+    for key, fh in _saved_keys(model_dir):
+        dst = targets.get(key)
+        if dst is None:
+            if not key.endswith(("inv_freq",)):
+                unexpected.append(key)
+            continue
+        t = fh.get_tensor(key)
+        if tuple(t.shape) != tuple(dst.shape):
+            mismatched.append(f"{key}: file {list(t.shape)} vs model {list(dst.shape)}")
+            continue
+        dst.copy_(t.to(dst.dtype))
+        filled.add(id(dst))
+        n += 1
     missing = sorted({k for k, t in targets.items() if id(t) not in filled})
     if unexpected or mismatched or missing:
         parts = [
@@ -145,22 +154,19 @@ def saved_weights_derive_from(model: nn.Module, model_dir: str | os.PathLike) ->
     qpre = _quantizer_prefixes(model)
     own = {n: p for n, p in model.named_parameters(remove_duplicate=False) if not n.startswith(qpre)}
     qlinears = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-    files = sorted(f for f in Path(model_dir).glob("*.safetensors") if f.name not in NON_WEIGHT_FILES)
     seen = 0
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for key in fh.keys():
-                mine = own.get(key)
-                if mine is None:
-                    continue
-                t = fh.get_tensor(key)
-                if t.shape != mine.shape or t.dtype != mine.dtype:
-                    return False
-                if not torch.equal(t, mine):
-                    ql = qlinears.get(key)
-                    if ql is None or ql.weight_quantizer is None or not torch.equal(t, ql.fake_quant_weight()):
-                        return False
-                seen += 1
+    for key, fh in _saved_keys(model_dir):
+        mine = own.get(key)
+        if mine is None:
+            continue
+        t = fh.get_tensor(key)
+        if t.shape != mine.shape or t.dtype != mine.dtype:
+            return False
+        if not torch.equal(t, mine):
+            ql = qlinears.get(key)
+            if ql is None or ql.weight_quantizer is None or not torch.equal(t, ql.fake_quant_weight()):
+                return False
+        seen += 1
     return seen > 0
 
 

@@ -545,6 +545,15 @@ def _rope(x, cos, sin):
     return x * cos + rot * sin
 
 
+def _layer_inputs(model, b: int, t: int):
+    """Hidden states, RoPE cos / sin and an additive causal mask for one attention layer."""
+    hs = torch.randn(b, t, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    cos, sin = model.model.rotary_emb(hs, torch.arange(t)[None].expand(b, t))
+    mask = torch.zeros(b, 1, t, t)
+    mask[:, :, torch.triu(torch.ones(t, t, dtype=torch.bool), 1)] = torch.finfo(torch.float32).min
+    return hs, cos, sin, mask
+
+
 def test_fp8_attention_layer_matches_hand_reference():
     cfg = tiny_qwen3_config(attn_implementation="eager")
     model = build_model(cfg)
@@ -552,11 +561,7 @@ def test_fp8_attention_layer_matches_hand_reference():
     assert model.config._attn_implementation == FP8_ATTN_IMPL
     attn = model.model.layers[0].self_attn
     b, t, nh, nkv, d = 2, 5, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    hs = torch.randn(b, t, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    pos = torch.arange(t)[None].expand(b, t)
-    cos, sin = model.model.rotary_emb(hs, pos)
-    mask = torch.zeros(b, 1, t, t)
-    mask[:, :, torch.triu(torch.ones(t, t, dtype=torch.bool), 1)] = torch.finfo(torch.float32).min
+    hs, cos, sin, mask = _layer_inputs(model, b, t)
     with torch.no_grad():
         out, _ = attn(hs, (cos, sin), mask)
         q = _rope(attn.q_norm(attn.q_proj(hs).view(b, t, nh, d)).transpose(1, 2), cos[:, None], sin[:, None])
@@ -592,11 +597,7 @@ def test_kv_quantizers_act_on_post_rope_states(impl):
     with torch.no_grad():
         attn.k_proj.output_quantizer.scale.copy_(k_scale)
         attn.v_proj.output_quantizer.scale.copy_(v_scale)
-    hs = torch.randn(b, t, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    pos = torch.arange(t)[None].expand(b, t)
-    cos, sin = model.model.rotary_emb(hs, pos)
-    mask = torch.zeros(b, 1, t, t)
-    mask[:, :, torch.triu(torch.ones(t, t, dtype=torch.bool), 1)] = torch.finfo(torch.float32).min
+    hs, cos, sin, mask = _layer_inputs(model, b, t)
     with torch.no_grad():
         out, _ = attn(hs, (cos, sin), mask)
         kp, vp = attn.k_proj(hs), attn.v_proj(hs)
