@@ -677,29 +677,20 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
             variants[f"{af}/qat"] = ev(qm, mc=False)
         main_res, main_rec = variants[f"{af}/qat"], qat_recs[af]
 
-        def kd_ablation() -> None:
+        def sweep(key: str, kwarg: str, values, main, label, tag, record: bool = False) -> None:
+            """The main QAT run with ``kwarg`` set to each of ``values`` at equal steps (the main
+            value reuses the main run); ``label`` / ``tag`` name a value in rows / variant keys;
+            ``record``: the rows also carry ``kwarg: value``."""
             out = []
-            for lt in s.kd_losses:
-                if lt == s.loss_type:
+            for v in values:
+                if v == main:
                     res, rec = main_res, main_rec
                 else:
-                    log(f"quality: ablation KD loss {lt}")
-                    qm, rec = lab.qat(scheme, loss_type=lt)
-                    res = variants[f"{af}/qat-{lt}"] = ev(qm, mc=False)
-                out.append(ablation_row(lt, bf16, rtn, res, rec))
-            abl["kd_loss_equal_steps"] = out
-
-        def lr_ablation() -> None:
-            out = []
-            for lr in s.lrs:
-                if lr == s.lr:
-                    res, rec = main_res, main_rec
-                else:
-                    log(f"quality: ablation lr {lr:g}")
-                    qm, rec = lab.qat(scheme, lr=lr)
-                    res = variants[f"{af}/qat-lr{lr:g}"] = ev(qm, mc=False)
-                out.append(ablation_row(f"lr {lr:g}", bf16, rtn, res, rec, lr=lr))
-            abl["lr_equal_steps"] = out
+                    log(f"quality: ablation {label(v)}")
+                    qm, rec = lab.qat(scheme, **{kwarg: v})
+                    res = variants[f"{af}/qat-{tag(v)}"] = ev(qm, mc=False)
+                out.append(ablation_row(label(v), bf16, rtn, res, rec, **({kwarg: v} if record else {})))
+            abl[key] = out
 
         def versus_main(key: str, main_label: str, label: str, **qat_kw) -> None:
             """One change to the main QAT run at equal steps, next to the main run."""
@@ -746,9 +737,11 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
             abl["e2e_over_blockwise_wall"] = round(erec["train_s"] / brec["train_s"], 3)
 
         if s.kd_losses:
-            _guarded(errors, "ablation kd_loss", kd_ablation)
+            kd_loss = ("kd_loss_equal_steps", "loss_type", s.kd_losses, s.loss_type, str, str)
+            _guarded(errors, "ablation kd_loss", sweep, *kd_loss)
         if s.lrs:
-            _guarded(errors, "ablation lr", lr_ablation)
+            lr = ("lr_equal_steps", "lr", s.lrs, s.lr, lambda v: f"lr {v:g}", lambda v: f"lr{v:g}")
+            _guarded(errors, "ablation lr", sweep, *lr, record=True)
         if s.lwc:
             _guarded(errors, "ablation lwc", versus_main, "lwc", "learned scales (no LWC)", "LWC", lwc=True)
         if s.norm:

@@ -37,21 +37,15 @@ def _report_renders(doc: dict, name: str) -> None:
     assert blocks
 
 
+def _quick(tmp_path, only: str) -> list[str]:
+    """``--quick`` argv for ``only``, writing into ``tmp_path/bench`` (results from ``tmp_path/res``)."""
+    out, res = str(tmp_path / "bench"), str(tmp_path / "res")
+    return ["--quick", "--only", only, "--threads", "1", "--out", out, "--results", res]
+
+
 def test_quick_speed_memory_pipeline(tmp_path):
     out = tmp_path / "bench"
-    rc = main(
-        [
-            "--quick",
-            "--only",
-            "speed,memory,pipeline",
-            "--threads",
-            "1",
-            "--out",
-            str(out),
-            "--results",
-            str(tmp_path / "res"),
-        ]
-    )
+    rc = main(_quick(tmp_path, "speed,memory,pipeline"))
     assert rc == 0
     for name in ("speed", "memory", "pipeline"):
         doc = json.loads((out / f"{name}.json").read_text())
@@ -77,18 +71,7 @@ def test_quick_speed_memory_pipeline(tmp_path):
 @pytest.mark.slow
 def test_quick_quality(tmp_path):
     out = tmp_path / "bench"
-    argv = [
-        "--quick",
-        "--only",
-        "quality",
-        "--threads",
-        "1",
-        "--out",
-        str(out),
-        "--results",
-        str(tmp_path / "res"),
-    ]
-    assert main(argv) == 0
+    assert main(_quick(tmp_path, "quality")) == 0
     doc = json.loads((out / "quality.json").read_text())
     _check_common(doc, "quality")
     _report_renders(doc, "quality")

@@ -244,6 +244,7 @@ def prepare(
         if bad:
             raise ValueError(f"group_size {w.group_size} does not divide in_features of: {', '.join(bad[:10])}"
                              + (f" and {len(bad) - 10} more" if len(bad) > 10 else ""))
+    in_attention = False
     for parent, child_name, child, _ in todo:
         out_spec = _output_spec(scheme, _attention_role(parent, child_name), parent, child)
         with init_context():
@@ -259,13 +260,14 @@ def prepare(
                 compile=options.compile_fake_quant,
             )
         ql.output_in_attention = out_spec is not None
+        in_attention |= ql.output_in_attention
         ql.to(child.weight.device)
         setattr(parent, child_name, ql)
     if scheme.fp8_attn:
         from .attention import enable_fp8_attention
 
         enable_fp8_attention(model)
-    if any(ql.output_in_attention for _, ql in quant_linears(model)):
+    if in_attention:
         from .attention import enable_qkv_quantization
 
         enable_qkv_quantization(model)
