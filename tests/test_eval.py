@@ -100,3 +100,23 @@ def test_local_mc_task_runs_through_lm_eval(tiny_qwen3, tiny_tokenizer, tmp_path
     assert any((tmp_path / "hf").rglob("*.arrow"))
     dumped = json.loads((tmp_path / "res.json").read_text())
     assert info["task"] in dumped["results"]
+
+
+def test_flatten_results_keeps_scores_only():
+    """lm-eval's per-task dict -> scores without the ``,none`` filter suffix; ``alias`` (text) and
+    ``sample_len`` (bookkeeping) dropped; a non-default filter keeps its suffix."""
+    from qatlib.eval.harness import flatten_results
+
+    raw = {
+        "piqa": {
+            "alias": "piqa",
+            "acc,none": 0.75,
+            "acc_stderr,none": 0.01,
+            "acc_norm,none": 0.5,
+            "sample_len": 200,
+            "exact_match,strict": 0.25,
+        }
+    }
+    assert flatten_results(raw) == {
+        "piqa": {"acc": 0.75, "acc_stderr": 0.01, "acc_norm": 0.5, "exact_match,strict": 0.25}
+    }

@@ -724,9 +724,15 @@ def _inductor_available() -> bool:
 
 @pytest.mark.skipif(not _inductor_available(), reason="torch.compile (inductor) needs a C++ compiler")
 @pytest.mark.parametrize("name", ["fp8_static", "w4a8_fp8", "fp8_dynamic"])
-def test_compiled_fake_quant_matches_eager(name):
+def test_compiled_fake_quant_matches_eager(name, monkeypatch):
     """``compile_fake_quant`` runs the same arithmetic: outputs bit-identical, gradients to the
-    input, weight and every scale equal to eager within fp32 reduction-order noise."""
+    input, weight and every scale equal to eager within fp32 reduction-order noise. The compiled
+    run really goes through `functional.compiled` (counted), the eager one never does."""
+    from qatlib.quant import functional as F
+
+    used: list = []
+    real = F.compiled
+    monkeypatch.setattr(F, "compiled", lambda fn: used.append(fn) or real(fn))
     torch.manual_seed(0)
     lin = nn.Linear(64, 48)
     x = torch.randn(2, 5, 64)
@@ -747,8 +753,10 @@ def test_compiled_fake_quant_matches_eager(name):
         return out.detach(), xi.grad, grads, [q.compile for _, q in ql.quantizers()]
 
     out_e, gx_e, g_e, flags_e = run(False)
+    assert used == []
     out_c, gx_c, g_c, flags_c = run(True)
     assert flags_c and all(flags_c) and not any(flags_e)
+    assert len(used) >= len(flags_c)  # every quantizer called the compiled function
     assert torch.equal(out_c, out_e)
     torch.testing.assert_close(gx_c, gx_e, rtol=1e-5, atol=1e-6)
     assert g_c.keys() == g_e.keys()

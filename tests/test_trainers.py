@@ -749,6 +749,7 @@ def test_zero3_two_ranks_lm_plus_cakld_matches_single_process(tmp_path, compile_
         assert all(k in x and math.isfinite(x[k]) for k in keys)
         assert x["total_loss"] == pytest.approx(x["lm_loss"] + x["kd/cakld"], rel=1e-6)
     assert res["teacher_forwards"] == 3 and res["world"] == 2
+    assert (res["compiled_calls"] > 0) == compile_fq  # the compiled path ran iff it was asked for
 
     exp = _z3_reference(tmp_path, spec, data)
     ref_lines = read_log(tmp_path / "ref" / "out" / LOG_FILE)

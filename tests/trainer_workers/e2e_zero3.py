@@ -34,9 +34,19 @@ def main() -> None:
     from qatlib.data import PadCollator
     from qatlib.losses import LossConfig
     from qatlib.quant import PrepareOptions, QuantScheme, quantizers
+    from qatlib.quant import functional as F
     from qatlib.trainers.end2end import QATTrainer
     from qatlib.trainers.params import Learnable
 
+    # count calls of the compiled fake-quant, so the test sees the compiled path really ran
+    compiled_calls = [0]
+    real_compiled = F.compiled
+
+    def counting_compiled(fn):
+        compiled_calls[0] += 1
+        return real_compiled(fn)
+
+    F.compiled = counting_compiled
     scheme = QuantScheme.from_dict(spec["scheme"])
     options = PrepareOptions(compile_fake_quant=bool(spec.get("compile", False)))
     model = z.build_qat_model(spec["model"], ctx, scheme, from_ptq_ckpt=spec["ptq"], options=options)
@@ -88,6 +98,7 @@ def main() -> None:
                     "teacher_forwards": trainer.teacher_forwards,
                     "trainable": trainer.trainable.counts(),
                     "world": z.get_world_size(),
+                    "compiled_calls": compiled_calls[0],
                 }
             )
         )
