@@ -30,11 +30,14 @@ def main(argv=None) -> int:
     exp = Path(args.exp_dir)
     out = Path(args.out or exp / "report.html")
     config_out = Path(args.config_out or exp / "config.yaml")
+    missing = [t for t in args.shared_timings if not Path(t).is_file()]
+    if missing:  # before anything is written
+        ap.error(f"--shared-timings: not found: {', '.join(missing)}")
 
     with _common.stage("report", args):
         import yaml
 
-        from qatlib.report import build_report
+        from qatlib.report import ReportError, build_report
 
         effective = cfg.model_dump(mode="json", by_alias=True, exclude_unset=True)
         header = f"# Effective config of {exp.name}: {args.config}" + "".join(
@@ -42,7 +45,10 @@ def main(argv=None) -> int:
         )
         config_out.parent.mkdir(parents=True, exist_ok=True)
         config_out.write_text(header + "\n" + yaml.safe_dump(effective, sort_keys=False))
-        build_report(exp, out, title=args.title, config=config_out, extra_timings=args.shared_timings)
+        try:
+            build_report(exp, out, title=args.title, config=config_out, extra_timings=args.shared_timings)
+        except ReportError as e:
+            raise SystemExit(f"error: {e}") from None
         print(f"report: {out}")
     return 0
 

@@ -566,3 +566,10 @@ def test_shared_timings_and_no_bookkeeping_metrics(exp_dir, tmp_path):
     assert "sample_len" not in html
     metrics = json.loads((out.parent / "metrics.json").read_text())
     assert not any("sample_len" in k for k in metrics)
+
+
+def test_missing_shared_timing_file_is_named_before_writing(exp_dir, tmp_path):
+    out = exp_dir / "report.html"
+    with pytest.raises(ReportError, match="no_such_corpus.json"):
+        build_report(exp_dir, out, extra_timings=[tmp_path / "no_such_corpus.json"])
+    assert not out.exists() and not (exp_dir / "metrics.json").exists()

@@ -366,3 +366,13 @@ def test_end_to_end_on_the_test_config(tmp_path):
         "report",
         "all",
     }, out[-4000:]
+
+
+def test_report_script_names_a_missing_shared_timing_before_writing(tmp_path):
+    exp = tmp_path / "exp"
+    exp.mkdir()
+    cmd = [sys.executable, str(REPO / "scripts/report.py"), "-c", str(REPO / "config/experiments/tiny-qwen3-moe.yaml")]
+    cmd += ["--exp-dir", str(exp), "--shared-timings", str(tmp_path / "no_corpus.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 2 and "--shared-timings" in proc.stderr and "no_corpus.json" in proc.stderr
+    assert list(exp.iterdir()) == []  # no config.yaml, no report

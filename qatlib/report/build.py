@@ -926,6 +926,9 @@ def build_report(
     exp = Path(exp_dir)
     if not exp.is_dir():
         raise ReportError(f"experiment directory {exp} does not exist")
+    missing = [str(t) for t in extra_timings if not Path(t).is_file()]
+    if missing:
+        raise ReportError(f"timing file(s) not found: {', '.join(missing)}")
     out = Path(out_html)
     plots = out.parent / "plots"
     plots.mkdir(parents=True, exist_ok=True)  # always there: the workflow declares it as an output
