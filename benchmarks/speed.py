@@ -152,12 +152,12 @@ class StepBench:
 
         qs = [q for _, q in quantizers(self.model)]
         for q in qs:
-            q.compile = True
+            q.compile_fake_quant = True
         try:
             self._step()
         finally:
             for q in qs:
-                q.compile = False
+                q.compile_fake_quant = False
 
     def qat_fused(self) -> None:
         """The QAT step with the fused prototype in place of `fake_quantize`."""

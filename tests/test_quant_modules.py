@@ -741,7 +741,7 @@ def test_compiled_fake_quant_matches_eager(name, monkeypatch):
         scheme = PRESETS[name]
         if scheme.weight.group_size:
             scheme = _with_group(scheme, 32)
-        ql = QuantLinear(lin, scheme, compile=compile)
+        ql = QuantLinear(lin, scheme, compile_fake_quant=compile)
         if ql.input_quantizer is not None and ql.input_quantizer.scale is not None:
             with torch.no_grad():
                 ql.input_quantizer.scale.fill_(x.abs().max().item() / 448)
@@ -750,7 +750,7 @@ def test_compiled_fake_quant_matches_eager(name, monkeypatch):
         (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
         grads = {n: p.grad.clone() for n, p in ql.named_parameters() if p.grad is not None}
         lin.zero_grad(set_to_none=True)
-        return out.detach(), xi.grad, grads, [q.compile for _, q in ql.quantizers()]
+        return out.detach(), xi.grad, grads, [q.compile_fake_quant for _, q in ql.quantizers()]
 
     out_e, gx_e, g_e, flags_e = run(False)
     assert used == []
@@ -781,7 +781,7 @@ def test_compile_fake_quant_flag_reaches_every_quantizer(tmp_path):
     opts = cfg.prepare_options()
     assert opts.compile_fake_quant is True
     model = prepare(build_model(tiny_qwen3_config()), cfg.quant_scheme(), ignore=cfg.ignore_layers, options=opts)
-    flags = [q.compile for _, q in quantizers(model)]
+    flags = [q.compile_fake_quant for _, q in quantizers(model)]
     assert flags and all(flags)
     default = load_config(cfg_path, ["compression.QAT.plugin_config.quant_config.compile_fake_quant=false"])
     assert default.prepare_options().compile_fake_quant is False

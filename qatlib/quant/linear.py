@@ -45,7 +45,7 @@ class QuantLinear(nn.Module):
         lwc_init: float | None = None,
         clamp_grad: str = "mask",
         init_from_weight: bool = True,
-        compile: bool = False,
+        compile_fake_quant: bool = False,
     ) -> None:
         super().__init__()
         self.in_features = linear.in_features
@@ -53,22 +53,14 @@ class QuantLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         wshape = (self.out_features, self.in_features)
+        common = dict(clamp_grad=clamp_grad, compile_fake_quant=compile_fake_quant)
         self.weight_quantizer = (
-            Quantizer(
-                scheme.weight,
-                wshape,
-                init_value=weight_init_value,
-                lwc_init=lwc_init,
-                clamp_grad=clamp_grad,
-                compile=compile,
-            )
+            Quantizer(scheme.weight, wshape, init_value=weight_init_value, lwc_init=lwc_init, **common)
             if scheme.weight is not None
             else None
         )
         self.input_quantizer = (
-            Quantizer(
-                scheme.input, (self.in_features,), init_value=act_init_value, clamp_grad=clamp_grad, compile=compile
-            )
+            Quantizer(scheme.input, (self.in_features,), init_value=act_init_value, **common)
             if scheme.input is not None
             else None
         )
@@ -76,9 +68,7 @@ class QuantLinear(nn.Module):
         # to the states after q/k_norm and RoPE; `prepare` sets this for those projections
         self.output_in_attention = False
         self.output_quantizer = (
-            Quantizer(
-                output_spec, (self.out_features,), init_value=act_init_value, clamp_grad=clamp_grad, compile=compile
-            )
+            Quantizer(output_spec, (self.out_features,), init_value=act_init_value, **common)
             if output_spec is not None
             else None
         )
@@ -257,7 +247,7 @@ def prepare(
                 lwc_init=options.lwc_init,
                 clamp_grad=options.clamp_grad,
                 init_from_weight=options.init_from_weight,
-                compile=options.compile_fake_quant,
+                compile_fake_quant=options.compile_fake_quant,
             )
         ql.output_in_attention = out_spec is not None
         in_attention |= ql.output_in_attention

@@ -52,13 +52,14 @@ class Quantizer(nn.Module):
         init_value: float = 1.0,
         lwc_init: float | None = None,
         clamp_grad: str = "mask",
-        compile: bool = False,
+        compile_fake_quant: bool = False,
     ) -> None:
         super().__init__()
         self.spec = spec
         self.enabled = True
         self.clamp_grad = clamp_grad
-        self.compile = compile  # run the fake-quant through torch.compile (F.compiled)
+        # run the fake-quant through torch.compile (F.compiled); not `compile`: nn.Module.compile
+        self.compile_fake_quant = compile_fake_quant
         self.calibrating = False
         self._obs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.register_buffer("initialized", torch.tensor(False), persistent=False)
@@ -187,10 +188,10 @@ class Quantizer(nn.Module):
             self._observe(x)
             return x
         if self.spec.dynamic:
-            fq = F.compiled(F.dynamic_fake_quantize) if self.compile else F.dynamic_fake_quantize
+            fq = F.compiled(F.dynamic_fake_quantize) if self.compile_fake_quant else F.dynamic_fake_quantize
             return fq(x, self.spec, clamp_grad=self.clamp_grad)
         scale, zp = self.qparams(x)
-        fq = F.compiled(F.fake_quantize) if self.compile else F.fake_quantize
+        fq = F.compiled(F.fake_quantize) if self.compile_fake_quant else F.fake_quantize
         return fq(x, scale, zp, self.spec, clamp_grad=self.clamp_grad)
 
     def extra_repr(self) -> str:

@@ -51,7 +51,7 @@ def main() -> None:
     options = PrepareOptions(compile_fake_quant=bool(spec.get("compile", False)))
     model = z.build_qat_model(spec["model"], ctx, scheme, from_ptq_ckpt=spec["ptq"], options=options)
     assert z.model_is_zero3(model)
-    assert all(q.compile == options.compile_fake_quant for _, q in quantizers(model))
+    assert all(q.compile_fake_quant == options.compile_fake_quant for _, q in quantizers(model))
     out = Path(spec["out"])
     args = TrainingArguments(
         output_dir=str(out / "trainer"),
