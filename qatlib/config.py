@@ -31,12 +31,11 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -50,6 +49,14 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from qatlib.quant.spec import PRESETS, QTYPES, Granularity, QuantScheme, QuantSpec
+from qatlib.yamlio import (
+    ConfigError,
+    apply_overrides,
+    format_issues,
+    join_path,
+    load_yaml,
+    normalise_overrides,
+)
 
 __all__ = [
     "BlockwiseConfig",
@@ -75,18 +82,6 @@ __all__ = [
     "load_yaml",
     "parse_config",
 ]
-
-
-class ConfigError(ValueError):
-    """A configuration problem, reported as ``FILE: dotted.path: what is wrong`` (one per line).
-
-    ``issues`` holds the ``(dotted_path, message)`` pairs so callers (tests, a CLI) can inspect
-    them without parsing the text.
-    """
-
-    def __init__(self, message: str, issues: Iterable[tuple[str, str]] = ()) -> None:
-        super().__init__(message)
-        self.issues: list[tuple[str, str]] = list(issues)
 
 
 class _Violation(Exception):
@@ -973,7 +968,7 @@ class ExperimentConfig(_Section):
                 self._scheme = _build_quant_scheme(self.compression)
             except _Violation as v:
                 raise ConfigError(
-                    _format([(v.path, v.message)], self._source), [(v.path, v.message)]
+                    format_issues([(v.path, v.message)], self._source), [(v.path, v.message)]
                 ) from None
         return self._scheme
 
@@ -1010,146 +1005,6 @@ class ExperimentConfig(_Section):
         if self._ds_path is not None:
             args["deepspeed"] = str(self._ds_path)
         return args
-
-
-# --------------------------------------------------------------------------------------------
-# Loading
-# --------------------------------------------------------------------------------------------
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that reads ``1e-4`` as a float.
-
-    PyYAML implements YAML 1.1, where a float needs a dot (``1.0e-4``); upstream configs write
-    ``quant_lr: 1e-4``, which would otherwise arrive as the *string* "1e-4" and fail the strict
-    float check (or, inside hf_args, reach the Trainer as a string).
-    """
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
-)
-
-
-def _join(loc: Iterable[Any]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out
-
-
-def _duplicate_keys(node: yaml.Node, loc: tuple[Any, ...], seen: set[int]) -> Iterator[tuple[str, str]]:
-    """PyYAML keeps the last of two equal keys silently; a config with both is ambiguous."""
-    if id(node) in seen:
-        return
-    seen.add(id(node))
-    if isinstance(node, yaml.MappingNode):
-        keys: dict[Any, int] = {}
-        for k, v in node.value:
-            if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
-                if k.value in keys:
-                    yield (
-                        _join((*loc, k.value)),
-                        f"duplicate key (lines {keys[k.value] + 1} and {k.start_mark.line + 1})",
-                    )
-                keys.setdefault(k.value, k.start_mark.line)
-                yield from _duplicate_keys(v, (*loc, k.value), seen)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            yield from _duplicate_keys(item, (*loc, i), seen)
-
-
-def _yaml_error(e: yaml.YAMLError) -> str:
-    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
-        m = e.problem_mark
-        ctx = f" ({e.context})" if e.context else ""
-        return f"invalid YAML at line {m.line + 1}, column {m.column + 1}: {e.problem}{ctx}"
-    return f"invalid YAML: {e}"
-
-
-def load_yaml(path: str | os.PathLike[str]) -> Any:
-    """Read a YAML file the way `load_config` does (1e-4 floats, duplicate keys refused).
-
-    Raises ConfigError naming the file for a missing / unreadable file or invalid YAML.
-    """
-    source = str(path)
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: config file not found", [("", "config file not found")]) from None
-    except IsADirectoryError:
-        raise ConfigError(f"{source}: is a directory, not a config file", [("", "is a directory")]) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{source}: cannot read config: {e}", [("", str(e))]) from None
-    return _parse_yaml_text(text, source)
-
-
-def _parse_yaml_text(text: str, source: str) -> Any:
-    loader = _Loader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        dups = list(_duplicate_keys(node, (), set()))
-        if dups:
-            raise ConfigError(_format(dups, source), dups)
-        return loader.construct_document(node)
-    except yaml.YAMLError as e:
-        msg = _yaml_error(e)
-        raise ConfigError(f"{source}: {msg}", [("", msg)]) from None
-    finally:
-        loader.dispose()
-
-
-def _normalise_overrides(
-    overrides: Mapping[str, Any] | Iterable[str] | None, source: str
-) -> list[tuple[str, Any]]:
-    if overrides is None:
-        return []
-    if isinstance(overrides, Mapping):
-        return [(str(k), v) for k, v in overrides.items()]
-    if isinstance(overrides, str):
-        overrides = [overrides]
-    items = []
-    for item in overrides:
-        if not isinstance(item, str) or "=" not in item:
-            raise ConfigError(
-                f"{source}: override {item!r}: expected 'dotted.key=value'", [("", "bad override")]
-            )
-        key, raw = item.split("=", 1)
-        try:
-            value = yaml.load(raw, Loader=_Loader) if raw.strip() else None  # noqa: S506 (safe loader)
-        except yaml.YAMLError as e:
-            raise ConfigError(
-                f"{source}: override {item!r}: {_yaml_error(e)}", [(key, "bad override")]
-            ) from None
-        items.append((key.strip(), value))
-    return items
-
-
-def _apply_overrides(data: dict[str, Any], items: list[tuple[str, Any]], source: str) -> None:
-    """Set dotted keys in the raw YAML dict (before validation, so overrides are validated too)."""
-    for key, value in items:
-        parts = key.split(".")
-        if not key or any(not p for p in parts):
-            raise ConfigError(f"{source}: override {key!r}: empty key component", [(key, "bad override")])
-        cur = data
-        for i, part in enumerate(parts[:-1]):
-            nxt = cur.get(part)
-            if nxt is None:
-                nxt = cur[part] = {}
-            elif not isinstance(nxt, dict):
-                where = ".".join(parts[: i + 1])
-                msg = f"override {key!r}: {where} is a {type(nxt).__name__}, not a mapping"
-                raise ConfigError(f"{source}: {where}: {msg}", [(where, msg)])
-            cur = nxt
-        cur[parts[-1]] = value
 
 
 _TYPE_WORDS = {
@@ -1214,21 +1069,16 @@ def _describe(err: Mapping[str, Any]) -> str:
     return f"{msg[0].lower()}{msg[1:]}; got {_short(err['input'])}"
 
 
-def _format(issues: Iterable[tuple[str, str]], source: str | None) -> str:
-    prefix = f"{source}: " if source else ""
-    return "\n".join(f"{prefix}{path}: {msg}" if path else f"{prefix}{msg}" for path, msg in issues)
-
-
 def _issues_from(err: ValidationError, overridden: Iterable[str]) -> list[tuple[str, str]]:
     issues: list[tuple[str, str]] = []
     for e in err.errors():
         loc = tuple(e["loc"])
         if e["type"] == _ISSUES_ERROR:
-            base = _join(loc)
+            base = join_path(loc)
             for sub, msg in e["ctx"]["issues"]:
                 issues.append((f"{base}.{sub}" if base and sub else (base or sub), msg))
         else:
-            issues.append((_join(loc), _describe(e)))
+            issues.append((join_path(loc), _describe(e)))
     overridden = list(overridden)
     out = []
     for path, msg in issues:
@@ -1258,14 +1108,14 @@ def parse_config(
             f"{label}: the top level must be a mapping of sections, not {got}", [("", "not a mapping")]
         )
     raw = copy.deepcopy(dict(data))
-    items = _normalise_overrides(overrides, label)
-    _apply_overrides(raw, items, label)
+    items = normalise_overrides(overrides, label)
+    apply_overrides(raw, items, label)
     ctx = {"source": source, "config_dir": Path(config_dir).resolve() if config_dir is not None else None}
     try:
         return ExperimentConfig.model_validate(raw, context=ctx)
     except ValidationError as e:
         issues = _issues_from(e, [k for k, _ in items])
-        raise ConfigError(_format(issues, label), issues) from None
+        raise ConfigError(format_issues(issues, label), issues) from None
 
 
 def load_config(
