@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from qatlib.losses import IGNORE_INDEX, LossConfig, kd_memory_probe, qat_loss
+from benchmarks.memory import kd_memory_probe
+from qatlib.losses import IGNORE_INDEX, LossConfig, qat_loss
 
 B, T, V = 3, 11, 37
 
