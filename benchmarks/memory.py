@@ -7,7 +7,7 @@ ZeRO-3 load peak.
     teacher logits, chunked (``chunk_size`` valid rows at a time, the default) vs the plain
     autograd formulation over all rows. Two independent measurements:
 
-    - ``tracker_*``: `qatlib.losses.kd_memory_probe` (torch's dispatch-level ``MemTracker``: the
+    - ``tracker_*``: `kd_memory_probe` below (torch's dispatch-level ``MemTracker``: the
       peak of live tensors above the inputs);
     - ``rss_*``: a fresh subprocess per variant, the peak growth of its resident set
       (sampled from ``/proc/self/statm``) above its size once the inputs exist: what the OS
@@ -30,9 +30,12 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .common import REPO, _meminfo, log
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -57,6 +60,65 @@ QUICK = MemorySettings(configs=((8192, 512, 128),))
 def _estimate_full_bytes(vocab: int, tokens: int) -> int:
     """Rough need of the unchunked path: measured ~17x one bf16 logits tensor, plus the inputs."""
     return 20 * 2 * vocab * tokens
+
+
+# --------------------------------------------------------------------------- tracker probe
+def kd_memory_probe(
+    n_tokens: int = 4096,
+    vocab: int = 32768,
+    *,
+    loss_type: str = "cakld",
+    chunk_size: int | None = None,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> dict[str, float]:
+    """Peak memory (bytes) of one forward + backward of the KD objective, chunked vs unchunked.
+
+    Builds random ``[1, n_tokens, vocab]`` student / teacher logits (``dtype``, default bf16), all
+    tokens valid, and measures the peak of tensors alive during ``qat_loss(...).loss.backward()``,
+    above the inputs themselves. CUDA: the caching allocator's peak; CPU: torch's dispatch-level
+    tracker (``torch.distributed._tools.mem_tracker.MemTracker``). Returns ``chunked_peak``,
+    ``full_peak``, ``logits_bytes`` (one model-dtype logits tensor) and ``fp32_logits_bytes``.
+    """
+    import torch
+
+    from qatlib.losses import TOPK_LOSSES, LossConfig, qat_loss
+
+    device = torch.device(device)
+    dtype = torch.bfloat16 if dtype is None else dtype
+    cfg_kw: dict[str, Any] = dict(loss_type=loss_type, kd_loss_weight=1.0, lm_loss_weight=1.0)
+    if loss_type in TOPK_LOSSES:  # a top-K family without its inline K
+        cfg_kw["loss_topk"] = 64
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    s0 = torch.randn(1, n_tokens, vocab, generator=g).to(device=device, dtype=dtype)
+    t0 = torch.randn(1, n_tokens, vocab, generator=g).to(device=device, dtype=dtype)
+    labels = torch.randint(0, vocab, (1, n_tokens), generator=g).to(device)
+
+    def run(chunked: bool) -> int:
+        cfg = LossConfig(chunk_size=chunk_size, **cfg_kw)
+        s = s0.clone().requires_grad_(True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            qat_loss(s, labels, cfg, t0, chunked=chunked).loss.backward()
+            torch.cuda.synchronize(device)
+            return torch.cuda.max_memory_allocated(device) - base
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        with tracker:
+            qat_loss(s, labels, cfg, t0, chunked=chunked).loss.backward()
+        snap = tracker.get_tracker_snapshot("peak")
+        return int(sum(v.get("Total", 0) for v in snap.values()))
+
+    out = {"chunked_peak": float(run(True)), "full_peak": float(run(False))}
+    out["logits_bytes"] = float(s0.numel() * s0.element_size())
+    out["fp32_logits_bytes"] = float(s0.numel() * 4)
+    out["n_tokens"], out["vocab"] = float(n_tokens), float(vocab)
+    out["chunk_size"] = float(LossConfig(chunk_size=chunk_size, **cfg_kw).rows_per_chunk(vocab))
+    return out
 
 
 # --------------------------------------------------------------------------- RSS worker
@@ -158,7 +220,7 @@ def rss_probe(
 def kd_rows(s: MemorySettings) -> list[dict[str, Any]]:
     import torch
 
-    from qatlib.losses import LossConfig, kd_memory_probe
+    from qatlib.losses import LossConfig
 
     rows = []
     for vocab, tokens, chunk in s.configs:

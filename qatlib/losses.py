@@ -34,21 +34,70 @@ computed over chunks of valid tokens (``chunk_size`` rows at a time; by default 
 fit `CHUNK_ELEMENTS` logits, so the working set does not grow with the vocabulary) and each chunk is
 differentiated on the spot into one gradient buffer shaped like the logits, so at most one
 chunk's fp32 working set exists at any time, next to the model-dtype logits and that buffer
-(`kd_memory_probe` measures chunked vs the plain autograd formulation).
+(``benchmarks/memory.py`` measures chunked vs the plain autograd formulation).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 
-_PLAIN_KD = ("kl", "rkl", "mse", "kd", "cakld")
-_TOPK_RE = re.compile(r"^(kl_top|r_kl_top)(?:_(\d+))?$")
+# --------------------------------------------------------------------------- loss vocabulary
+# The one list of ``loss_type`` values (upstream's end2end trainer). The experiment config checks
+# a YAML against it (`parse_loss_type`) and its JSON schema carries `LOSS_PATTERN`.
+PLAIN_LOSSES = ("origin", "kl", "rkl", "mse", "kd", "cakld")  # origin: no distillation term
+TOPK_LOSSES = ("kl_top", "r_kl_top")  # K inline (kl_top_100) or from loss_topk
+LOSS_TYPES = PLAIN_LOSSES + TOPK_LOSSES
+# plain Python and ECMA-262 regex alike (the JSON schema's "pattern"): group 1 a plain loss,
+# group 2 a top-K family, group 3 its inline K (a positive int, no leading zero)
+LOSS_PATTERN = rf"^({'|'.join(PLAIN_LOSSES)})$|^({'|'.join(TOPK_LOSSES)})(?:_([1-9][0-9]*))?$"
+LOSS_VOCAB = ", ".join((*PLAIN_LOSSES, *(f"{t}, {t}_<K>" for t in TOPK_LOSSES))) + " (K a positive int)"
+_LOSS_RE = re.compile(LOSS_PATTERN)
+
+
+class LossTypeError(ValueError):
+    """An invalid ``loss_type`` / ``loss_topk``; ``field`` names which of the two is at fault."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class LossType(NamedTuple):
+    kind: str  # a member of LOSS_TYPES (the family: kl_top for kl_top_100)
+    topk: int | None  # K of a top-K loss (loss_topk wins over the inline K), else None
+
+
+def parse_loss_type(loss_type: str, loss_topk: int | None = None) -> LossType:
+    """``loss_type`` (and ``loss_topk``) as a family and a K; `LossTypeError` for anything else.
+
+    ``loss_topk`` overrides an inline K, as upstream; it is an error with a loss that has no K.
+    """
+    m = _LOSS_RE.match(loss_type) if isinstance(loss_type, str) else None
+    if m is None:
+        raise LossTypeError("loss_type", f"unknown loss_type {loss_type!r}; choose one of {LOSS_VOCAB}")
+    if m.group(1) is not None:
+        if loss_topk is not None:
+            raise LossTypeError(
+                "loss_topk", f"loss_topk only applies to kl_top / r_kl_top losses, not loss_type {loss_type!r}"
+            )
+        return LossType(m.group(1), None)
+    if loss_topk is not None and (isinstance(loss_topk, bool) or not isinstance(loss_topk, int) or loss_topk <= 0):
+        raise LossTypeError("loss_topk", f"loss_topk must be a positive int; got {loss_topk!r}")
+    k = loss_topk if loss_topk is not None else (int(m.group(3)) if m.group(3) else None)
+    if k is None:
+        raise LossTypeError(
+            "loss_type", f"loss_type {loss_type!r} needs a positive K: write {loss_type}_<K> or set loss_topk"
+        )
+    return LossType(m.group(2), k)
+
+
 _TERMS = ("lm", "kd", "forward_kl", "backward_kl")
 # Logits elements per chunk when ``chunk_size`` is not set: 32M = 128 MiB per fp32 copy. A fixed
 # row count would not do: 1024 rows are 32M elements at a 32k vocabulary but 155M at Qwen3's
@@ -72,19 +121,7 @@ class LossConfig:
     def __post_init__(self) -> None:
         lt = str(self.loss_type).lower()
         object.__setattr__(self, "loss_type", lt)
-        m = _TOPK_RE.match(lt)
-        if lt != "origin" and lt not in _PLAIN_KD and m is None:
-            raise ValueError(
-                f"loss_type must be origin, {', '.join(_PLAIN_KD)}, kl_top[_K] or r_kl_top[_K]; got {self.loss_type!r}"
-            )
-        if m is not None:
-            k = self.topk
-            if k is None or k <= 0:
-                raise ValueError(
-                    f"loss_type {lt!r} needs a positive K (inline, e.g. kl_top_100, or loss_topk)"
-                )
-        elif self.loss_topk is not None:
-            raise ValueError(f"loss_topk only applies to kl_top / r_kl_top losses, not {lt!r}")
+        parse_loss_type(lt, self.loss_topk)
         if not self.kd_temperature > 0:
             raise ValueError(f"kd_temperature must be > 0; got {self.kd_temperature}")
         if not 0.0 <= self.kd_alpha <= 1.0:
@@ -107,18 +144,12 @@ class LossConfig:
     @property
     def kind(self) -> str:
         """The loss family: origin / kl / rkl / mse / kd / cakld / kl_top / r_kl_top."""
-        m = _TOPK_RE.match(self.loss_type)
-        return m.group(1) if m else self.loss_type
+        return parse_loss_type(self.loss_type, self.loss_topk).kind
 
     @property
     def topk(self) -> int | None:
         """K of a top-K loss: ``loss_topk`` when set (it overrides, as upstream), else the inline K."""
-        m = _TOPK_RE.match(self.loss_type)
-        if m is None:
-            return None
-        if self.loss_topk is not None:
-            return int(self.loss_topk)
-        return int(m.group(2)) if m.group(2) is not None else None
+        return parse_loss_type(self.loss_type, self.loss_topk).topk
 
     @property
     def lm_enabled(self) -> bool:
@@ -138,24 +169,6 @@ class LossConfig:
         if self.kd_enabled:
             keys += [self.kd_key, "kd/forward_kl", "kd/backward_kl"]
         return keys + ["total_loss"]
-
-    @classmethod
-    def from_qat(cls, qat, **overrides) -> LossConfig:
-        """Build from a ``compression.QAT`` config object (attribute access), ignoring absent fields."""
-        kw = {}
-        for name in (
-            "loss_type",
-            "loss_topk",
-            "kd_temperature",
-            "kd_alpha",
-            "lm_loss_weight",
-            "kd_loss_weight",
-        ):
-            v = getattr(qat, name, None)
-            if v is not None:
-                kw[name] = v
-        kw.update(overrides)
-        return cls(**kw)
 
 
 @dataclass
@@ -336,57 +349,3 @@ def qat_loss(
     sums["total_loss"] = objective.item()
     denom = n if denominator is None else denominator
     return LossOutput(objective / denom, n, sums)
-
-
-# --------------------------------------------------------------------------- memory probe
-def kd_memory_probe(
-    n_tokens: int = 4096,
-    vocab: int = 32768,
-    *,
-    loss_type: str = "cakld",
-    chunk_size: int | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-    device: str | torch.device = "cpu",
-    seed: int = 0,
-) -> dict[str, float]:
-    """Peak memory (bytes) of one forward + backward of the KD objective, chunked vs unchunked.
-
-    Builds random ``[1, n_tokens, vocab]`` student / teacher logits (``dtype``), all tokens valid,
-    and measures the peak of tensors alive during ``qat_loss(...).loss.backward()``, above the
-    inputs themselves. CUDA: the caching allocator's peak; CPU: torch's dispatch-level tracker
-    (``torch.distributed._tools.mem_tracker.MemTracker``). Returns ``chunked_peak``,
-    ``full_peak``, ``logits_bytes`` (one model-dtype logits tensor) and ``fp32_logits_bytes``.
-    """
-    device = torch.device(device)
-    cfg_kw = dict(loss_type=loss_type, kd_loss_weight=1.0, lm_loss_weight=1.0)
-    if _TOPK_RE.match(loss_type) and not re.search(r"_\d+$", loss_type):
-        cfg_kw["loss_topk"] = 64
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    s0 = torch.randn(1, n_tokens, vocab, generator=g).to(device=device, dtype=dtype)
-    t0 = torch.randn(1, n_tokens, vocab, generator=g).to(device=device, dtype=dtype)
-    labels = torch.randint(0, vocab, (1, n_tokens), generator=g).to(device)
-
-    def run(chunked: bool) -> int:
-        cfg = LossConfig(chunk_size=chunk_size, **cfg_kw)
-        s = s0.clone().requires_grad_(True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-            qat_loss(s, labels, cfg, t0, chunked=chunked).loss.backward()
-            torch.cuda.synchronize(device)
-            return torch.cuda.max_memory_allocated(device) - base
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        tracker = MemTracker()
-        with tracker:
-            qat_loss(s, labels, cfg, t0, chunked=chunked).loss.backward()
-        snap = tracker.get_tracker_snapshot("peak")
-        return int(sum(v.get("Total", 0) for v in snap.values()))
-
-    out = {"chunked_peak": float(run(True)), "full_peak": float(run(False))}
-    out["logits_bytes"] = float(s0.numel() * s0.element_size())
-    out["fp32_logits_bytes"] = float(s0.numel() * 4)
-    out["n_tokens"], out["vocab"] = float(n_tokens), float(vocab)
-    out["chunk_size"] = float(LossConfig(chunk_size=chunk_size, **cfg_kw).rows_per_chunk(vocab))
-    return out

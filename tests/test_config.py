@@ -18,14 +18,17 @@ import yaml
 from qatlib.config import (
     ConfigError,
     ExperimentConfig,
-    check_group_size,
     config_json_schema,
     load_config,
     load_yaml,
-    main,
     parse_config,
 )
-from qatlib.quant.spec import PRESETS, Granularity, QuantSpec
+from qatlib.config.__main__ import main
+from qatlib.losses import LOSS_PATTERN, LossConfig
+from qatlib.quant.linear import PrepareOptions
+from qatlib.quant.spec import PRESETS, Granularity, QuantScheme, QuantSpec, SpecError
+from qatlib.trainers.blockwise import BlockwiseSettings
+from qatlib.trainers.params import Learnable
 
 DATA = Path(__file__).parent / "data" / "configs"
 QC = "compression.QAT.plugin_config.quant_config"
@@ -138,8 +141,9 @@ def test_upstream_zero3_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     q = cfg.qat
     assert q.from_ptq_ckpt == "./output_ptq_30b/qwen3-a3b_fp8_static"
     assert q.hf_dataset is None and q.save_format == "real"
-    assert q.loss_type == "cakld" and q.kd_loss_name == "cakld" and q.uses_teacher and q.uses_lm_loss
-    assert q.topk is None
+    loss = cfg.loss_config()
+    assert loss == LossConfig(loss_type="cakld", lm_loss_weight=1.0, kd_loss_weight=1.0)
+    assert loss.kind == "cakld" and loss.kd_enabled and loss.lm_enabled and loss.topk is None
     qc = q.plugin_config.quant_config
     assert qc.weight_scale_init_value == 0.1 and qc.activation_scale_init_value == 0.1
     assert qc.learnable.weight_scale and not qc.learnable.act_scale
@@ -174,6 +178,22 @@ def test_deepspeed_inline_dict(tmp_path: Path) -> None:
     cfg = load_config(p, {"compression.QAT.hf_args.deepspeed": {"zero_optimization": {"stage": 3}}})
     assert cfg.zero3_enabled and cfg.deepspeed_config_path is None
     assert cfg.hf_training_args()["deepspeed"] == {"zero_optimization": {"stage": 3}}
+
+
+def test_deepspeed_optimizer_block_refused_scheduler_allowed(tmp_path: Path) -> None:
+    """README's parse-time rule: qatlib owns the optimizer (its scale / LWC groups), so a DeepSpeed
+    config with an ``optimizer`` block is an error at hf_args.deepspeed; ``scheduler`` is fine."""
+    p = _write(tmp_path, "c.yaml", ZERO3_YAML)
+    ds = "compression.QAT.hf_args.deepspeed"
+    cfg = load_config(p, {ds: {**DS_ZERO3, "scheduler": {"type": "WarmupLR"}}})
+    assert cfg.zero3_enabled and cfg.deepspeed_config["scheduler"] == {"type": "WarmupLR"}
+    (tmp_path / "ds_opt.json").write_text(json.dumps({**DS_ZERO3, "optimizer": {"type": "AdamW"}}))
+    with pytest.raises(ConfigError) as ei:
+        load_config(p, {ds: "ds_opt.json"})
+    assert ei.value.issues == [(ds, ei.value.issues[0][1])]  # this one problem only
+    msg = str(ei.value)
+    assert msg.startswith(f"{p}: {ds}: DeepSpeed config ") and "ds_opt.json" in msg
+    assert "has an 'optimizer' block (AdamW)" in msg
 
 
 def test_upstream_int4_end2end() -> None:
@@ -290,20 +310,20 @@ def test_scheme_from_bits_and_presets(tmp_path: Path) -> None:
     assert s.compression.name == "PTQ" and s.quant_scheme() == PRESETS["fp8_static"]
 
 
-def test_loss_accessors(tmp_path: Path) -> None:
+def test_loss_config_built_from_yaml(tmp_path: Path) -> None:
     base = DATA / "qwen3-4b_int4_weight_only_end2end.yaml"
     kd = {"compression.QAT.kd_loss_weight": 0.5}
-    q = load_config(base, {**kd, "compression.QAT.loss_type": "kl_top_1000"}).qat
-    assert (q.topk, q.kd_loss_name, q.is_topk_loss) == (1000, "kl_top", True)
-    q = load_config(
+    loss = load_config(base, {**kd, "compression.QAT.loss_type": "kl_top_1000"}).loss_config()
+    assert (loss.topk, loss.kind, loss.kd_loss_weight, loss.kd_enabled) == (1000, "kl_top", 0.5, True)
+    loss = load_config(
         base, {**kd, "compression.QAT.loss_type": "r_kl_top", "compression.QAT.loss_topk": 50}
-    ).qat
-    assert (q.topk, q.kd_loss_name) == (50, "r_kl_top")
-    q = load_config(
+    ).loss_config()
+    assert (loss.topk, loss.kind, loss.loss_topk) == (50, "r_kl_top", 50)
+    loss = load_config(
         base, {**kd, "compression.QAT.loss_type": "r_kl_top_10", "compression.QAT.loss_topk": 20}
-    ).qat
-    assert q.topk == 20  # loss_topk overrides the inline K (upstream semantics)
-    q = load_config(
+    ).loss_config()
+    assert loss.topk == 20  # loss_topk overrides the inline K (upstream semantics)
+    cfg = load_config(
         base,
         {
             **kd,
@@ -311,10 +331,49 @@ def test_loss_accessors(tmp_path: Path) -> None:
             "compression.QAT.kd_temperature": 2,
             "compression.QAT.kd_alpha": 0,
         },
-    ).qat
+    )
+    q = cfg.qat
     assert q.kd_temperature == 2.0 and isinstance(q.kd_temperature, float) and q.kd_alpha == 0.0
-    q = load_config(base).qat
-    assert (q.loss_type, q.kd_loss_name, q.uses_teacher, q.topk) == ("origin", None, False, None)
+    assert cfg.loss_config() == LossConfig(
+        loss_type="kd", kd_temperature=2.0, kd_alpha=0.0, lm_loss_weight=1.0, kd_loss_weight=0.5
+    )
+    loss = load_config(base).loss_config()
+    assert loss == LossConfig() and (loss.kind, loss.kd_enabled, loss.topk) == ("origin", False, None)
+
+
+def test_runtime_objects_built_from_yaml() -> None:
+    """learnable() / blockwise() / prepare_options() carry the YAML's values into the library objects."""
+    cfg = load_config(DATA / "qwen3-4b_int4_weight_only_blockwise.yaml")
+    assert cfg.blockwise() == BlockwiseSettings(
+        epochs=10, batch_size=2, train_size=4096, val_size=64, training_seqlen=2048, quant_lr=1e-4, weight_lr=1e-4
+    )
+    assert cfg.learnable() == Learnable()  # no learnable section: the defaults (weight scales)
+    cfg = load_config(DATA / "qwen3-4b_w4a8_fp8_end2end_qkv_fp8attn.yaml")
+    assert cfg.learnable() == Learnable(act_scale=True, weight_scale=False)
+    cfg = load_config(
+        DATA / "qwen3-4b_w4a8_fp8_end2end_qkv_fp8attn.yaml",
+        {
+            f"{QC}.learnable": {"weight_scale": False, "kv_scale": True, "norm": True, "lwc": True},
+            f"{QC}.lwc": {"enable_lwc": True, "lwc_init_value": 3.0},
+            f"{QC}.weight_scale_init_value": 0.25,
+            "compression.QAT.block_wise_config": {"epochs": 3, "wd": 0.1, "min_lr_factor": 5},
+        },
+    )
+    assert cfg.learnable() == Learnable(act_scale=False, weight_scale=False, kv_scale=True, norm=True, lwc=True)
+    bw = cfg.blockwise()
+    assert (bw.epochs, bw.wd, bw.min_lr_factor, bw.quant_lr) == (3, 0.1, 5.0, BlockwiseSettings.quant_lr)
+    opts = cfg.prepare_options()
+    assert isinstance(opts, PrepareOptions) and (opts.weight_init_value, opts.lwc_init) == (0.25, 3.0)
+
+
+def test_yaml_defaults_are_the_library_defaults() -> None:
+    """A YAML that sets nothing builds exactly the library's default objects (declared once)."""
+    cfg = parse_config(
+        {"model": {"model_path": "m"}, "compression": {"name": "QAT"}, "dataset": {"data_path": "d"}}
+    )
+    assert cfg.loss_config() == LossConfig()
+    assert cfg.learnable() == Learnable()
+    assert cfg.blockwise() == BlockwiseSettings()
 
 
 def test_overrides_mapping_and_strings(tmp_path: Path) -> None:
@@ -373,15 +432,27 @@ def test_parse_config_dict_and_error_collection() -> None:
     assert f"exp.yaml: {QC}.learnable.lwcc: unknown key; did you mean 'lwc'?" in str(err)
 
 
-def test_check_group_size() -> None:
-    scheme = PRESETS["w4a8_fp8"]
-    check_group_size(scheme, {"a.q_proj": 4096, "a.down_proj": 11008})
-    with pytest.raises(ConfigError) as ei:
-        check_group_size(scheme, {"a.q_proj": 4096, "a.down_proj": 1000, "b.down_proj": 100})
-    msg = str(ei.value)
-    assert "compression.quantization.group_size" in msg and "2 layer(s)" in msg
-    assert "a.down_proj (in_features=1000)" in msg and "a.q_proj" not in msg
-    check_group_size(PRESETS["fp8_static"], {"x": 7})  # no groups: nothing to check
+@pytest.mark.parametrize(
+    ("build", "field"),
+    [
+        (lambda: QuantSpec("int16"), "qtype"),
+        (lambda: QuantSpec("int4", "per-row"), "granularity"),
+        (lambda: QuantSpec("int4", "per-group"), "group_size"),
+        (lambda: QuantSpec("int4", "per-channel", group_size=32), "group_size"),
+        (lambda: QuantSpec("fp8", symmetric=False), "symmetric"),
+        (lambda: QuantSpec("int8", "per-head", num_heads=0), "num_heads"),
+        (lambda: QuantSpec("fp8", fp8_recast=True), "fp8_recast"),
+        (lambda: QuantScheme(weight=QuantSpec("int8", "per-token")), "granularity"),
+        (lambda: QuantScheme(weight=QuantSpec("int8", dynamic=True)), "dynamic"),
+        (lambda: QuantScheme(input=QuantSpec("int8", "per-channel")), "granularity"),
+        (lambda: QuantScheme(k=QuantSpec("fp8", "per-group", group_size=8)), "granularity"),
+    ],
+)
+def test_spec_errors_name_their_field(build: Any, field: str) -> None:
+    """spec.py says which field is at fault (the config maps it to the YAML key that set it)."""
+    with pytest.raises(SpecError) as ei:
+        build()
+    assert ei.value.field == field and isinstance(ei.value, ValueError)
 
 
 def test_json_schema(tmp_path: Path) -> None:
@@ -393,6 +464,16 @@ def test_json_schema(tmp_path: Path) -> None:
     ):
         jsonschema.validate(load_yaml(DATA / name), schema)
     jsonschema.validate(yaml.load(ZERO3_YAML, Loader=yaml.SafeLoader), schema)
+    # the loss vocabulary in the schema is losses.py's
+    assert schema["$defs"]["QATConfig"]["properties"]["loss_type"]["pattern"] == LOSS_PATTERN
+    for loss, ok in (("cakld", True), ("kl_top_5", True), ("r_kl_top", True), ("kl_top_0", False), ("klx", False)):
+        data = load_yaml(DATA / "qwen3-4b_int4_weight_only_end2end.yaml")
+        data["compression"]["QAT"]["loss_type"] = loss
+        if ok:
+            jsonschema.validate(data, schema)
+        else:
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(data, schema)
     bad = load_yaml(DATA / "qwen3-4b_int4_weight_only_end2end.yaml")
     bad["compression"]["QAT"]["plugin_config"]["quant_config"]["learnable"] = {"lwcc": True}
     with pytest.raises(jsonschema.ValidationError):
@@ -598,6 +679,16 @@ BAD_CASES: list[tuple[str, dict[str, Any] | str, str]] = [
         "compression.QAT.hf_args.deepspeed",
     ),
     (
+        "deepspeed-optimizer-block",
+        {**ZERO3_OK, "compression.QAT.hf_args.deepspeed": "ds3_optimizer.json"},
+        "compression.QAT.hf_args.deepspeed",
+    ),
+    (
+        "deepspeed-optimizer-inline-no-zero3",
+        {"compression.QAT.hf_args": {"deepspeed": {"optimizer": {"type": "AdamW"}}}},
+        "compression.QAT.hf_args.deepspeed",
+    ),
+    (
         "hf-args-unknown",
         {"compression.QAT.hf_args": {"learnin_rate": 1e-5}},
         "compression.QAT.hf_args.learnin_rate",
@@ -709,6 +800,9 @@ def w4a8_raw() -> dict[str, Any]:
 def test_bad_config(tmp_path: Path, w4a8_raw: dict[str, Any], case: str, edit: Any, path: str) -> None:
     (tmp_path / "ds3.json").write_text(json.dumps(DS_ZERO3))
     (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / "ds3_optimizer.json").write_text(
+        json.dumps({**DS_ZERO3, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
+    )
     if isinstance(edit, str):
         text = edit
     else:

@@ -7,7 +7,16 @@ import math
 import pytest
 import torch
 
-from qatlib.losses import IGNORE_INDEX, LossConfig, kd_memory_probe, qat_loss
+from benchmarks.memory import kd_memory_probe
+from qatlib.losses import (
+    IGNORE_INDEX,
+    LOSS_TYPES,
+    LossConfig,
+    LossType,
+    LossTypeError,
+    parse_loss_type,
+    qat_loss,
+)
 
 B, T, V = 3, 11, 37
 
@@ -199,6 +208,45 @@ def test_config_validation_and_origin():
     assert not origin.kd_enabled and origin.log_keys() == ["lm_loss", "total_loss"]
     with pytest.raises(ValueError, match="teacher"):
         qat_loss(*_data()[::2], LossConfig(loss_type="kl", kd_loss_weight=1.0))
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "loss_topk", "expect"),
+    [
+        ("cakld", None, LossType("cakld", None)),
+        ("origin", None, LossType("origin", None)),
+        ("kl_top_100", None, LossType("kl_top", 100)),
+        ("r_kl_top", 5, LossType("r_kl_top", 5)),
+        ("kl_top_10", 4, LossType("kl_top", 4)),  # loss_topk wins over the inline K
+        ("kl_topx", None, "loss_type"),
+        ("kl_top_0", None, "loss_type"),  # K is a positive int
+        ("kl_top_010", None, "loss_type"),  # without a leading zero
+        ("r_kl_top", None, "loss_type"),  # no K at all
+        ("KL", None, "loss_type"),  # the vocabulary is lower case (LossConfig lowercases first)
+        ("kl", 3, "loss_topk"),  # K only for top-K losses
+        ("kl_top", 0, "loss_topk"),
+    ],
+)
+def test_parse_loss_type(loss_type, loss_topk, expect):
+    """The one loss vocabulary: a family and a K, or an error naming the field at fault."""
+    if isinstance(expect, LossType):
+        assert parse_loss_type(loss_type, loss_topk) == expect
+    else:
+        with pytest.raises(LossTypeError) as ei:
+            parse_loss_type(loss_type, loss_topk)
+        assert ei.value.field == expect and isinstance(ei.value, ValueError)
+
+
+def test_every_loss_type_has_a_term():
+    """Each member of LOSS_TYPES builds a LossConfig and a finite KD term (no silent fallthrough)."""
+    s, t, labels = _data()
+    assert set(LOSS_TYPES) == {"origin", "kl", "rkl", "mse", "kd", "cakld", "kl_top", "r_kl_top"}
+    for lt in LOSS_TYPES:
+        cfg = LossConfig(loss_type=lt, loss_topk=3 if lt.endswith("kl_top") else None, kd_loss_weight=1.0)
+        assert cfg.kind == lt
+        out = qat_loss(s, labels, cfg, t).means()
+        assert (f"kd/{lt}" in out) == (lt != "origin")
+        assert all(math.isfinite(v) for v in out.values())
 
 
 def test_bf16_logits_close_to_fp32():

@@ -1,7 +1,8 @@
 """Typed description of a quantization format.
 
 One `QuantSpec` says everything about how one tensor is quantized; one `QuantScheme` says which
-tensors of a linear layer are quantized and how. Every other module dispatches on these types,
+tensors of a linear layer are quantized and how. An invalid combination raises `SpecError` (a
+ValueError) naming the field at fault. Every other module dispatches on these types,
 never on algorithm-name strings (the upstream toolkit's `if "fp8" in algo` chains).
 """
 
@@ -13,6 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FP8_E4M3_MAX = 448.0
+
+
+class SpecError(ValueError):
+    """An invalid quantization format; ``field`` is the `QuantSpec` / `QuantScheme` field at fault
+    (so the experiment config can name the YAML key that set it, without reading the message)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class Granularity(str, enum.Enum):
@@ -51,29 +61,33 @@ class QuantSpec:
 
     def __post_init__(self) -> None:
         if self.qtype not in QTYPES:
-            raise ValueError(f"qtype must be one of {', '.join(QTYPES)}; got {self.qtype!r}")
+            raise SpecError("qtype", f"qtype must be one of {', '.join(QTYPES)}; got {self.qtype!r}")
         try:
             gran = Granularity(self.granularity)
         except ValueError:
             choices = ", ".join(g.value for g in Granularity)
-            raise ValueError(f"granularity must be one of {choices}; got {self.granularity!r}") from None
+            raise SpecError("granularity", f"granularity must be one of {choices}; got {self.granularity!r}") from None
         object.__setattr__(self, "granularity", gran)
         if gran is Granularity.GROUP:
             if self.group_size is None or self.group_size <= 0:
-                raise ValueError(f"per-group quantization needs a positive group_size; got {self.group_size!r}")
+                raise SpecError(
+                    "group_size", f"per-group quantization needs a positive group_size; got {self.group_size!r}"
+                )
         elif self.group_size not in (None, -1, 0):
-            raise ValueError(f"group_size={self.group_size} is only valid with per-group granularity, not {gran.value}")
+            raise SpecError(
+                "group_size", f"group_size={self.group_size} is only valid with per-group granularity, not {gran.value}"
+            )
         else:
             object.__setattr__(self, "group_size", None)
         if gran is Granularity.TOKEN and not self.dynamic:
             # per-token scales depend on the tokens of each call: they cannot be static.
             object.__setattr__(self, "dynamic", True)
         if self.is_fp8 and not self.symmetric:
-            raise ValueError("fp8 quantization is symmetric only (set is_sym/symmetric: true)")
+            raise SpecError("symmetric", "fp8 quantization is symmetric only (set is_sym/symmetric: true)")
         if gran is Granularity.HEAD and self.num_heads is not None and self.num_heads <= 0:
-            raise ValueError(f"per-head quantization needs num_heads > 0; got {self.num_heads}")
+            raise SpecError("num_heads", f"per-head quantization needs num_heads > 0; got {self.num_heads}")
         if self.fp8_recast and self.is_fp8:
-            raise ValueError("fp8_recast applies to integer weight formats (W4A8-FP8), not to fp8 itself")
+            raise SpecError("fp8_recast", "fp8_recast applies to integer weight formats (W4A8-FP8), not to fp8 itself")
 
     # -- derived properties -------------------------------------------------
     @property
@@ -140,18 +154,19 @@ class QuantScheme:
 
     def __post_init__(self) -> None:
         if self.weight is not None and self.weight.granularity in (Granularity.TOKEN, Granularity.HEAD):
-            raise ValueError(f"weights cannot be quantized {self.weight.granularity.value}")
+            raise SpecError("granularity", f"weights cannot be quantized {self.weight.granularity.value}")
         if self.weight is not None and self.weight.dynamic:
-            raise ValueError("weight quantization is static (dynamic applies to activations)")
+            raise SpecError("dynamic", "weight quantization is static (dynamic applies to activations)")
         if self.input is not None and self.input.granularity in (Granularity.CHANNEL, Granularity.GROUP):
-            raise ValueError(
+            raise SpecError(
+                "granularity",
                 f"input activations cannot be quantized {self.input.granularity.value}; "
                 "use per-tensor (static or dynamic) or per-token"
             )
         for role in ("q", "k", "v"):
             spec = getattr(self, role)
             if spec is not None and spec.granularity in (Granularity.CHANNEL, Granularity.GROUP):
-                raise ValueError(f"{role} output cannot be quantized {spec.granularity.value}")
+                raise SpecError("granularity", f"{role} output cannot be quantized {spec.granularity.value}")
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "fp8_attn": self.fp8_attn}
@@ -219,4 +234,6 @@ def preset(name: str) -> QuantScheme:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown quantization name {name!r}; choose one of {', '.join(sorted(PRESETS))}") from None
+        raise SpecError(
+            "name", f"unknown quantization name {name!r}; choose one of {', '.join(sorted(PRESETS))}"
+        ) from None

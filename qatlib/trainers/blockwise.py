@@ -64,13 +64,6 @@ class BlockwiseSettings:
     min_lr_factor: float = 20.0
     wd: float = 0.0
 
-    @classmethod
-    def from_config(cls, obj) -> BlockwiseSettings:
-        if obj is None or isinstance(obj, cls):
-            return obj or cls()
-        get = obj.get if isinstance(obj, dict) else (lambda k, d=None: getattr(obj, k, d))
-        return cls(**{k: get(k, getattr(cls, k)) for k in cls.__dataclass_fields__})
-
 
 @dataclass
 class BlockwiseResult:
@@ -364,8 +357,7 @@ def train_blockwise(
     ZeRO-3 is not supported (single process)."""
     if getattr(cfg, "zero3_enabled", False):
         raise ValueError("blockwise QAT runs in a single process; it does not support ZeRO-3")
-    qat = cfg.qat
-    settings = BlockwiseSettings.from_config(qat.block_wise_config)
+    settings = cfg.blockwise()
     samples = blockwise_samples(
         train_dataset, settings.training_seqlen, settings.train_size + settings.val_size
     )
@@ -374,7 +366,7 @@ def train_blockwise(
     trainer = BlockwiseTrainer(
         model,
         settings,
-        learnable=Learnable.from_config(qat.plugin_config.quant_config.learnable),
+        learnable=cfg.learnable(),
         calibrate_activations=not scales_loaded,
         log_file=log_file or None,
         seed=cfg.global_.seed,

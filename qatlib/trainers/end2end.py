@@ -319,7 +319,7 @@ def train_end2end(
 
     qat = cfg.qat
     qc = qat.plugin_config.quant_config
-    loss_cfg = LossConfig.from_qat(qat)
+    loss_cfg = cfg.loss_config()
     args = training_arguments(cfg, **(args_overrides or {}))
     collator = PadCollator.for_tokenizer(tokenizer)
     zero3 = bool(getattr(cfg, "zero3_enabled", False))
@@ -356,7 +356,7 @@ def train_end2end(
         model,
         args,
         loss_config=loss_cfg,
-        learnable=Learnable.from_config(qc.learnable),
+        learnable=cfg.learnable(),
         lwc_lr=qc.lwc.lwc_lr if qc.lwc.enable_lwc else None,
         teacher=teacher,
         train_dataset=train_dataset,

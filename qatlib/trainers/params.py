@@ -22,7 +22,7 @@ never handed them to its optimizer, so ``norm: true`` trained nothing there.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -34,23 +34,17 @@ NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
 
 @dataclass(frozen=True)
 class Learnable:
-    """The ``learnable`` switches (defaults as upstream: weight scales only)."""
+    """The ``learnable`` switches (defaults as upstream: weight scales only).
+
+    An experiment builds it with `qatlib.config.ExperimentConfig.learnable`; these defaults are
+    the YAML's (``quant_config.learnable`` takes them from here).
+    """
 
     act_scale: bool = False
     weight_scale: bool = True
     kv_scale: bool = False
     norm: bool = False
     lwc: bool = False
-
-    @classmethod
-    def from_config(cls, obj) -> Learnable:
-        """From ``quant_config.learnable`` (a pydantic section, a dict or None)."""
-        if obj is None:
-            return cls()
-        if isinstance(obj, cls):
-            return obj
-        get = obj.get if isinstance(obj, dict) else (lambda k, d=None: getattr(obj, k, d))
-        return cls(**{f.name: bool(get(f.name, f.default)) for f in fields(cls)})
 
 
 @dataclass

@@ -1,0 +1,383 @@
+"""The sections of an experiment YAML, one pydantic model each (upstream AngelSlim layout).
+
+Every section forbids unknown keys; scalars are strict (``"true"`` is not a bool, ``"8"`` is not
+an int) except that an int is accepted where a float is expected. The rules here need one
+section only; the rules across sections are `qatlib.config.experiment.ExperimentConfig`'s.
+
+Where a section configures a runtime object (`LossConfig`, `Learnable`, `BlockwiseSettings`),
+its defaults are that object's: the value is declared once, in the library, and the experiment
+builds the object (``cfg.loss_config()``, ``cfg.learnable()``, ``cfg.blockwise()``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from functools import lru_cache
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from qatlib.losses import LOSS_PATTERN, LossConfig, LossTypeError, parse_loss_type
+from qatlib.quant.spec import QTYPES, Granularity
+from qatlib.trainers.blockwise import BlockwiseSettings
+from qatlib.trainers.params import Learnable
+
+from .errors import issues_error
+
+# --------------------------------------------------------------------------------------------
+# Vocabulary
+# --------------------------------------------------------------------------------------------
+
+QType = Literal[QTYPES]  # int2 .. int8, fp8 (spec.py is the single source)
+GranularityName = Literal[tuple(g.value for g in Granularity)]
+TorchDtype = Literal["auto", "fp16", "bf16", "fp32", "float16", "bfloat16", "float32"]
+_DTYPE_CANONICAL = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+_LOSS = LossConfig()  # the objective's defaults (compression.QAT loss fields)
+_BW = BlockwiseSettings()
+_LEARN = Learnable()
+
+
+def _group_size_value(v: int | None) -> int | None:
+    """Upstream writes ``-1`` for "no groups"; anything else must be a positive group size."""
+    if v is None or v == -1 or v > 0:
+        return v
+    raise ValueError(f"group_size must be a positive int, or -1 for none; got {v}")
+
+
+def norm_group_size(v: int | None) -> int | None:
+    return None if v is None or v == -1 else v
+
+
+def _empty_to_none(v: Any) -> Any:
+    # Upstream examples write `resume_ckpt_dir: ""` for "unset"; treat it as null, not as the CWD.
+    return None if isinstance(v, str) and not v.strip() else v
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors, scalars are strict, objects are frozen.
+
+    Frozen because a validated config is a record of what ran: changing it afterwards would
+    bypass the cross-field rules. Use `load_config(..., overrides=...)` instead.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ModelConfig(Section):
+    """``model``: what to load and how (arguments of ``from_pretrained``)."""
+
+    name: str | None = None
+    model_path: str
+    trust_remote_code: bool = False
+    torch_dtype: TorchDtype = "auto"
+    device_map: str | None = "auto"
+    low_cpu_mem_usage: bool = True
+    use_cache: bool = False
+    attn_implementation: str | None = None
+    cache_dir: str | None = None  # upstream field: HF download cache for from_pretrained
+
+    @field_validator("device_map", mode="after")
+    @classmethod
+    def _device_map_none(cls, v: str | None) -> str | None:
+        # Upstream ZeRO-3 configs write `device_map: None`, which YAML reads as the *string* "None";
+        # passed to from_pretrained it would be a device name. Normalise it (upstream's engine does too).
+        if v is not None and v.strip().lower() in ("none", "null", ""):
+            return None
+        return v
+
+    @property
+    def torch_dtype_name(self) -> str:
+        """Canonical torch dtype name (``auto``, ``float16``, ``bfloat16``, ``float32``)."""
+        return _DTYPE_CANONICAL.get(self.torch_dtype, self.torch_dtype)
+
+
+class QuantMethodConfig(Section):
+    """``compression.quantization.quant_method``: granularities applied on top of the preset.
+
+    ``group_size`` is accepted here too because upstream's shipped configs put it here.
+    """
+
+    weight: GranularityName | None = None
+    activation: GranularityName | None = None
+    group_size: int | None = None
+
+    _gs = field_validator("group_size")(_group_size_value)
+
+
+class QuantizationConfig(Section):
+    """``compression.quantization``: the named format (a key of ``qatlib.quant.spec.PRESETS``).
+
+    Without ``name`` the format is built from ``bits`` (default 8, integer) and ``quant_method``,
+    which is what upstream does for configs that only set ``plugin_config.quant_config.weight``.
+    With a ``name``, ``bits`` is ignored (upstream's w4a8_fp8 configs carry ``bits: 8``).
+    ``group_size`` only applies to per-group weights (upstream ignores it otherwise).
+    """
+
+    name: str | None = None
+    bits: int | None = Field(None, ge=2, le=8)
+    quant_method: QuantMethodConfig | None = None
+    group_size: int | None = None
+    ignore_layers: list[str] = Field(default_factory=list)
+
+    _gs = field_validator("group_size")(_group_size_value)
+
+
+class TensorQuantOverride(Section):
+    """``quant_config.weight`` / ``quant_config.activation``: per-field overrides of the preset.
+
+    A missing field keeps the preset's value. ``is_sym`` is the upstream spelling of
+    ``QuantSpec.symmetric``; ``group_size: -1`` means no groups.
+    """
+
+    qtype: QType | None = None
+    granularity: GranularityName | None = None
+    group_size: int | None = None
+    is_sym: bool | None = None
+    dynamic: bool | None = None
+
+    _gs = field_validator("group_size")(_group_size_value)
+
+
+class OutputQuantConfig(Section):
+    """``quant_config.q`` / ``k`` / ``v``: quantization of a projection's *output*.
+
+    k / v simulate a quantized KV cache (exported as ``k_cache.scale`` / ``v_cache.scale``).
+    These are complete formats (there is no preset to override), so ``qtype`` is required.
+    """
+
+    qtype: QType
+    granularity: GranularityName = "per-tensor"
+    group_size: int | None = None
+    is_sym: bool = True
+    dynamic: bool = False
+
+    _gs = field_validator("group_size")(_group_size_value)
+
+
+# The fields and defaults of `qatlib.trainers.params.Learnable` (ExperimentConfig.learnable builds it).
+class LearnableConfig(Section):
+    """``quant_config.learnable``: which parameter groups train (model weights never do)."""
+
+    act_scale: bool = _LEARN.act_scale
+    weight_scale: bool = _LEARN.weight_scale
+    kv_scale: bool = _LEARN.kv_scale
+    norm: bool = _LEARN.norm
+    lwc: bool = _LEARN.lwc
+
+
+class LwcConfig(Section):
+    """``quant_config.lwc``: learnable weight clipping. ``enable_lwc`` creates the clip factors;
+    ``learnable.lwc`` decides whether they train (so learnable.lwc without enable_lwc is a no-op)."""
+
+    enable_lwc: bool = False
+    lwc_init_value: float = 4.0
+    lwc_lr: float = Field(0.5, ge=0)
+
+
+class QuantConfig(Section):
+    """``compression.QAT.plugin_config.quant_config``: the learnable-scale plugin's settings."""
+
+    use_weight_quant: bool = True
+    use_activation_quant: bool = True
+    lazy_init_samples: int = Field(10, gt=0)
+    weight_scale_init_value: float = Field(1.0, gt=0)
+    activation_scale_init_value: float = Field(1.0, gt=0)
+    learnable: LearnableConfig = Field(default_factory=LearnableConfig)
+    lwc: LwcConfig = Field(default_factory=LwcConfig)
+    weight: TensorQuantOverride | None = None
+    activation: TensorQuantOverride | None = None
+    fp8_attn: bool = False
+    # not upstream: run the fake-quant ops through torch.compile (needs a C++ compiler on CPU);
+    # measured 0.85x the QAT step for FP8 formats on CPU, no gain for integer ones
+    compile_fake_quant: bool = False
+    q: OutputQuantConfig | None = None
+    k: OutputQuantConfig | None = None
+    v: OutputQuantConfig | None = None
+
+    @model_validator(mode="after")
+    def _lwc_consistency(self) -> QuantConfig:
+        if self.learnable.lwc and not self.lwc.enable_lwc:
+            # Upstream silently trains nothing: the clip factors are only created with enable_lwc.
+            raise issues_error(
+                [("learnable.lwc", "is true but lwc.enable_lwc is false: there are no clip factors to learn")]
+            )
+        return self
+
+
+class PluginConfig(Section):
+    """``compression.QAT.plugin_config``."""
+
+    enable_scale: bool = True
+    enable_rotation: bool = False
+    quant_config: QuantConfig = Field(default_factory=QuantConfig)
+
+    @field_validator("enable_rotation")
+    @classmethod
+    def _no_rotation(cls, v: bool) -> bool:
+        if v:
+            # Experimental upstream and not implemented here: refuse rather than silently skip it.
+            raise ValueError("the learnable-rotation plugin is not implemented in qatlib; set it to false")
+        return v
+
+
+# The fields and defaults of `qatlib.trainers.blockwise.BlockwiseSettings` (built by
+# ExperimentConfig.blockwise).
+class BlockwiseConfig(Section):
+    """``compression.QAT.block_wise_config``: per-transformer-block training (single process)."""
+
+    epochs: int = Field(_BW.epochs, gt=0)
+    batch_size: int = Field(_BW.batch_size, gt=0)
+    train_size: int = Field(_BW.train_size, gt=0)
+    val_size: int = Field(_BW.val_size, ge=0)
+    training_seqlen: int = Field(_BW.training_seqlen, gt=0)
+    quant_lr: float = Field(_BW.quant_lr, ge=0)
+    weight_lr: float = Field(_BW.weight_lr, ge=0)
+    min_lr_factor: float = Field(_BW.min_lr_factor, gt=0)
+    wd: float = Field(_BW.wd, ge=0)
+
+
+@lru_cache(maxsize=1)
+def hf_training_arg_names() -> frozenset[str]:
+    """Keys `transformers.Seq2SeqTrainingArguments` accepts (imported lazily: it pulls in torch)."""
+    from transformers import Seq2SeqTrainingArguments
+
+    return frozenset(f.name for f in dataclasses.fields(Seq2SeqTrainingArguments) if f.init)
+
+
+# The loss fields (loss_type .. kd_loss_weight) and their defaults are those of
+# `qatlib.losses.LossConfig` (built by ExperimentConfig.loss_config); the loss vocabulary is
+# `qatlib.losses.parse_loss_type`'s.
+class QATConfig(Section):
+    """``compression.QAT``: training mode, losses, data, HF Trainer arguments, plugin settings."""
+
+    training_mode: Literal["end2end", "blockwise"] = "end2end"
+    dist_mode: Literal["hf"] = "hf"
+    do_train: bool = True
+    save_format: Literal["fake", "real", "save_kvcache_only", "real_and_kvcache"] | None = None
+    resume_ckpt_dir: str | None = None
+    from_ptq_ckpt: str | None = None
+    hf_dataset: str | None = None
+    hf_cache_dir: str | None = None
+    loss_type: str = Field(_LOSS.loss_type, json_schema_extra={"pattern": LOSS_PATTERN})
+    loss_topk: int | None = Field(_LOSS.loss_topk, gt=0)
+    kd_temperature: float = Field(_LOSS.kd_temperature, gt=0)
+    kd_alpha: float = Field(_LOSS.kd_alpha, ge=0, le=1)
+    lm_loss_weight: float = Field(_LOSS.lm_loss_weight, ge=0)
+    kd_loss_weight: float = Field(_LOSS.kd_loss_weight, ge=0)
+    hf_args: dict[str, Any] | None = Field(default_factory=dict)
+    block_wise_config: BlockwiseConfig = Field(default_factory=BlockwiseConfig)
+    plugin_config: PluginConfig = Field(default_factory=PluginConfig)
+
+    _paths = field_validator("resume_ckpt_dir", "from_ptq_ckpt", "hf_dataset", "hf_cache_dir")(_empty_to_none)
+
+    @field_validator("hf_args", mode="after")
+    @classmethod
+    def _hf_arg_keys(cls, v: dict[str, Any] | None) -> dict[str, Any]:
+        # upstream's `hf_args:` with only comments below it is YAML null: no arguments.
+        if not v:
+            return {}
+        known = hf_training_arg_names()
+        issues = []
+        for key in v:
+            if key == "output_dir":
+                issues.append((key, "is set from global.save_path; set that instead"))
+            elif key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                issues.append(
+                    (key, f"unknown key (not a field of transformers.Seq2SeqTrainingArguments){hint}")
+                )
+        if issues:
+            raise issues_error(issues)
+        return dict(v)
+
+    @model_validator(mode="after")
+    def _loss_rules(self) -> QATConfig:
+        """The loss vocabulary (losses.py's), plus the silent-no-op cases of the weights."""
+        try:
+            parse_loss_type(self.loss_type, self.loss_topk)
+        except LossTypeError as e:
+            raise issues_error([(e.field, str(e))]) from None
+        issues: list[tuple[str, str]] = []
+        if self.loss_type != "kd":
+            if self.kd_temperature != _LOSS.kd_temperature:
+                issues.append(("kd_temperature", f"only applies to loss_type 'kd', not {self.loss_type!r}"))
+            if self.kd_alpha != _LOSS.kd_alpha:
+                issues.append(("kd_alpha", f"only applies to loss_type 'kd', not {self.loss_type!r}"))
+        if self.lm_loss_weight == 0 and self.kd_loss_weight == 0:
+            issues.append(
+                ("lm_loss_weight", "lm_loss_weight and kd_loss_weight are both 0: nothing to train on")
+            )
+        elif self.loss_type != "origin" and self.kd_loss_weight == 0:
+            # Upstream computes no KD term when kd_loss_weight is 0 and trains on CE only.
+            issues.append(
+                (
+                    "kd_loss_weight",
+                    f"is 0, so loss_type {self.loss_type!r} would be ignored; set kd_loss_weight > 0",
+                )
+            )
+        elif self.loss_type == "origin" and self.kd_loss_weight > 0:
+            issues.append(
+                (
+                    "loss_type",
+                    "'origin' has no distillation term but kd_loss_weight > 0; choose a KD loss_type",
+                )
+            )
+        if issues:
+            raise issues_error(issues)
+        return self
+
+
+class CompressionConfig(Section):
+    """``compression``: ``name`` selects the pipeline; QAT settings live under ``QAT``.
+
+    The ``QAT`` section is allowed with ``name: PTQ`` so one YAML can drive both stages and the
+    PTQ checkpoint gets exactly the QAT run's `QuantScheme` (a mismatch is refused at warm start).
+    """
+
+    name: Literal["QAT", "PTQ"]
+    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
+    qat: QATConfig = Field(default_factory=QATConfig, alias="QAT")
+
+
+class DatasetConfig(Section):
+    """``dataset``: training / calibration data (``compression.QAT.hf_dataset`` overrides it)."""
+
+    name: str = "TextDataset"
+    data_path: str | None = None
+    max_seq_length: int = Field(2048, gt=0)
+    num_samples: int = Field(256, gt=0)
+    batch_size: int = Field(1, gt=0)
+
+
+class GlobalConfig(Section):
+    """``global``: where results go and the seed of the whole run."""
+
+    save_path: str = "./output"
+    seed: int = Field(42, ge=0)
+
+
+_NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+class EvaluationConfig(Section):
+    """``evaluation`` (qatlib extension): what to measure after training.
+
+    ppl: dataset ids (``wikitext2``, ``c4``) or local text files; tasks: lm-eval task names or
+    local task directories. Upstream used command-line flags instead, which left results
+    unreproducible from the YAML alone.
+    """
+
+    ppl: list[_NonEmptyStr] = Field(default_factory=list)
+    tasks: list[_NonEmptyStr] = Field(default_factory=list)
+    max_seq_length: int = Field(2048, gt=0)
+    batch_size: int = Field(1, gt=0)
+    num_fewshot: int = Field(0, ge=0)
+    limit: int | None = Field(None, gt=0)
