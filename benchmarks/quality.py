@@ -807,8 +807,9 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
         },
         "notes": [
             "bf16 = the unquantized model, evaluated in fp32 on the CPU (as the workflow does).",
-            f"recovery is flagged as noise when PTQ costs < {MIN_REL_GAP:.1%} perplexity or its paired standard "
-            f"error (over test windows) exceeds {MAX_SE}; the SE does not include seed-to-seed variation of QAT "
+            f"recovery is flagged as noise when PTQ costs < {MIN_REL_GAP:.1%} perplexity or its paired "
+            f"standard error (over test windows) exceeds {MAX_SE}; the SE does not include seed-to-seed "
+            "variation of QAT "
             "(qatlib.report.metrics.recovery, the report's rule).",
             "mc_acc: the local multiple-choice task (200 items, chance 0.25); its stderr (~0.03) dwarfs most "
             "quantization effects.",

@@ -384,7 +384,8 @@ def read_csv(path: str | os.PathLike) -> list[Row]:
 
 
 # =========================================================================== checkpoint SQNR
-SQNR_COLUMNS = ["layer", "layer_type", "ptq_db", "qat_db", "delta_db"]  # `checkpoint_sqnr` rows, analysis/sqnr.csv
+# the columns of `checkpoint_sqnr` rows and of analysis/sqnr.csv
+SQNR_COLUMNS = ["layer", "layer_type", "ptq_db", "qat_db", "delta_db"]
 
 
 class SqnrError(RuntimeError):

@@ -574,7 +574,8 @@ def test_cli(minimal_exp, tmp_path):
     """scripts/report.py is the command line: it writes the report, and a missing required input
     is exit status 2 naming the file."""
     out = tmp_path / "site" / "report.html"
-    cmd = [sys.executable, str(REPO / "scripts/report.py"), "-c", str(REPO / "config/experiments/tiny-qwen3-moe.yaml")]
+    cmd = [sys.executable, str(REPO / "scripts/report.py")]
+    cmd += ["-c", str(REPO / "config/experiments/tiny-qwen3-moe.yaml")]
     cmd += ["--exp-dir", str(minimal_exp), "--out", str(out), "--title", "CLI", "--bench-dir", str(tmp_path)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0, r.stderr

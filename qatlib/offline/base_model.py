@@ -2,9 +2,9 @@
 
 No model can be downloaded on the CPU machines, so the default experiment trains its own small
 Qwen3-MoE (or dense Qwen3) on the offline corpus (`qatlib.offline.corpus`): a byte-level BPE
-tokenizer (`qatlib.offline.tokenizer`) is trained on ``train.txt``, the model is built from a config dict and trained with AdamW
-(warm-up + cosine) for a fixed TOKEN budget (not a wall-time budget, so runs are reproducible),
-then saved with ``save_pretrained`` (safetensors) together with its tokenizer, exactly like an
+tokenizer (`qatlib.offline.tokenizer`) is trained on ``train.txt``, the model is built from a
+config dict and trained with AdamW (warm-up + cosine) for a fixed TOKEN budget (not a wall-time
+budget, so runs are reproducible), then saved with ``save_pretrained`` (safetensors) together with its tokenizer, exactly like an
 upstream checkpoint folder that `qatlib.models.load_model` reads.
 
 Expert implementation: transformers runs fused MoE experts through

@@ -7,8 +7,8 @@ the Python standard library, the language-reference topics shipped for ``pydoc``
 
 Docstrings are read with `ast` from the source files (nothing is imported or executed), cleaned
 (`qatlib.offline.cleaning`: doctests, reST literal blocks, fenced code and code-like paragraphs
-dropped, reST markup stripped, whitespace normalised), de-duplicated paragraph by paragraph (near-duplicates such as
-``Conv1d`` / ``Conv2d`` docstrings share a key) and grouped into one document per source file.
+dropped, reST markup stripped, whitespace normalised), de-duplicated paragraph by paragraph
+(near-duplicates such as ``Conv1d`` / ``Conv2d`` docstrings share a key) and grouped into one document per source file.
 Every list is sorted, so two machines with the same Python and package versions produce the same
 bytes; `build_corpus` records the versions and a SHA-256 of every split in ``manifest.json``.
 

@@ -234,7 +234,9 @@ class DvcOutputs:
         self.metrics: dict[str, float | None] = {}
         plots_dir.mkdir(parents=True, exist_ok=True)  # always there: the workflow declares it as an output
 
-    def plot(self, name: str, rows: Iterable[Mapping[str, Any]], columns: Sequence[str] | None = None) -> None:
+    def plot(
+        self, name: str, rows: Iterable[Mapping[str, Any]], columns: Sequence[str] | None = None
+    ) -> None:
         analysis.write_csv(rows, self.plots_dir / name, columns)
         self.plots.append(name)
 

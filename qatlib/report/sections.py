@@ -63,7 +63,8 @@ def eval_section(evals: Mapping[str, dict], rows: Sequence[Mapping[str, Any]]) -
             "(PTQ − QAT) / (PTQ − BF16) for perplexity, (QAT − PTQ) / (BF16 − PTQ) for accuracy. "
             "100% = back to BF16, 0% = no better than PTQ. "
             "It is n/a when PTQ is not worse than BF16 by more than noise (perplexity: PTQ − BF16 < "
-            f"{MIN_REL_GAP:.1%} of BF16; task scores: a gap < {MIN_ABS_GAP} or 2 standard errors when reported)."
+            f"{MIN_REL_GAP:.1%} of BF16; task scores: a gap < {MIN_ABS_GAP} or 2 standard errors when "
+            "reported)."
         )
     )
     if any_na:
@@ -85,7 +86,8 @@ def training_section(exp: Path, out: DvcOutputs) -> dict:
     sec = {"id": "training", "title": "Training", "blocks": []}
     path = inputs.find_train_log(exp)
     if path is None:
-        sec["unavailable"] = f"Training curves not available: no {' or '.join(inputs.LOG_FILES)} in {exp / 'qat'}."
+        logs = " or ".join(inputs.LOG_FILES)
+        sec["unavailable"] = f"Training curves not available: no {logs} in {exp / 'qat'}."
         return sec
     rows = [r for r in inputs.read_train_log(path) if "step" in r]
     keys = loss_keys(rows)
