@@ -192,7 +192,7 @@ def format_scheme(name: str):
 
 # --------------------------------------------------------------------------- default model
 def base_models_spec(name: str = DEFAULT_BASE_MODEL) -> dict[str, Any]:
-    """``config/base_models.yaml[name]`` (``model`` / ``train`` overrides of `qatlib.pretrain`)."""
+    """``config/base_models.yaml[name]`` (``model`` / ``train`` overrides of `qatlib.offline.base_model`)."""
     import yaml
 
     with open(REPO / "config" / "base_models.yaml", encoding="utf-8") as f:
@@ -215,7 +215,7 @@ def default_model(results: str | os.PathLike = "results", name: str = DEFAULT_BA
     benchmark) produced it, else the same architecture freshly initialised from its config (speed
     and memory do not depend on the weights' values). fp32, ``use_cache`` off, experts on
     ``grouped_mm``."""
-    from qatlib.pretrain import build_model, ensure_grouped_mm
+    from qatlib.offline.base_model import build_model, ensure_grouped_mm
 
     path = find_base_model(results, name)
     if path is not None:

@@ -1,7 +1,7 @@
 """Quality: the unquantized model vs PTQ (RTN, GPTQ) vs QAT, per format, plus ablations.
 
 Model: the default experiment's pre-trained base model (``results/base/<name>/`` from the
-workflow, else pre-trained here with `qatlib.pretrain` and its ``config/base_models.yaml`` budget
+workflow, else pre-trained here with `qatlib.offline.base_model` and its ``config/base_models.yaml`` budget
 into ``results/bench/cache/``). Data: the offline corpus (``results/corpus/``, else built here):
 calibration windows from ``calib.txt``, QAT samples from ``train.txt``, evaluation on ``test.txt``.
 
@@ -16,9 +16,10 @@ weight 0, KD weight 1, weight + activation scales learnable, lr 1e-3 cosine). Me
   so every difference gets a paired standard error;
 - accuracy on the local multiple-choice task (`qatlib.eval.harness`, lm-eval);
 - recovery ``(PTQ - QAT) / (PTQ - BF16)`` of perplexity, against RTN (QAT's starting point) and
-  against GPTQ, with its paired standard error. It is flagged as noise when PTQ costs less than
-  ``NOISE_REL_GAP`` of the unquantized perplexity or the standard error exceeds ``NOISE_SE``:
-  then the percentage says nothing.
+  against GPTQ, with its paired standard error (`qatlib.report.metrics.recovery`, the report's
+  definition). It is flagged as noise when PTQ costs less than ``MIN_REL_GAP`` (0.5%) of the
+  unquantized perplexity or the standard error exceeds ``MAX_SE`` (0.2): then the percentage
+  says nothing.
 
 Ablations on ``ablation_format``: the KD loss (origin / kl / rkl / cakld) at equal steps; the
 learning rate at equal steps; LWC
@@ -46,6 +47,8 @@ from typing import Any
 
 import torch
 
+from qatlib.report.metrics import MAX_SE, MIN_REL_GAP, recovery
+
 from .common import (
     DEFAULT_BASE_MODEL,
     FORMATS,
@@ -59,8 +62,6 @@ from .common import (
 )
 
 QUALITY_FORMATS = ("fp8_static", "int4_g32", "int4_ch", "w4a8_fp8_g32", "int3_g32", "int2_g32")
-NOISE_REL_GAP = 0.005  # PTQ within 0.5% of the unquantized perplexity: recovery is noise
-NOISE_SE = 0.2  # recovery standard error above 20 points: noise
 TARGET_RECOVERY = 0.70
 TARGET_FP8_REL = 0.005
 MC_TASK = "qat_local_mc"
@@ -135,7 +136,7 @@ def _micro_inputs(work: Path, seed: int) -> tuple[Path, Path]:
     """A micro corpus (stdlib docstrings) and a micro model pre-trained on it in seconds."""
     import inspect
 
-    from qatlib.pretrain import pretrain
+    from qatlib.offline.base_model import pretrain
 
     corpus = work / "corpus"
     corpus.mkdir(parents=True, exist_ok=True)
@@ -198,7 +199,7 @@ def resolve_inputs(s: QualitySettings, results: str, work: Path) -> dict[str, An
         if (corpus / "manifest.json").is_file() and (corpus / "test.txt").is_file():
             info["corpus_source"] = "workflow (results/corpus)"
         else:
-            from qatlib.corpus import build_corpus
+            from qatlib.offline.corpus import build_corpus
 
             corpus = res / "bench" / "cache" / "corpus"
             if not (corpus / "manifest.json").is_file():
@@ -212,7 +213,7 @@ def resolve_inputs(s: QualitySettings, results: str, work: Path) -> dict[str, An
         elif base is not None:
             info["base_source"] = "workflow" if base == res / "base" / s.base_model else "benchmark cache"
         else:
-            from qatlib.pretrain import pretrain
+            from qatlib.offline.base_model import pretrain
 
             base = res / "bench" / "cache" / "base" / s.base_model
             spec = base_models_spec(s.base_model)
@@ -238,7 +239,7 @@ def resolve_inputs(s: QualitySettings, results: str, work: Path) -> dict[str, An
     if s.mc:
         # Built from the test split with the workflow's parameters (config/config.yaml corpus.mc_task):
         # deterministic, and independent of the workflow's copy.
-        from qatlib.eval.tasks import build_local_mc_task
+        from qatlib.offline.mc_task import build_local_mc_task
 
         task_dir = work / "tasks" / MC_TASK
         mc = build_local_mc_task(snap / "test.txt", task_dir, n=16 if s.micro else 200, task=MC_TASK, seed=0)
@@ -347,24 +348,21 @@ def paired(a: torch.Tensor, b: torch.Tensor, tokens_per_window: int) -> tuple[fl
     return d.mean().item(), (d.std(unbiased=True).item() / math.sqrt(len(d)) if len(d) > 1 else float("nan"))
 
 
-def recovery(bf16: dict, ptq: dict, qat: dict) -> dict[str, Any]:
-    """``(PTQ - QAT) / (PTQ - BF16)`` in perplexity, its paired standard error, and the noise flag."""
-    gap = ptq["ppl"] - bf16["ppl"]
-    rel_gap = gap / bf16["ppl"]
-    rec = (ptq["ppl"] - qat["ppl"]) / gap if gap != 0 else None
-    # Standard error of the ratio estimator mean(p - q) / mean(p - b) over windows (NLL space).
-    p, q, b = ptq["_nll"], qat["_nll"], bf16["_nll"]
-    se = None
-    if len(p) > 1 and (p - b).mean().item() != 0:
-        r = ((p - q).mean() / (p - b).mean()).item()
-        resid = (p - q) - r * (p - b)
-        se = (resid.std(unbiased=True) / math.sqrt(len(p)) / (p - b).mean().abs()).item()
-    noise = rel_gap < NOISE_REL_GAP or se is None or se > NOISE_SE
+def recovery_record(bf16: dict, ptq: dict, qat: dict) -> dict[str, Any]:
+    """``(PTQ - QAT) / (PTQ - BF16)`` in perplexity, its paired standard error over the test windows
+    (per-window NLLs) and the noise flag: `qatlib.report.metrics.recovery`, the report's definition."""
+    rv = recovery(
+        bf16["ppl"],
+        ptq["ppl"],
+        qat["ppl"],
+        min_gap=MIN_REL_GAP * bf16["ppl"],
+        nll=(bf16["_nll"], ptq["_nll"], qat["_nll"]),
+    )
     return {
-        "recovery": None if rec is None else round(rec, 4),
-        "recovery_se": None if se is None else round(se, 4),
-        "ptq_rel_gap": round(rel_gap, 5),
-        "noise": bool(noise),
+        "recovery": None if rv.value is None else round(rv.value, 4),
+        "recovery_se": None if rv.se is None else round(rv.se, 4),
+        "ptq_rel_gap": round((ptq["ppl"] - bf16["ppl"]) / bf16["ppl"], 5),
+        "noise": rv.noise,
     }
 
 
@@ -379,7 +377,7 @@ class Lab:
 
         from qatlib.data import load_training_data
         from qatlib.eval.perplexity import make_windows, tokenize_text
-        from qatlib.pretrain import ensure_grouped_mm
+        from qatlib.offline.base_model import ensure_grouped_mm
 
         self.s = s
         self.work = work
@@ -564,7 +562,7 @@ def format_row(
         "gptq_ppl": gq["ppl"] if gq else None,
         "qat_ppl": qat["ppl"],
     }
-    rv = recovery(bf16, rtn, qat)
+    rv = recovery_record(bf16, rtn, qat)
     row.update(
         recovery_vs_rtn=rv["recovery"],
         recovery_vs_rtn_se=rv["recovery_se"],
@@ -572,7 +570,7 @@ def format_row(
         noise_vs_rtn=rv["noise"],
     )
     if gq:
-        rg = recovery(bf16, gq, qat)
+        rg = recovery_record(bf16, gq, qat)
         row.update(
             recovery_vs_gptq=rg["recovery"],
             recovery_vs_gptq_se=rg["recovery_se"],
@@ -595,7 +593,7 @@ def format_row(
 
 
 def ablation_row(label: str, bf16: dict, rtn: dict, res: dict, rec: dict, **extra) -> dict:
-    rv = recovery(bf16, rtn, res)
+    rv = recovery_record(bf16, rtn, res)
     return _rounded(
         {
             "variant": label,
@@ -809,8 +807,10 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
         },
         "notes": [
             "bf16 = the unquantized model, evaluated in fp32 on the CPU (as the workflow does).",
-            f"recovery is flagged as noise when PTQ costs < {NOISE_REL_GAP:.1%} perplexity or its paired standard "
-            f"error (over test windows) exceeds {NOISE_SE}; the SE does not include seed-to-seed variation of QAT.",
+            f"recovery is flagged as noise when PTQ costs < {MIN_REL_GAP:.1%} perplexity or its paired "
+            f"standard error (over test windows) exceeds {MAX_SE}; the SE does not include seed-to-seed "
+            "variation of QAT "
+            "(qatlib.report.metrics.recovery, the report's rule).",
             "mc_acc: the local multiple-choice task (200 items, chance 0.25); its stderr (~0.03) dwarfs most "
             "quantization effects.",
         ],

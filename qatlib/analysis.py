@@ -381,3 +381,80 @@ def read_csv(path: str | os.PathLike) -> list[Row]:
 
     with Path(path).open(newline="") as f:
         return [{k: conv(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+# =========================================================================== checkpoint SQNR
+# the columns of `checkpoint_sqnr` rows and of analysis/sqnr.csv
+SQNR_COLUMNS = ["layer", "layer_type", "ptq_db", "qat_db", "delta_db"]
+
+
+class SqnrError(RuntimeError):
+    """A checkpoint, or the weights behind its scales, is missing, incomplete or too large."""
+
+
+def _sqnr_scales(ckpt: Path, what: str) -> tuple[QuantScheme, dict[str, torch.Tensor], list[str]]:
+    try:
+        scheme, scales = load_scheme(ckpt), load_scales(ckpt)
+    except (FileNotFoundError, ValueError) as e:
+        raise SqnrError(f"{what} checkpoint {ckpt}: {e}") from e
+    layers = sorted({p.layer for k in scales if (p := parse_key(k)) and p.role == "weight"})
+    return scheme, scales, layers
+
+
+def checkpoint_sqnr(
+    ptq_dir: str | os.PathLike,
+    qat_dir: str | os.PathLike,
+    base: str | os.PathLike | None = None,
+    *,
+    max_bytes: int | None = None,
+) -> tuple[list[Row], list[str]]:
+    """The per-layer weight SQNR table of a PTQ and a QAT checkpoint (`compare_sqnr` rows: layer,
+    layer_type, ptq_db, qat_db, delta_db) and notes; the one computation behind ``scripts/sqnr.py``
+    (``analysis/sqnr.csv``) and the report's fallback when that file is absent.
+
+    Which full-precision weights each column quantizes, one rule for both callers:
+
+    - QAT: the QAT checkpoint's own weights (the weights its scales were trained with);
+    - PTQ: the PTQ checkpoint's own weights when it carries them (GPTQ changes the weights, so
+      its scales belong to those, not to the base model's), else ``base`` (a model folder or
+      ``.safetensors`` file: the weights PTQ calibrated on), else the QAT checkpoint's weights,
+      with a note: exact when QAT trained the quantizer parameters alone (end-to-end QAT keeps
+      the linear weights frozen), not after a run that trains weights (blockwise).
+
+    The PTQ checkpoint's own weights come first because they are the only ones certain to be the
+    weights its scales were computed on; ``base`` comes before the QAT weights because it is the
+    model PTQ read, whatever QAT later did. A source is used when it holds any of the layers'
+    weights, and must then hold all of them. Raises `SqnrError` for a missing checkpoint, a
+    ``base`` without those weights, a source with only some of them, or one holding more than
+    ``max_bytes`` of them (``None``: no limit).
+    """
+    ptq, qat = Path(ptq_dir), Path(qat_dir)
+    per: dict[str, list[Row]] = {}
+    notes: list[str] = []
+    for what, ckpt in (("ptq", ptq), ("qat", qat)):
+        scheme, scales, layers = _sqnr_scales(ckpt, what.upper())
+        if what == "qat" or weight_bytes(ckpt, layers):
+            src = ckpt
+        elif base is not None:
+            src = Path(base)
+            if not src.exists() or not weight_bytes(src, layers):
+                raise SqnrError(f"no weights for the PTQ scales in base weights {src}")
+        else:
+            src = qat
+            notes.append(
+                "PTQ SQNR uses the QAT checkpoint's weights (no base / PTQ weights found): exact only "
+                "when QAT trained the quantizer parameters alone"
+            )
+        size = weight_bytes(src, layers)
+        if size == 0 and layers:
+            raise SqnrError(f"no weights for the {what.upper()} scales in {src}")
+        if max_bytes is not None and size > max_bytes:
+            raise SqnrError(
+                f"{src} holds {size:,} bytes of weights (> {max_bytes:,}): too large to compute here; "
+                "write analysis/sqnr.csv in an earlier stage"
+            )
+        rows = layer_sqnr(iter_weights(src, layers), scheme, scales)
+        if len(rows) != len(layers):
+            raise SqnrError(f"{src} has weights for {len(rows)} of the {len(layers)} layers of {ckpt}")
+        per[what] = rows
+    return compare_sqnr(per["ptq"], per["qat"]), notes

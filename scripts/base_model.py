@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"base model {args.name!r}: unknown keys {unknown} (expected model, train)")
 
-    from qatlib.pretrain import pretrain
+    from qatlib.offline.base_model import pretrain
 
     with _common.stage("base_model", args) as record:
         train = dict(spec.get("train") or {})

@@ -18,7 +18,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cfg = json.loads(args.config_json)
 
-    from qatlib.corpus import build_corpus
+    from qatlib.offline.corpus import build_corpus
 
     with _common.stage("corpus", args) as record:
         manifest = build_corpus(args.out_dir, workers=args.workers, progress=not args.no_progress, **cfg)

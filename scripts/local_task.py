@@ -3,7 +3,7 @@
     python scripts/local_task.py --test results/corpus/test.txt --task-dir results/corpus/tasks/qat_local_mc
 
 Each item: a context from the text, its true continuation and distractor spans of the same
-length from other paragraphs (`qatlib.eval.tasks.build_local_mc_task`). The folder is named after
+length from other paragraphs (`qatlib.offline.mc_task.build_local_mc_task`). The folder is named after
 the task and holds ``<task>.jsonl`` + ``<task>.yaml``; pass the folder in ``evaluation.tasks``.
 """
 
@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     spec = json.loads(args.config_json)
 
-    from qatlib.eval.tasks import build_local_mc_task
+    from qatlib.offline.mc_task import build_local_mc_task
 
     with _common.stage("local_task", args) as record:
         task_dir = Path(args.task_dir)

@@ -6,7 +6,8 @@
 Writes the effective experiment config (the YAML with every ``--set``, as validated) to
 ``--config-out`` (default ``<exp-dir>/config.yaml``) and shows it in the report. Timings of the
 shared stages (``--shared-timings``: corpus, local tasks, base model) join the report's wall-time
-table so it covers the whole DAG.
+table so it covers the whole DAG. A missing input is an error (exit status 2) before anything is
+written.
 """
 
 from __future__ import annotations
@@ -25,19 +26,26 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--shared-timings", nargs="*", default=[], help="timing JSONs of shared stages")
     ap.add_argument("--title", default=None)
+    ap.add_argument("--bench-dir", default=None, help="benchmark *.json (default <exp-dir>/../bench)")
+    ap.add_argument(
+        "--base-weights", default=None, help="full-precision weights behind the PTQ scales (SQNR fallback)"
+    )
     args = ap.parse_args(argv)
     cfg = _common.load_experiment(args)
     exp = Path(args.exp_dir)
     out = Path(args.out or exp / "report.html")
     config_out = Path(args.config_out or exp / "config.yaml")
-    missing = [t for t in args.shared_timings if not Path(t).is_file()]
-    if missing:  # before anything is written
-        ap.error(f"--shared-timings: not found: {', '.join(missing)}")
+
+    from qatlib.report import ReportError, build_report
+    from qatlib.report.inputs import require_files
+
+    try:  # before anything is written (build_report checks it again: the API's own contract)
+        require_files(args.shared_timings, "--shared-timings: timing file(s)")
+    except ReportError as e:
+        ap.error(str(e))
 
     with _common.stage("report", args):
         import yaml
-
-        from qatlib.report import ReportError, build_report
 
         effective = cfg.model_dump(mode="json", by_alias=True, exclude_unset=True)
         header = f"# Effective config of {exp.name}: {args.config}" + "".join(
@@ -46,9 +54,17 @@ def main(argv=None) -> int:
         config_out.parent.mkdir(parents=True, exist_ok=True)
         config_out.write_text(header + "\n" + yaml.safe_dump(effective, sort_keys=False))
         try:
-            build_report(exp, out, title=args.title, config=config_out, extra_timings=args.shared_timings)
+            build_report(
+                exp,
+                out,
+                title=args.title,
+                bench_dir=args.bench_dir,
+                config=config_out,
+                base_weights=args.base_weights,
+                extra_timings=args.shared_timings,
+            )
         except ReportError as e:
-            raise SystemExit(f"error: {e}") from None
+            ap.exit(2, f"error: {e}\n")
         print(f"report: {out}")
     return 0
 

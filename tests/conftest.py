@@ -75,7 +75,7 @@ def local_texts(n_docs: int = 200) -> list[str]:
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory):
-    from qatlib.tokenizer import train_tokenizer
+    from qatlib.offline.tokenizer import train_tokenizer
 
     out = tmp_path_factory.mktemp("tokenizer")
     return train_tokenizer(local_texts(), vocab_size=VOCAB, out_dir=out)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from qatlib import corpus
+from qatlib.offline import cleaning, corpus
 
 DOC = """Return the frobnicated value of ``x``.
 
@@ -40,7 +40,7 @@ x = frob(1); y = {k: v for k, v in d.items()}; z = [a[i] for i in range(3)]
 
 
 def test_clean_text_drops_code_and_markup():
-    paras = corpus.clean_text(DOC)
+    paras = cleaning.clean_text(DOC)
     text = "\n\n".join(paras)
     assert "frob(3)" not in text and ">>>" not in text
     assert "print(y)" not in text and "z = frob" not in text and "range(10)" not in text
@@ -100,7 +100,7 @@ def test_build_corpus_splits_are_disjoint_and_clean(two_builds):
     texts = {s: corpus.read_split(a, s) for s in corpus.SPLITS}
     for s in corpus.SPLITS:
         assert m["splits"][s]["documents"] > 0, s
-    paras = {s: {corpus._dedupe_key(p) for p in t.split("\n\n") if p.strip()} for s, t in texts.items()}
+    paras = {s: {cleaning.dedupe_key(p) for p in t.split("\n\n") if p.strip()} for s, t in texts.items()}
     assert not paras["train"] & paras["test"]
     assert not paras["train"] & paras["calib"]
     assert not paras["calib"] & paras["test"]

@@ -10,7 +10,7 @@ import torch
 from conftest import local_texts
 
 from qatlib.eval.perplexity import make_windows, perplexity, perplexity_of_ids, tokenize_text
-from qatlib.eval.tasks import build_local_mc_task, make_mc_items
+from qatlib.offline.mc_task import build_local_mc_task, make_mc_items
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

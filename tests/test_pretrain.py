@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import local_texts
 
-from qatlib import pretrain as pt
+from qatlib.offline import base_model as pt
 
 TINY = dict(
     vocab_size=384,
@@ -41,7 +41,7 @@ def test_default_model_size_and_grouped_mm():
 
 
 def test_tokenizer_training_is_deterministic():
-    from qatlib.tokenizer import train_tokenizer
+    from qatlib.offline.tokenizer import train_tokenizer
 
     texts = local_texts(120)
     a = train_tokenizer(texts, vocab_size=400)

@@ -24,7 +24,10 @@ from qatlib import analysis
 from qatlib.quant import compute_qparams
 from qatlib.quant.spec import Granularity, QuantScheme, QuantSpec
 from qatlib.report import ReportError, build_report
-from qatlib.report.build import compute_sqnr, json_tables, main, recovery
+from qatlib.report.blocks import json_tables
+from qatlib.report.metrics import MAX_SE, paired_ratio_se, recovery
+
+REPO = Path(__file__).resolve().parents[1]
 
 SCHEME = QuantScheme(
     "w4a8_test",
@@ -315,12 +318,41 @@ def test_scale_stats_and_changes():
 
 
 def test_recovery_formula():
-    assert recovery(10.0, 12.0, 11.0, min_gap=0.05) == (50.0, "")
-    assert recovery(0.60, 0.50, 0.55, min_gap=0.005)[0] == pytest.approx(
-        50.0
-    )  # higher is better: same formula
-    rec, why = recovery(10.0, 10.001, 9.0, min_gap=0.05)
-    assert rec is None and "noise" in why
+    r = recovery(10.0, 12.0, 11.0, min_gap=0.05)
+    assert (r.value, r.noise, r.shown, r.se) == (0.5, False, 0.5, None)
+    # higher is better: the same formula
+    assert recovery(0.60, 0.50, 0.55, min_gap=0.005, higher_is_better=True).shown == pytest.approx(0.5)
+    small = recovery(10.0, 10.001, 9.0, min_gap=0.05)
+    assert small.noise and small.shown is None and "noise" in small.reason and "matches BF16" in small.reason
+    assert small.value == pytest.approx(1001.0)  # computed, but flagged
+    # PTQ clearly better than BF16: nothing to recover, whatever the size of the gap
+    better = recovery(10.0, 9.0, 9.5, min_gap=0.05)
+    assert better.noise and "no loss to recover" in better.reason
+    assert recovery(0.60, 0.70, 0.65, min_gap=0.005, higher_is_better=True).noise
+    assert not recovery(0.60, 0.70, 0.65, min_gap=0.005).noise  # the same numbers, lower is better
+    assert recovery(None, 12.0, 11.0, min_gap=0.05).reason == "a value is missing"
+
+
+def test_paired_ratio_se_by_hand():
+    # p - b = [2, 2], p - x = [2, 0]: ratio 0.5, residuals [1, -1], sd sqrt(2), se sqrt(2)/sqrt(2)/2
+    assert paired_ratio_se([0.0, 0.0], [2.0, 2.0], [0.0, 2.0]) == pytest.approx(0.5)
+    assert paired_ratio_se(torch.zeros(3), torch.tensor([1.0, 2, 3]), torch.tensor([0.5, 1, 1.5])) == 0.0
+    assert paired_ratio_se([0.0], [1.0], [0.5]) is None  # one window
+    assert paired_ratio_se([1.0, 1.0], [1.0, 1.0], [0.0, 2.0]) is None  # no mean gap
+
+
+def test_recovery_noise_by_standard_error():
+    """With per-window NLLs, a recovery whose paired standard error is above MAX_SE is noise."""
+    g = torch.Generator().manual_seed(0)
+    b = 100 + torch.rand(50, generator=g, dtype=torch.float64)
+    p = b + 5.0 + 0.01 * torch.rand(50, generator=g, dtype=torch.float64)
+    steady = b + 1.0 + 0.01 * torch.rand(50, generator=g, dtype=torch.float64)
+    r = recovery(10.0, 11.0, 10.2, min_gap=0.05, nll=(b, p, steady))
+    assert r.shown == pytest.approx(0.8) and r.se < 0.01
+    wild = b + 1.0 + 40.0 * torch.randn(50, generator=g, dtype=torch.float64)
+    r = recovery(10.0, 11.0, 10.2, min_gap=0.05, nll=(b, p, wild))
+    assert r.se > MAX_SE and r.noise and r.shown is None and "standard error" in r.reason
+    assert recovery(10.0, 11.0, 10.2, min_gap=0.05, nll=(b[:1], p[:1], steady[:1])).noise  # SE unknown
 
 
 # =========================================================================== report
@@ -456,23 +488,55 @@ def test_sqnr_csv_is_used_when_present(minimal_exp):
     assert json.loads((out.parent / "metrics.json").read_text())["sqnr_mean_db/qat"] == 19.5
 
 
-def test_compute_sqnr_weight_sources(exp_dir, tmp_path):
-    """PTQ column: base_weights, else weights in ptq/, else the QAT weights (with a note)."""
+def test_checkpoint_sqnr_weight_sources(exp_dir, tmp_path):
+    """PTQ column: the PTQ checkpoint's own weights, else base, else the QAT weights (with a note);
+    QAT column: always the QAT checkpoint's weights."""
     weights = make_weights()
     base = tmp_path / "base.safetensors"
     save_file({k: v * 2 for k, v in weights.items()}, str(base))
-    rows, notes = compute_sqnr(exp_dir)
+    ptq, qat = exp_dir / "ptq", exp_dir / "qat"
+    rows, notes = analysis.checkpoint_sqnr(ptq, qat)
     assert len(rows) == len(layer_names()) and "uses the QAT checkpoint" in notes[0]
-    rows_base, notes = compute_sqnr(exp_dir, base_weights=base)
+    assert list(rows[0]) == analysis.SQNR_COLUMNS
+    rows_base, notes = analysis.checkpoint_sqnr(ptq, qat, base)
     assert notes == []
     # doubled weights with the same scales clip more -> lower PTQ SQNR; QAT column unchanged
     assert all(b["ptq_db"] < r["ptq_db"] for b, r in zip(rows_base, rows))
     assert [b["qat_db"] for b in rows_base] == [r["qat_db"] for r in rows]
-    with pytest.raises(RuntimeError, match="too large"):
-        compute_sqnr(exp_dir, max_bytes=1000)
-    (exp_dir / "qat" / "model.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="no weights"):
-        compute_sqnr(exp_dir)
+    # a PTQ checkpoint with its own weights (GPTQ) is measured on them, not on base
+    save_file({k: v * 0.5 for k, v in weights.items()}, str(ptq / "model.safetensors"))
+    rows_own, notes = analysis.checkpoint_sqnr(ptq, qat, base)
+    assert notes == [] and all(o["ptq_db"] != b["ptq_db"] for o, b in zip(rows_own, rows_base))
+    assert rows_own == analysis.checkpoint_sqnr(ptq, qat)[0]
+    with pytest.raises(analysis.SqnrError, match="too large"):
+        analysis.checkpoint_sqnr(ptq, qat, max_bytes=1000)
+    # some weights but not all: an error, not a silently shorter table
+    some = dict(list(weights.items())[:3])
+    save_file({k: v * 0.5 for k, v in some.items()}, str(ptq / "model.safetensors"))
+    with pytest.raises(analysis.SqnrError, match=f"weights for 3 of the {len(layer_names())} layers"):
+        analysis.checkpoint_sqnr(ptq, qat)
+    (ptq / "model.safetensors").unlink()
+    with pytest.raises(analysis.SqnrError, match="no weights for the PTQ scales in base"):
+        analysis.checkpoint_sqnr(ptq, qat, tmp_path / "no_such_model")
+    (qat / "model.safetensors").unlink()
+    with pytest.raises(analysis.SqnrError, match="no weights"):
+        analysis.checkpoint_sqnr(ptq, qat)
+    with pytest.raises(analysis.SqnrError, match="not a PTQ/QAT checkpoint"):
+        analysis.checkpoint_sqnr(tmp_path / "nothing", qat)
+
+
+def test_sqnr_script_and_report_fallback_agree(exp_dir, tmp_path):
+    """scripts/sqnr.py's analysis/sqnr.csv and the report's own SQNR (no CSV) are the same table."""
+    csv = tmp_path / "sqnr.csv"
+    cmd = [sys.executable, str(REPO / "scripts/sqnr.py"), "--ptq-ckpt", str(exp_dir / "ptq")]
+    cmd += ["--qat-ckpt", str(exp_dir / "qat"), "--out", str(csv)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "note: PTQ SQNR uses the QAT checkpoint" in r.stdout
+    html, out = build(exp_dir)
+    assert "computed from the checkpoint weights" in html and "uses the QAT checkpoint" in html
+    script, report = analysis.read_csv(csv), analysis.read_csv(out.parent / "plots" / "sqnr.csv")
+    assert len(script) == len(layer_names()) and script == report
 
 
 def test_broken_optional_input_does_not_break_the_report(minimal_exp):
@@ -506,19 +570,20 @@ def test_json_tables_shapes():
     assert t["columns"] == ["a", "b"]
 
 
-def test_cli(minimal_exp, tmp_path, capsys):
+def test_cli(minimal_exp, tmp_path):
+    """scripts/report.py is the command line: it writes the report, and a missing required input
+    is exit status 2 naming the file."""
     out = tmp_path / "site" / "report.html"
-    r = subprocess.run(
-        [sys.executable, "-m", "qatlib.report", str(minimal_exp), "--out", str(out), "--title", "CLI"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    cmd = [sys.executable, str(REPO / "scripts/report.py")]
+    cmd += ["-c", str(REPO / "config/experiments/tiny-qwen3-moe.yaml")]
+    cmd += ["--exp-dir", str(minimal_exp), "--out", str(out), "--title", "CLI", "--bench-dir", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert out.is_file() and (out.parent / "metrics.json").is_file() and "CLI" in out.read_text()
+    assert "Experiment config (config.yaml)" in out.read_text() and (minimal_exp / "config.yaml").is_file()
     (minimal_exp / "eval" / "ptq.json").unlink()
-    assert main([str(minimal_exp)]) == 2
-    assert "ptq.json" in capsys.readouterr().err
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 2 and "error:" in r.stderr and "ptq.json" in r.stderr
 
 
 def test_renders_in_headless_chromium(exp_dir, tmp_path):

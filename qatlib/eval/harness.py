@@ -1,7 +1,7 @@
 """lm-eval-harness glue: evaluate an in-memory model (plain or fake-quantized) on tasks.
 
 Real runs use the upstream zero-shot suite (`UPSTREAM_TASKS`, data from the hub). Offline runs
-use local tasks built by `qatlib.eval.tasks.build_local_mc_task` and loaded with
+use local task folders (built by `qatlib.offline.mc_task.build_local_mc_task`) loaded with
 ``TaskManager(include_path=..., include_defaults=False)`` (scanning lm-eval's thousands of
 built-in YAMLs is skipped when only local tasks are asked for).
 """
@@ -13,11 +13,11 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from .tasks import build_local_mc_task
+from ..scores import is_score
 
 UPSTREAM_TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande")
 
-__all__ = ["UPSTREAM_TASKS", "build_local_mc_task", "evaluate_tasks", "flatten_results"]
+__all__ = ["UPSTREAM_TASKS", "evaluate_tasks", "flatten_results"]
 
 
 def set_hf_home(hf_home: str | Path) -> None:
@@ -34,21 +34,17 @@ def set_hf_home(hf_home: str | Path) -> None:
         cfg.HF_DATASETS_CACHE = home / "datasets"
 
 
-# lm-eval bookkeeping that sits among a task's metrics (numbers, but not scores).
-NON_METRICS = frozenset({"sample_len", "sample_count", "samples"})
-
-
 def flatten_results(results: dict) -> dict[str, dict[str, float]]:
     """``{task: {acc, acc_stderr, acc_norm, acc_norm_stderr, ...}}`` from lm-eval's ``results``
     (the ``,none`` filter suffix dropped; non-numeric entries such as ``alias`` and bookkeeping
-    such as ``sample_len`` skipped)."""
+    such as ``sample_len`` skipped: `qatlib.scores.is_score`)."""
     flat: dict[str, dict[str, float]] = {}
     for task, metrics in results.items():
         row = {}
         for key, value in metrics.items():
-            metric, _, filt = key.partition(",")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or metric in NON_METRICS:
+            if not is_score(key, value):
                 continue
+            metric, _, filt = key.partition(",")
             name = metric if filt in ("", "none") else f"{metric},{filt}"
             row[name] = float(value)
         flat[task] = row

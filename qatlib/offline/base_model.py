@@ -1,10 +1,10 @@
 """Pre-train the default experiment's tiny base model from scratch, offline.
 
 No model can be downloaded on the CPU machines, so the default experiment trains its own small
-Qwen3-MoE (or dense Qwen3) on the offline corpus (`qatlib.corpus`): a byte-level BPE tokenizer
-is trained on ``train.txt``, the model is built from a config dict and trained with AdamW
-(warm-up + cosine) for a fixed TOKEN budget (not a wall-time budget, so runs are reproducible),
-then saved with ``save_pretrained`` (safetensors) together with its tokenizer, exactly like an
+Qwen3-MoE (or dense Qwen3) on the offline corpus (`qatlib.offline.corpus`): a byte-level BPE
+tokenizer (`qatlib.offline.tokenizer`) is trained on ``train.txt``, the model is built from a
+config dict and trained with AdamW (warm-up + cosine) for a fixed TOKEN budget (not a wall-time
+budget, so runs are reproducible), then saved with ``save_pretrained`` (safetensors) together with its tokenizer, exactly like an
 upstream checkpoint folder that `qatlib.models.load_model` reads.
 
 Expert implementation: transformers runs fused MoE experts through
@@ -274,6 +274,7 @@ def train_model(model, ids: torch.Tensor, cfg: TrainConfig, *, progress: bool = 
 
 
 # --------------------------------------------------------------------------- orchestration
+# TODO(lead): qatlib.checkpoint.layout.atomic_dir
 def _replace_dir(tmp: Path, out: Path) -> None:
     """Move the finished ``tmp`` folder to ``out`` (replacing an older one)."""
     if out.exists():
@@ -302,7 +303,7 @@ def pretrain(
     ``pretrain_stats.json`` (also returned); it is written to a temporary folder and renamed.
     If ``corpus_dir/test.txt`` exists, the final model's perplexity on it is recorded.
     """
-    from .eval.perplexity import perplexity_of_ids, tokenize_text
+    from ..eval.perplexity import perplexity_of_ids, tokenize_text
     from .tokenizer import train_tokenizer
 
     cfg = train if isinstance(train, TrainConfig) else TrainConfig.from_dict(train)
@@ -372,46 +373,3 @@ def pretrain(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return stats
-
-
-def _parse_overrides(items: Sequence[str]) -> dict:
-    out = {}
-    for it in items:
-        k, sep, v = it.partition("=")
-        if not sep:
-            raise SystemExit(f"expected key=value, got {it!r}")
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    return out
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(description="Pre-train the tiny base model on the offline corpus.")
-    ap.add_argument("corpus_dir")
-    ap.add_argument("out_dir")
-    ap.add_argument("--model", nargs="*", default=[], metavar="KEY=VALUE", help="overrides of DEFAULT_MODEL")
-    ap.add_argument("--train", nargs="*", default=[], metavar="KEY=VALUE", help="overrides of TrainConfig")
-    ap.add_argument("--tokenizer", default=None, help="reuse this tokenizer folder")
-    ap.add_argument("--no-progress", action="store_true")
-    a = ap.parse_args(argv)
-    stats = pretrain(
-        a.corpus_dir,
-        a.out_dir,
-        model=_parse_overrides(a.model),
-        train=_parse_overrides(a.train),
-        tokenizer_dir=a.tokenizer,
-        progress=not a.no_progress,
-    )
-    summary = {k: stats[k] for k in ("steps", "tokens", "final_loss", "wall_seconds", "tokens_per_second")}
-    if "test" in stats:
-        summary["test_ppl"] = stats["test"]["ppl"]
-    print(json.dumps(summary, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

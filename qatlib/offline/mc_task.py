@@ -17,14 +17,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 from pathlib import Path
 
 import yaml
 
-from ...corpus import atomic_write_text as _atomic_write
-
 TASK_VERSION = 1
+
+
+# TODO(lead): qatlib.checkpoint.layout.write_text
+def _atomic_write(path: Path, text: str) -> None:
+    """Write via a temporary file + rename: lm-eval never reads a half-written task file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8", newline="\n")
+    os.replace(tmp, path)
 
 
 def _paragraph_words(text: str) -> list[list[str]]:
