@@ -114,8 +114,10 @@ def override_items(tree: Mapping[str, Any] | None, prefix: str = "") -> list[tup
 def schema_issues(raw: Any, schema: Mapping[str, Any]) -> list[tuple[str, str]]:
     """(dotted path, message) of every schema violation of ``raw``, sorted by path."""
     import jsonschema
+    from jsonschema.exceptions import best_match
 
-    errors = jsonschema.Draft202012Validator(schema).iter_errors(raw)
+    # best_match: inside an `anyOf` (an optional section) the branch that says what is wrong
+    errors = [best_match([e]) for e in jsonschema.Draft202012Validator(schema).iter_errors(raw)]
     return sorted((join_path(e.absolute_path), e.message) for e in errors)
 
 
