@@ -242,6 +242,10 @@ class Experiments:
             raise ConfigError(format_issues(issues, source), issues)
         return raw
 
+    def stage_config(self, exp: str, stage: str, **extra: Any) -> str:
+        """The rule's `params.config` (`stage_config`) of `exp`."""
+        return stage_config(self.get(exp), stage, **extra)
+
     def value(self, exp: str, dotted: str) -> Any:
         return section(self.get(exp), dotted)
 

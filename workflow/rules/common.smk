@@ -1,12 +1,9 @@
-# Wildcards, resources and input functions of the rules, built on plain Python under
-# workflow/lib/ (tested in tests/test_workflow_lib.py): experiment.py (the effective experiment,
-# each stage's `params.config`, paths, `--set` arguments) and code_deps.py (the code a stage runs).
-# A stage re-runs when the config sections it reads change (its `params.config`; the experiment
-# YAML is not an input), when the code it runs changes (script and imports are inputs), or when
-# its inputs are new.
+# Wildcards, resources and input functions of the rules. They stand on workflow/lib/ (plain
+# Python, tests/test_workflow_lib.py): experiment.py (the effective experiment, each stage's
+# `params.config` = what re-runs it, paths, `--set` arguments) and code_deps.py (a stage's code
+# inputs: its script and what that imports). The experiment YAML itself is not an input.
 
 import json
-import math
 import re
 import shlex
 import sys
@@ -25,8 +22,6 @@ RESULTS = config["results"]
 EXP = config["experiment"]
 VARIANTS = config["variants"]
 STARTED_AT = time.time()
-
-
 EXPERIMENTS = xp.Experiments(
     REPO,
     RESULTS,
@@ -48,11 +43,6 @@ wildcard_constraints:
 
 def report_html(exp):
     return f"{RESULTS}/{exp}/report.html"
-
-
-def stage_config(exp, stage, **extra):
-    """The rule's `params.config`: JSON of the config sections `stage` reads (plus `extra`)."""
-    return xp.stage_config(EXPERIMENTS.get(exp), stage, **extra)
 
 
 def code(script):
@@ -84,9 +74,9 @@ def qat_procs(wc):
 
 def qat_launcher(wc):
     """torchrun over the ranks (each rank's BLAS pool pinned to its threads), or python."""
-    ranks, n = qat_procs(wc)
     if not EXPERIMENTS.distributed(wc.exp):
         return "python"
+    ranks, n = qat_procs(wc)
     return f"OMP_NUM_THREADS={n} MKL_NUM_THREADS={n} torchrun --standalone --nproc_per_node={ranks}"
 
 
@@ -135,13 +125,6 @@ def base_model_spec(wildcards):
     return json.dumps(models[wildcards.name], sort_keys=True)
 
 
-def qat_config(wc):
-    """QAT's params.config: its sections, the DeepSpeed JSON's content (editing it re-runs QAT)
-    and the number of processes."""
-    ds = EXPERIMENTS.deepspeed(wc.exp)
-    return stage_config(wc.exp, "zero3_qat", deepspeed=ds, ranks=qat_procs(wc)[0])
-
-
 def eval_stage(variant):
     """The config sections an evaluation reads: the scheme too for the in-memory fake-quant ones."""
     return "evaluate_quant" if variant in ("ptq", "qat") else "evaluate"
@@ -170,15 +153,13 @@ def report_inputs(wc):
     """Everything the report shows: evaluations, SQNR, both checkpoints, every stage's timing."""
     d = f"{RESULTS}/{wc.exp}"
     stages = ["ptq_calibrate", "zero3_qat", "convert_export", "sqnr"]
+    stages += [f"evaluate-{v}" for v in VARIANTS]
     return {
         "evals": [f"{d}/eval/{v}.json" for v in VARIANTS],
         "sqnr": f"{d}/analysis/sqnr.csv",
         "ptq": f"{d}/ptq",
         "qat": f"{d}/qat",
-        "timings": [
-            f"{d}/timings/{s}.json"
-            for s in stages + [f"evaluate-{v}" for v in VARIANTS]
-        ],
+        "timings": [f"{d}/timings/{s}.json" for s in stages],
         "shared_timings": shared_timings(wc.exp),
     }
 

@@ -26,7 +26,7 @@ rule evaluate:
         mem_mb=mem_mb("evaluate"),
         gpu=gpus(1),
     params:
-        config=lambda wc: stage_config(wc.exp, eval_stage(wc.variant)),
+        config=lambda wc: EXPERIMENTS.stage_config(wc.exp, eval_stage(wc.variant)),
         yaml=lambda wc: EXPERIMENTS.yaml_path(wc.exp),
         args=variant_args,
         sets=lambda wc: EXPERIMENTS.cli_sets(
@@ -62,7 +62,7 @@ rule sqnr:
     resources:
         mem_mb=mem_mb("analyze"),
     params:
-        config=lambda wc: stage_config(wc.exp, "sqnr"),
+        config=lambda wc: EXPERIMENTS.stage_config(wc.exp, "sqnr"),
     shell:
         "python {input.code[0]} --ptq-ckpt {input.ptq} --qat-ckpt {input.qat} --out {output.csv}"
         " --timing {output.timing} 2>&1 | tee {log}"

@@ -18,7 +18,7 @@ rule convert_export:
     resources:
         mem_mb=mem_mb("convert_export"),
     params:
-        config=lambda wc: stage_config(wc.exp, "convert_export"),
+        config=lambda wc: EXPERIMENTS.stage_config(wc.exp, "convert_export"),
         yaml=lambda wc: EXPERIMENTS.yaml_path(wc.exp),
         sets=lambda wc: EXPERIMENTS.cli_sets(wc.exp, "convert_export"),
     shell:

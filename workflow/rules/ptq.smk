@@ -21,7 +21,7 @@ rule ptq_calibrate:
         mem_mb=mem_mb("ptq_calibrate"),
         gpu=gpus(1),
     params:
-        config=lambda wc: stage_config(wc.exp, "ptq_calibrate"),
+        config=lambda wc: EXPERIMENTS.stage_config(wc.exp, "ptq_calibrate"),
         yaml=lambda wc: EXPERIMENTS.yaml_path(wc.exp),
         model=lambda wc: EXPERIMENTS.model_path(wc.exp),
         sets=lambda wc: EXPERIMENTS.cli_sets(

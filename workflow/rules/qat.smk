@@ -23,13 +23,19 @@ rule zero3_qat:
         f"{RESULTS}/{{exp}}/logs/zero3_qat.log",
     conda:
         "../envs/qatlib.yaml"
-    threads: lambda wc: math.prod(qat_procs(wc))
+    threads: lambda wc: qat_procs(wc)[0] * qat_procs(wc)[1]
     resources:
         mem_mb=mem_mb("zero3_qat"),
         gpu=lambda wc: gpus(qat_procs(wc)[0]),
         tasks_per_gpu=0,
     params:
-        config=qat_config,
+        # + the DeepSpeed JSON's content (editing it re-runs QAT) and the number of processes
+        config=lambda wc: EXPERIMENTS.stage_config(
+            wc.exp,
+            "zero3_qat",
+            deepspeed=EXPERIMENTS.deepspeed(wc.exp),
+            ranks=qat_procs(wc)[0],
+        ),
         yaml=lambda wc: EXPERIMENTS.yaml_path(wc.exp),
         model=lambda wc: EXPERIMENTS.model_path(wc.exp),
         sets=lambda wc: EXPERIMENTS.cli_sets(

@@ -25,7 +25,7 @@ rule report:
     resources:
         mem_mb=mem_mb("report"),
     params:
-        config=lambda wc: stage_config(wc.exp, "report"),
+        config=lambda wc: EXPERIMENTS.stage_config(wc.exp, "report"),
         yaml=lambda wc: EXPERIMENTS.yaml_path(wc.exp),
         sets=lambda wc: EXPERIMENTS.cli_sets(wc.exp, "report"),
         exp_dir=lambda wc: f"{RESULTS}/{wc.exp}",
