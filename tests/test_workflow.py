@@ -189,6 +189,22 @@ def test_yaml_1e_minus_4_is_a_number_at_dag_time(tmp_path):
 
 
 @needs_snakemake
+def test_blockwise_qat_runs_in_one_process_without_torchrun(tmp_path):
+    exps = _test_experiments(
+        tmp_path, lambda s: s.replace("training_mode: end2end", "training_mode: blockwise")
+    )
+    _, out = snakemake(
+        ["-n", "-p", "results/tiny-test/qat", "--configfile", str(REPO / TEST_CONFIG), "--config",
+         f"experiments_dir={exps}"],
+        workdir=tmp_path / "wd",
+    )
+    shell = next(line for line in out.splitlines() if "scripts/qat.py -c" in line)
+    assert "torchrun" not in shell and "OMP_NUM_THREADS" not in shell, shell
+    assert re.match(r"python \S*scripts/qat.py ", shell.removeprefix("Shell command: ")), shell
+    assert "--threads 2 " in shell  # config `threads` (2), not threads_per_rank (1)
+
+
+@needs_snakemake
 def test_every_tiny_experiment_has_a_dag(tmp_path):
     for exp in ("tiny-qwen3-moe", "tiny-qwen3"):
         _, out = snakemake(["-n", f"results/{exp}/report.html"], workdir=tmp_path)
@@ -353,18 +369,21 @@ def test_end_to_end_on_the_test_config(tmp_path):
     (repo / "scripts/export.py").write_text((repo / "scripts/export.py").read_text() + "\n")
     _, out = run([*sm, "-n"], repo)
     assert dry_jobs(out) == {"convert_export", "evaluate[export]", "report", "all"}, out[-4000:]
+    # ... a qatlib module only the SQNR analysis and the report import
+    analysis = repo / "qatlib/analysis.py"
+    analysis.write_text(analysis.read_text() + "\n")
+    _, out = run([*sm, "-n"], repo)
+    assert dry_jobs(out) == {"convert_export", "evaluate[export]", "sqnr", "report", "all"}, out[-4000:]
+    # ... the local task's code, which the base model's pre-training imports too (qatlib.eval),
+    # so everything but the corpus
     task_code = repo / "qatlib/eval/tasks/local_mc.py"
     task_code.write_text(task_code.read_text() + "\n")
     _, out = run([*sm, "-n"], repo)
-    assert dry_jobs(out) == {
-        "convert_export",
-        "local_task",
+    assert dry_jobs(out) == set(DEFAULT_DAG) - {"corpus", "evaluate"} | {
         "evaluate[bf16]",
         "evaluate[ptq]",
         "evaluate[qat]",
         "evaluate[export]",
-        "report",
-        "all",
     }, out[-4000:]
 
 

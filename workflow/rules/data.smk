@@ -6,7 +6,7 @@ rule corpus:
     overlap (deterministic: the manifest records versions and SHA-256 of every split).
     """
     input:
-        code=code("corpus", "corpus.py"),
+        code=code("corpus.py"),
     output:
         train=f"{RESULTS}/corpus/train.txt",
         calib=f"{RESULTS}/corpus/calib.txt",
@@ -38,7 +38,7 @@ rule corpus:
 rule base_model:
     """Pre-train a tiny base model (config/base_models.yaml) and its tokenizer on the corpus."""
     input:
-        code=code("base_model", "base_model.py"),
+        code=code("base_model.py"),
         train=rules.corpus.output.train,
         test=rules.corpus.output.test,
     output:
@@ -65,7 +65,7 @@ rule local_task:
     """A local lm-eval multiple-choice task from the corpus test split (config `local_tasks`)."""
     input:
         test=rules.corpus.output.test,
-        code=code("local_task", "local_task.py"),
+        code=code("local_task.py"),
     output:
         task=directory(f"{RESULTS}/corpus/tasks/{{task}}"),
         timing=f"{RESULTS}/timings/local_task-{{task}}.json",

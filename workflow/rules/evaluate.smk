@@ -12,8 +12,8 @@ rule evaluate:
     """Perplexity and task accuracy of one variant."""
     input:
         unpack(variant_inputs),
-        sources=lambda wc: eval_inputs(wc.exp),
-        code=code("evaluate", "evaluate.py"),
+        sources=lambda wc: EXPERIMENTS.eval_inputs(wc.exp),
+        code=code("evaluate.py"),
     output:
         result=f"{RESULTS}/{{exp}}/eval/{{variant}}.json",
         timing=f"{RESULTS}/{{exp}}/timings/evaluate-{{variant}}.json",
@@ -26,10 +26,10 @@ rule evaluate:
         mem_mb=mem_mb("evaluate"),
         gpu=gpus(1),
     params:
-        config=lambda wc: stage_config(wc.exp, eval_stage(wc.variant)),
-        yaml=lambda wc: experiment_yaml(wc.exp),
+        config=lambda wc: EXPERIMENTS.stage_config(wc.exp, eval_stage(wc.variant)),
+        yaml=lambda wc: EXPERIMENTS.yaml_path(wc.exp),
         args=variant_args,
-        sets=lambda wc: cli_sets(
+        sets=lambda wc: EXPERIMENTS.cli_sets(
             wc.exp, eval_stage(wc.variant), "evaluation.ppl", "evaluation.tasks"
         ),
         hf_home=f"{RESULTS}/.hf_home",
@@ -46,7 +46,7 @@ rule sqnr:
     input:
         ptq=rules.ptq_calibrate.output.ptq,
         qat=rules.zero3_qat.output.qat,
-        code=code("sqnr", "sqnr.py"),
+        code=code("sqnr.py"),
     output:
         csv=report(
             f"{RESULTS}/{{exp}}/analysis/sqnr.csv",
@@ -62,7 +62,7 @@ rule sqnr:
     resources:
         mem_mb=mem_mb("analyze"),
     params:
-        config=lambda wc: stage_config(wc.exp, "sqnr"),
+        config=lambda wc: EXPERIMENTS.stage_config(wc.exp, "sqnr"),
     shell:
         "python {input.code[0]} --ptq-ckpt {input.ptq} --qat-ckpt {input.qat} --out {output.csv}"
         " --timing {output.timing} 2>&1 | tee {log}"

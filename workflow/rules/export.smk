@@ -6,7 +6,7 @@ rule convert_export:
     """Rebuild the QAT model (weights + trained scales), convert and export it."""
     input:
         qat=rules.zero3_qat.output.qat,
-        code=code("convert_export", "export.py"),
+        code=code("export.py"),
     output:
         export=directory(f"{RESULTS}/{{exp}}/export"),
         timing=f"{RESULTS}/{{exp}}/timings/convert_export.json",
@@ -18,9 +18,9 @@ rule convert_export:
     resources:
         mem_mb=mem_mb("convert_export"),
     params:
-        config=lambda wc: stage_config(wc.exp, "convert_export"),
-        yaml=lambda wc: experiment_yaml(wc.exp),
-        sets=lambda wc: cli_sets(wc.exp, "convert_export"),
+        config=lambda wc: EXPERIMENTS.stage_config(wc.exp, "convert_export"),
+        yaml=lambda wc: EXPERIMENTS.yaml_path(wc.exp),
+        sets=lambda wc: EXPERIMENTS.cli_sets(wc.exp, "convert_export"),
     shell:
         "python {input.code[0]} -c {params.yaml} --model-path {input.qat}"
         " --save-path {output.export} {params.sets} --threads {threads}"

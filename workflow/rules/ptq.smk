@@ -8,7 +8,7 @@ rule ptq_calibrate:
     input:
         unpack(lambda wc: base_inputs(wc.exp)),
         unpack(lambda wc: data_inputs(wc.exp)),
-        code=code("ptq_calibrate", "ptq.py"),
+        code=code("ptq.py"),
     output:
         ptq=directory(f"{RESULTS}/{{exp}}/ptq"),
         timing=f"{RESULTS}/{{exp}}/timings/ptq_calibrate.json",
@@ -21,10 +21,10 @@ rule ptq_calibrate:
         mem_mb=mem_mb("ptq_calibrate"),
         gpu=gpus(1),
     params:
-        config=lambda wc: stage_config(wc.exp, "ptq_calibrate"),
-        yaml=lambda wc: experiment_yaml(wc.exp),
-        model=lambda wc: model_path(wc.exp),
-        sets=lambda wc: cli_sets(
+        config=lambda wc: EXPERIMENTS.stage_config(wc.exp, "ptq_calibrate"),
+        yaml=lambda wc: EXPERIMENTS.yaml_path(wc.exp),
+        model=lambda wc: EXPERIMENTS.model_path(wc.exp),
+        sets=lambda wc: EXPERIMENTS.cli_sets(
             wc.exp, "ptq_calibrate", "dataset.data_path", "compression.QAT.hf_dataset"
         ),
         progress=progress_flag(),

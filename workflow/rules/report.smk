@@ -6,7 +6,7 @@ rule report:
     warm-start hits and run metadata, in one HTML file that opens offline."""
     input:
         unpack(report_inputs),
-        code=code("report", "report.py"),
+        code=code("report.py"),
     output:
         html=report(
             f"{RESULTS}/{{exp}}/report.html",
@@ -25,11 +25,11 @@ rule report:
     resources:
         mem_mb=mem_mb("report"),
     params:
-        config=lambda wc: stage_config(wc.exp, "report"),
-        yaml=lambda wc: experiment_yaml(wc.exp),
-        sets=lambda wc: cli_sets(wc.exp, "report"),
-        exp_dir=lambda wc: exp_dir(wc.exp),
-        base=lambda wc: model_path(wc.exp),
+        config=lambda wc: EXPERIMENTS.stage_config(wc.exp, "report"),
+        yaml=lambda wc: EXPERIMENTS.yaml_path(wc.exp),
+        sets=lambda wc: EXPERIMENTS.cli_sets(wc.exp, "report"),
+        exp_dir=lambda wc: f"{RESULTS}/{wc.exp}",
+        base=lambda wc: EXPERIMENTS.model_path(wc.exp),
     shell:
         "python {input.code[0]} -c {params.yaml} {params.sets} --exp-dir {params.exp_dir}"
         " --out {output.html} --config-out {output.config} --shared-timings {input.shared_timings}"
