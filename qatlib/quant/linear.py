@@ -85,6 +85,20 @@ class QuantLinear(nn.Module):
         wq = self.weight_quantizer
         return self.weight if wq is None else wq(self.weight)
 
+    @torch.no_grad()
+    def codes(self, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(codes, scale, zero_point)`` of the weight (or of ``weight``) exactly as training
+        quantizes it (LWC: the clipped scale of that weight; zero points rounded): what `convert`
+        stores and what export compresses."""
+        wq = self.weight_quantizer
+        if wq is None:
+            raise ValueError("this QuantLinear quantizes no weight")
+        w = self.weight if weight is None else weight
+        scale, zp = wq.qparams(w)
+        scale = scale.detach().float().clone()
+        zp = None if zp is None else torch.round(zp.detach().float()).clone()
+        return F.quantize(w, scale, zp, wq.spec), scale, zp
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(self, x, self.fake_quant_weight())
 
@@ -111,10 +125,8 @@ class QDQLinear(nn.Module):
                 self.register_buffer("weight", w.detach().clone())
                 self.weight_scale = self.weight_zero_point = None
             else:
-                scale, zp = wq.qparams(w)
-                scale = scale.detach().float().clone()
-                zp = None if zp is None else torch.round(zp.detach().float()).clone()
-                self.register_buffer("weight", F.quantize(w, scale, zp, wq.spec))
+                codes, scale, zp = ql.codes(w)
+                self.register_buffer("weight", codes)
                 self.register_buffer("weight_scale", scale)
                 self.register_buffer("weight_zero_point", zp)
         self.bias = None if ql.bias is None else nn.Parameter(ql.bias.detach().clone(), requires_grad=False)
@@ -166,15 +178,18 @@ def matches_any(name: str, patterns: Sequence[str]) -> bool:
     return False
 
 
-def _is_router(parent: nn.Module, child_name: str) -> bool:
+def is_router(parent: nn.Module | None, child_name: str) -> bool:
     """A router gate (the ``gate`` linear of a module that also holds ``experts``) is never
     quantized by default: its logits pick experts, and deployment runtimes keep it in high precision."""
-    return child_name == "gate" and hasattr(parent, "experts")
+    return child_name == "gate" and parent is not None and hasattr(parent, "experts")
 
 
-def _attention_role(parent: nn.Module, child_name: str) -> str | None:
-    """'q' / 'k' / 'v' for the projections of an attention module (found by structure)."""
-    if child_name in ("q_proj", "k_proj", "v_proj") and all(hasattr(parent, a) for a in ("q_proj", "k_proj", "v_proj")):
+def attention_role(parent: nn.Module | None, child_name: str) -> str | None:
+    """'q' / 'k' / 'v' for the projections of an attention module (found by structure: a
+    ``q_proj`` / ``k_proj`` / ``v_proj`` child of a module that has all three)."""
+    if child_name in ("q_proj", "k_proj", "v_proj") and parent is not None and all(
+        hasattr(parent, a) for a in ("q_proj", "k_proj", "v_proj")
+    ):
         return child_name[0]
     return None
 
@@ -225,7 +240,7 @@ def prepare(
             if type(child) is not nn.Linear:
                 continue
             full = f"{name}.{child_name}" if name else child_name
-            if matches_any(full, ignore) or _is_router(module, child_name):
+            if matches_any(full, ignore) or is_router(module, child_name):
                 continue
             todo.append((module, child_name, child, full))
     w = scheme.weight
@@ -236,7 +251,7 @@ def prepare(
                              + (f" and {len(bad) - 10} more" if len(bad) > 10 else ""))
     in_attention = False
     for parent, child_name, child, _ in todo:
-        out_spec = _output_spec(scheme, _attention_role(parent, child_name), parent, child)
+        out_spec = _output_spec(scheme, attention_role(parent, child_name), parent, child)
         with init_context():
             ql = QuantLinear(
                 child,
