@@ -64,8 +64,8 @@ def prepared_mismatch(model: nn.Module, scheme: QuantScheme) -> str | None:
             spec, q = getattr(scheme, role), getattr(ql, attr)
             if (spec is None) != (q is None) or (q is not None and q.spec != spec):
                 return (
-                    f"{name}.{attr} is {'absent' if q is None else q.spec.describe()} but the scheme says "
-                    f"{'none' if spec is None else spec.describe()}: the model was prepared with another scheme"
+                    f"{name}.{attr} ({'none' if q is None else q.spec.describe()}) does not match the scheme "
+                    f"({'none' if spec is None else spec.describe()}): the model was prepared with another scheme"
                 )
     return None
 
@@ -219,8 +219,8 @@ def calibrate_activations(
     """Set the static activation scales of ``module`` (a model, or one decoder block) from the
     ranges its quantizers observe over ``batches``, in place.
 
-    ``forward(module, batch)`` runs one batch and returns its token count (default `run_batch`:
-    model inputs). ``only_uninitialized``: leave quantizers whose ``initialized`` flag is set (a
+    ``forward(module, batch)`` runs one batch and returns its token count or None (default
+    `run_batch`: model inputs). ``only_uninitialized``: leave quantizers whose ``initialized`` flag is set (a
     checkpoint gave them a value). Ranges are observed with the weights fake-quantized (what the
     deployed model computes) unless ``quantize_weights`` is False. Experts that get no token take
     their sibling experts' range (logged and recorded in the report under ``prefix`` + the
@@ -246,7 +246,8 @@ def calibrate_activations(
         n_batches = 0
         with torch.no_grad():
             for batch in batches:
-                report.num_tokens += forward(module, batch) or 0
+                n = forward(module, batch)
+                report.num_tokens += n if isinstance(n, int) else 0
                 report.num_batches += 1
                 n_batches += 1
         if n_batches == 0:
