@@ -7,6 +7,7 @@ The ZeRO-3 path (empty model under ``deepspeed.zero.Init`` + streaming load) liv
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 if TYPE_CHECKING:
     from .zero3_io import Zero3Context
+
+log = logging.getLogger(__name__)
 
 DTYPES = {
     "auto": "auto",
@@ -39,6 +42,21 @@ def resolve_dtype(name: str | torch.dtype | None):
         return DTYPES[name]
     except KeyError:
         raise ValueError(f"model.torch_dtype must be one of {', '.join(DTYPES)}; got {name!r}") from None
+
+
+def resolve_model_dir(path: str, *, cache_dir: str | None = None) -> str:
+    """A local folder for ``path``: itself when it exists, else the hub snapshot of that id
+    (downloaded once into the HF cache; the ZeRO-3 loader needs files on disk)."""
+    if Path(path).exists():
+        return path
+    from huggingface_hub import snapshot_download
+
+    log.info("%s is not a local folder: fetching the hub snapshot", path)
+    return snapshot_download(
+        path,
+        cache_dir=cache_dir,
+        allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.py"],
+    )
 
 
 def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):

@@ -329,6 +329,7 @@ def train_blockwise(
     if getattr(cfg, "zero3_enabled", False):
         raise ValueError("blockwise QAT runs in a single process; it does not support ZeRO-3")
     qat = cfg.qat
+    torch.manual_seed(cfg.global_.seed)
     settings = BlockwiseSettings.from_config(qat.block_wise_config)
     samples = blockwise_samples(
         train_dataset, settings.training_seqlen, settings.train_size + settings.val_size
