@@ -29,7 +29,7 @@
 Everything is validated before anything is written, and written to a temporary directory that is
 renamed into place at the end. The pieces take a model plus an optional iterator of
 ``(name, module)`` so the ZeRO-3 path can hand over modules one at a time, gathered
-(``qatlib.zero3_io.iter_gathered_modules``), with only the main process writing.
+(the ZeRO-3 module walk ``iter_gathered_modules``), with only the main process writing.
 """
 
 from __future__ import annotations
@@ -324,7 +324,7 @@ def export_tensors(
     weights) or None (no checkpoint tensors). ``kv``: also collect ``<attn>.k_cache.scale`` /
     ``v_cache.scale``. ``modules`` yields ``(name, module)`` units covering ``model`` (default
     ``model.named_modules()``); a unit's parameters must be readable while it is yielded, a
-    `QuantLinear` together with its quantizers (ZeRO-3: ``zero3_io.iter_gathered_modules``).
+    `QuantLinear` together with its quantizers (ZeRO-3: ``iter_gathered_modules``).
     ``keep=False`` (non-main ranks) walks the units without computing anything.
     """
     if weights not in ("real", "fake", None):

@@ -14,8 +14,8 @@ The ZeRO-3 path, in the order a run uses it (upstream design: shared spec qat-ze
 4. `prepare_zero3` swaps linears for `QuantLinear` under a fp32 ``zero.Init``, so the new scales are
    partitioned fp32 masters; `stream_load_scales` fills them from a PTQ checkpoint (it works on a
    plain model too, with no collective: `qatlib.models.load_prepared` uses it for every warm start).
-5. `check_ds_config` refuses a DeepSpeed config with its own ``optimizer`` block (the trainers own
-   the optimizer: `qatlib.trainers.params.param_groups`).
+5. `check_ds_config` refuses a DeepSpeed config with its own ``optimizer`` block (qatlib builds the
+   optimizer itself, with its scale / LWC groups).
 6. `iter_gathered_modules`, `consolidated_state_dict`, `save_consolidated` gather module by module
    (same collectives on every rank, CPU copies on rank 0 only); `run_metadata` records the shares.
 
@@ -69,6 +69,7 @@ from .checkpoint.layout import (
     AtomicDir,
     CheckpointError,
     check_scheme,
+    name_weight_shards,
     safetensors_files,
     weight_files,
     write_json,
@@ -76,7 +77,7 @@ from .checkpoint.layout import (
 from .models import resolve_dtype
 from .moe import LinearizedMoeExperts, linearize_moe_experts
 from .quant import PrepareOptions, Quantizer, QuantLinear, QuantScheme, prepare
-from .quant.linear import attention_role
+from .quant.linear import prepared_scheme
 
 log = logging.getLogger(__name__)
 
@@ -86,15 +87,6 @@ class Zero3Error(ValueError):
 
 
 # =========================================================================== detection
-def is_deepspeed_zero3_enabled() -> bool:
-    """Whether an HF DeepSpeed config with ZeRO stage 3 is registered (and still alive)."""
-    try:
-        from transformers.integrations import is_deepspeed_zero3_enabled as hf_is_zero3
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return False
-    return bool(hf_is_zero3())
-
-
 def is_zero3_param(p: Any) -> bool:
     """A parameter partitioned by ``deepspeed.zero.Init`` (it carries ``ds_id`` / ``ds_tensor``)."""
     return hasattr(p, "ds_id")
@@ -410,6 +402,7 @@ def _execute_plan(
     rank 0's read errors are broadcast after the chunk and raised everywhere."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
+
     def dest_of(name: str) -> torch.Tensor:
         return params[name].data if name in params else buffers[name]
 
@@ -461,6 +454,7 @@ def stream_load_weights(
     model_dir = Path(model_path)
     comm = _Comm(model_is_zero3(model))
     t0 = time.perf_counter()
+
     def plan_weights() -> list[st.PlanEntry]:
         files = weight_files(model_dir)
         if not files:
@@ -599,7 +593,7 @@ def build_qat_model(
             "ZeRO-3 QAT needs a PTQ checkpoint (compression.QAT.from_ptq_ckpt): scales cannot be calibrated by "
             "forward on partitioned weights. Run the PTQ stage first and point from_ptq_ckpt at its output."
         )
-    comm.decide(lambda: check_scheme(from_ptq_ckpt, scheme) and None)
+    comm.decide(lambda: check_scheme(from_ptq_ckpt, scheme))
     model = load_model(
         model_path,
         ctx,
@@ -684,23 +678,6 @@ def consolidated_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return sd
 
 
-def _scheme_of(model: nn.Module) -> QuantScheme | None:
-    """The scheme a prepared model was built with (first QuantLinear's specs; q/k/v from the attention)."""
-    kw: dict[str, Any] = {}
-    modules = dict(model.named_modules())
-    for name, ql in modules.items():
-        if not isinstance(ql, QuantLinear):
-            continue
-        parent, _, child = name.rpartition(".")
-        if "weight" not in kw:
-            kw["weight"] = ql.weight_quantizer.spec if ql.weight_quantizer else None
-            kw["input"] = ql.input_quantizer.spec if ql.input_quantizer else None
-        role = attention_role(modules.get(parent), child)
-        if ql.output_quantizer is not None and role is not None:
-            kw.setdefault(role, ql.output_quantizer.spec)
-    return QuantScheme(name="prepared", **kw) if kw else None
-
-
 def save_consolidated(
     model: nn.Module,
     out_dir: str | os.PathLike,
@@ -729,7 +706,7 @@ def save_consolidated(
     out_dir = Path(out_dir)
     rank0 = get_rank() == 0
     comm = _Comm(_dist_ready())
-    scheme = scheme or _scheme_of(model)
+    scheme = scheme or prepared_scheme(model)
     param_key = scale_keys(model)
     target = AtomicDir(out_dir, overwrite=overwrite)
     tmp = comm.decide(target.open)  # rank 0 creates it; the others never write
@@ -737,9 +714,7 @@ def save_consolidated(
     pending: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     pending_bytes = 0
-    error: str | None = (
-        None  # rank 0's write failure: the gathers go on (they are collectives), then it is raised
-    )
+    error: str | None = None  # rank 0's write failure: the gathers go on (collectives), then raised
 
     def flush() -> None:
         nonlocal pending, pending_bytes
@@ -762,9 +737,7 @@ def save_consolidated(
                 pending[full] = t.contiguous()
                 pending_bytes += t.numel() * t.element_size()
             if isinstance(m, QuantLinear) and m.weight_quantizer is not None and m.weight_quantizer.uses_lwc:
-                with (
-                    torch.no_grad()
-                ):  # the LWC-derived scale, what a PTQ checkpoint / export calls weight_scale
+                with torch.no_grad():  # the LWC-derived scale, what a PTQ checkpoint / export calls weight_scale
                     s, zp = m.weight_quantizer.qparams(m.weight.detach().float())
                 scales[key_of(name, "weight", "scale")] = s.detach().float().cpu().contiguous()
                 if zp is not None:
@@ -781,7 +754,7 @@ def save_consolidated(
             if error is not None:
                 raise Zero3Error(error)
             flush()
-            _finish_weight_files(tmp, shards)
+            name_weight_shards(tmp, shards)
             model.config.save_pretrained(tmp)
             if getattr(model, "generation_config", None) is not None:
                 with contextlib.suppress(Exception):
@@ -804,21 +777,6 @@ def save_consolidated(
 
     comm.decide(finish)
     return out_dir if rank0 else None
-
-
-def _finish_weight_files(tmp: Path, shards: list[tuple[Path, list[str]]]) -> None:
-    if len(shards) <= 1:
-        if shards:
-            shards[0][0].rename(tmp / WEIGHTS_FILE)
-        return
-    n = len(shards)
-    weight_map, total = {}, 0
-    for i, (path, keys) in enumerate(shards):
-        final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        path.rename(tmp / final)
-        total += (tmp / final).stat().st_size
-        weight_map.update(dict.fromkeys(keys, final))
-    write_json(tmp / WEIGHTS_INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
 # =========================================================================== observability

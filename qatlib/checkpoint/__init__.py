@@ -5,7 +5,7 @@
 - `keys`: the one module-name <-> checkpoint-key table (`scale_keys`, `parse_key`,
   `scale_state_dict`, `load_scales`);
 - `safetensors`: the file reader (no mmap) and the key -> parameter-slice plans (dense, fused and
-  per-expert MoE), which know names and shapes only (ZeRO-3 executes them in `qatlib.zero3_io`).
+  per-expert MoE), which know names and shapes only (the ZeRO-3 loader executes them on partitioned parameters).
 """
 
 from .layout import CheckpointError

@@ -130,6 +130,24 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
 
 
 # --------------------------------------------------------------------------- writing
+def name_weight_shards(directory: Path, shards: list[tuple[Path, list[str]]]) -> None:
+    """Give weight shards written in ``directory`` (``(file, its keys)`` in order) their HF names:
+    one shard is ``model.safetensors``; several are ``model-0000i-of-0000n.safetensors`` plus
+    ``model.safetensors.index.json``."""
+    if len(shards) <= 1:
+        if shards:
+            shards[0][0].rename(directory / WEIGHTS_FILE)
+        return
+    n = len(shards)
+    weight_map, total = {}, 0
+    for i, (path, keys) in enumerate(shards):
+        final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        path.rename(directory / final)
+        total += (directory / final).stat().st_size
+        weight_map.update(dict.fromkeys(keys, final))
+    write_json(directory / WEIGHTS_INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
 class AtomicDir:
     """Write a directory completely or not at all: ``with AtomicDir(out) as tmp:`` fills a fresh
     temporary sibling of ``out``, renamed to ``out`` when the block succeeds.

@@ -2,12 +2,12 @@
 parameter slices (dense, fused and per-expert MoE layouts).
 
 The reader is hand-written (8-byte header length, JSON header, raw data) and reads with plain file
-reads, no mmap: mapped pages would count in the resident set of the reading process for the whole
-shard (measured: rank 0 of a ZeRO-3 load held every mapped shard in its RSS), and a truncated or
-corrupt file is found from the header before any reader depends on it.
+reads, no mmap: mapped pages would count in the RSS of the reading process (rank 0 of a ZeRO-3
+load) for the whole shard. A truncated or corrupt file is found from its header, before any
+collective depends on it.
 
 A plan is built from file headers and a `ModelTensors` (names and FULL shapes, no tensors), so it
-knows nothing of how the parameters are stored; `qatlib.zero3_io` executes plans on partitioned
+knows nothing of how the parameters are stored; the ZeRO-3 loader executes plans on partitioned
 parameters (gathers, rank 0 reads), and `copy_entry` applies one entry to ordinary tensors.
 """
 

@@ -291,6 +291,24 @@ def quantizers(model: nn.Module) -> Iterator[tuple[str, Quantizer]]:
             yield name, m
 
 
+def prepared_scheme(model: nn.Module) -> QuantScheme | None:
+    """The scheme a prepared model was built with (first QuantLinear's weight / input specs, q / k / v
+    from the attention projections); None for an unprepared model."""
+    kw: dict = {}
+    modules = dict(model.named_modules())
+    for name, ql in modules.items():
+        if not isinstance(ql, QuantLinear):
+            continue
+        parent, _, child = name.rpartition(".")
+        if "weight" not in kw:
+            kw["weight"] = ql.weight_quantizer.spec if ql.weight_quantizer else None
+            kw["input"] = ql.input_quantizer.spec if ql.input_quantizer else None
+        role = attention_role(modules.get(parent), child)
+        if ql.output_quantizer is not None and role is not None:
+            kw.setdefault(role, ql.output_quantizer.spec)
+    return QuantScheme(name="prepared", **kw) if kw else None
+
+
 @contextlib.contextmanager
 def quantization_disabled(model: nn.Module) -> Iterator[None]:
     """Run ``model`` unquantized inside the block (the KD teacher is the same model, no copy)."""
@@ -315,13 +333,13 @@ def quantization_disabled(model: nn.Module) -> Iterator[None]:
 def convert(model: nn.Module) -> nn.Module:
     """Replace every `QuantLinear` by its `QDQLinear` (codes + scales), in place.
 
-    Needs readable weights: under ZeRO-3 use ``qatlib.zero3_io`` (gathers, rank 0 only)."""
+    Needs readable weights: under ZeRO-3 gather them first (rank 0 only)."""
     todo = [(name, m) for name, m in quant_linears(model)]
     if not todo:
         raise ValueError("convert: the model has no QuantLinear layers (was it prepared?)")
     for name, ql in todo:
         if not weight_readable(ql.weight):
-            raise ValueError(f"convert: weight of {name} is not readable (ZeRO-3 shard or meta); use zero3_io")
+            raise ValueError(f"convert: weight of {name} is not readable (ZeRO-3 shard or meta); gather it first")
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, QDQLinear(ql))
