@@ -33,7 +33,7 @@ def parser(
             "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=_SET_HELP
         )
     if model:
-        ap.add_argument("--model-path", default=None, help="model folder or hub id (overrides model.model_path)")
+        ap.add_argument("--model-path", default=None, help="model folder or hub id (sets model.model_path)")
     if save:
         ap.add_argument("--save-path", default=None, help="output folder (overrides global.save_path)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")

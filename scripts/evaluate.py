@@ -88,7 +88,8 @@ def main(argv=None) -> int:
         model_dir = resolve_model_dir(cfg.model.model_path, cache_dir=cfg.model.cache_dir)
         model = load_variant(cfg, args.variant, model_dir, args.scales)
         tok = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-        result = {"variant": args.variant, "model_path": str(model_dir), "scales": args.scales, "ppl": {}, "tasks": {}}
+        result = {"variant": args.variant, "model_path": str(model_dir), "scales": args.scales}
+        result.update(ppl={}, tasks={})
         run = dict(batch_size=ev.batch_size, limit=ev.limit)
         for src in ev.ppl:
             kw = dict(seq_len=ev.max_seq_length, progress=not args.no_progress, cache_dir=args.hf_home)

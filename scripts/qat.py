@@ -66,7 +66,8 @@ def main(argv=None) -> int:
             tok = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
             data = training_data_from_config(cfg, tok)
             if blockwise:
-                res = train_blockwise(cfg, model, data, scales_loaded=bool(ptq), log_file=run_dir / TRAIN_LOG_FILE)
+                log_file = run_dir / TRAIN_LOG_FILE
+                res = train_blockwise(cfg, model, data, scales_loaded=bool(ptq), log_file=log_file)
                 done = {"blocks": res.blocks}
             else:
                 overrides = {"output_dir": str(run_dir)}
