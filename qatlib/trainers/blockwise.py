@@ -329,7 +329,6 @@ def train_blockwise(
     if getattr(cfg, "zero3_enabled", False):
         raise ValueError("blockwise QAT runs in a single process; it does not support ZeRO-3")
     qat = cfg.qat
-    torch.manual_seed(cfg.global_.seed)
     settings = BlockwiseSettings.from_config(qat.block_wise_config)
     samples = blockwise_samples(
         train_dataset, settings.training_seqlen, settings.train_size + settings.val_size
@@ -344,4 +343,5 @@ def train_blockwise(
         log_file=log_file or None,
         seed=cfg.global_.seed,
     )
+    torch.manual_seed(cfg.global_.seed)
     return trainer.train(samples)
