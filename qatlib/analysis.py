@@ -1,9 +1,9 @@
 """Scale statistics and per-layer weight SQNR for PTQ / QAT checkpoints.
 
-Reads the checkpoint contract of docs/design.md: a directory (or its nested
-``final_quant_checkpoint/``) with ``quant_scheme.json`` and one or more ``*.safetensors`` files
-holding the scale keys (``L.weight_scale``, ``L.input_scale``, ``<attn>.k_cache.scale``, ...).
-Other tensors in those files (the weights of a QAT model folder) are not loaded.
+Reads checkpoints through `qatlib.checkpoint` (docs/design.md): `load_scales` gives the scale keys
+(``L.weight_scale``, ``L.input_scale``, ``<attn>.k_cache.scale``, ...) of a PTQ / QAT checkpoint,
+`iter_weights` its weights one at a time. `load_scales`, `load_scheme`, `parse_key` and
+`NESTED_DIR` are `qatlib.checkpoint`'s, importable from here for the report and the notebooks.
 
 Every ``*_rows`` function returns a list of flat dicts (one per layer or key): CSV-friendly
 (`write_csv`) and easy to turn into a DataFrame. Used by the report (`qatlib.report`) and by
@@ -13,53 +13,29 @@ Every ``*_rows`` function returns a list of flat dicts (one per layer or key): C
 from __future__ import annotations
 
 import csv
-import json
+import io
 import math
 import os
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from .checkpoint import safetensors as st
+from .checkpoint.keys import ScaleKey, load_scales, parse_key  # noqa: F401 - re-exported (see above)
+from .checkpoint.layout import NESTED_DIR, weight_files, write_text  # noqa: F401 - NESTED_DIR: re-exported
+from .checkpoint.layout import read_scheme as load_scheme  # noqa: F401 - re-exported
 from .quant.functional import fake_quantize
 from .quant.spec import QuantScheme, QuantSpec
-
-SCHEME_FILE = "quant_scheme.json"
-NESTED_DIR = "final_quant_checkpoint"
-
-# ``L.weight_scale``, ``L.input_zero_point``, ``L.output_scale`` ...
-_LINEAR_KEY = re.compile(r"^(?P<layer>.+)\.(?P<role>weight|input|output)_(?P<kind>scale|zero_point)$")
-# ``<attn>.k_cache.scale`` = ``<attn>.k_proj.output_quantizer`` (docs/design.md)
-_CACHE_KEY = re.compile(r"^(?P<attn>.+)\.(?P<kv>[kv])_cache\.(?P<kind>scale|zero_point)$")
 
 Row = dict[str, Any]
 
 
 # =========================================================================== names
-class ScaleKey(NamedTuple):
-    """A parsed checkpoint key: the linear it belongs to, the tensor role and scale / zero point."""
-
-    layer: str  # module name of the linear (k/v cache keys: the k_proj / v_proj)
-    role: str  # "weight" | "input" | "output"
-    kind: str  # "scale" | "zero_point"
-
-
-def parse_key(key: str) -> ScaleKey | None:
-    """``model.layers.0.mlp.down_proj.weight_scale`` -> (``...down_proj``, weight, scale);
-    ``<attn>.k_cache.scale`` -> (``<attn>.k_proj``, output, scale); None for any other key."""
-    m = _LINEAR_KEY.match(key)
-    if m:
-        return ScaleKey(m["layer"], m["role"], m["kind"])
-    m = _CACHE_KEY.match(key)
-    if m:
-        return ScaleKey(f"{m['attn']}.{m['kv']}_proj", "output", m["kind"])
-    return None
-
-
 def layer_type(name: str) -> str:
     """The kind of a linear from its module name (or a scale key of it).
 
@@ -94,76 +70,12 @@ def type_order(t: str) -> tuple[int, int, str]:
 
 
 # =========================================================================== loading
-def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
-    """``path`` or its nested ``final_quant_checkpoint/``: the one holding ``quant_scheme.json``,
-    else the one holding ``*.safetensors``."""
-    p = Path(path)
-    candidates = (p, p / NESTED_DIR)
-    for d in candidates:
-        if (d / SCHEME_FILE).is_file():
-            return d
-    for d in candidates:
-        if d.is_dir() and any(d.glob("*.safetensors")):
-            return d
-    raise FileNotFoundError(
-        f"no {SCHEME_FILE} or *.safetensors in {p} or {p / NESTED_DIR}: not a PTQ/QAT checkpoint"
-    )
-
-
-def load_scheme(ckpt_dir: str | os.PathLike) -> QuantScheme:
-    """The `QuantScheme` of a checkpoint (``quant_scheme.json``; extra metadata keys ignored)."""
-    d = resolve_checkpoint_dir(ckpt_dir)
-    path = d / SCHEME_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist")
-    return QuantScheme.from_dict(json.loads(path.read_text()))
-
-
-def load_scales(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Every scale and zero-point tensor of a PTQ or QAT checkpoint, as fp32 CPU tensors.
-
-    Reads all ``*.safetensors`` files of the directory (single file or shards, the PTQ
-    ``scales.safetensors`` as well as the scale file beside a QAT model folder) and keeps the keys
-    `parse_key` understands; weights and LWC clip factors are skipped without being read. A key
-    present in two files must hold the same values there (else the checkpoint is ambiguous: error).
-    """
-    d = resolve_checkpoint_dir(ckpt_dir)
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{d}: no *.safetensors file")
-    out: dict[str, torch.Tensor] = {}
-    origin: dict[str, str] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                if parse_key(key) is None:
-                    continue
-                t = f.get_tensor(key).float()
-                if key in out:
-                    if torch.equal(out[key], t):
-                        continue
-                    raise ValueError(f"{d}: scale key {key} differs between {origin[key]} and {path.name}")
-                out[key] = t
-                origin[key] = path.name
-    return out
-
-
-def _weight_files(path: str | os.PathLike) -> list[Path]:
-    """A ``.safetensors`` file itself, or the ``*.safetensors`` of a folder (or of its nested
-    ``final_quant_checkpoint/`` when the folder has none)."""
-    d = Path(path)
-    if d.is_file():
-        return [d]
-    if not any(d.glob("*.safetensors")):
-        d = d / NESTED_DIR
-    return sorted(d.glob("*.safetensors"))
-
-
 def iter_weights(ckpt_dir: str | os.PathLike, layers: Iterable[str]) -> Iterable[tuple[str, torch.Tensor]]:
     """``(layer, weight)`` for the ``<layer>.weight`` tensors of a model folder (any number of
-    ``*.safetensors`` files), read one at a time; layers without a weight are skipped."""
+    ``*.safetensors`` files, `qatlib.checkpoint.layout.weight_files`), read one at a time; layers
+    without a weight are skipped."""
     wanted = {f"{layer}.weight": layer for layer in layers}
-    for path in _weight_files(ckpt_dir):
+    for path in weight_files(ckpt_dir):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 if key in wanted:
@@ -171,18 +83,9 @@ def iter_weights(ckpt_dir: str | os.PathLike, layers: Iterable[str]) -> Iterable
 
 
 def weight_bytes(ckpt_dir: str | os.PathLike, layers: Iterable[str]) -> int:
-    """Bytes of the ``<layer>.weight`` tensors `iter_weights` would read (header only, no data)."""
+    """Bytes of the ``<layer>.weight`` tensors `iter_weights` would read (headers only, no data)."""
     wanted = {f"{layer}.weight" for layer in layers}
-    total = 0
-    for path in _weight_files(ckpt_dir):
-        with open(path, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n))
-        for key, info in header.items():
-            if key in wanted:
-                lo, hi = info["data_offsets"]
-                total += hi - lo
-    return total
+    return sum(i.end - i.start for path in weight_files(ckpt_dir) for i in st.read_header(path) if i.key in wanted)
 
 
 # =========================================================================== statistics
@@ -355,19 +258,15 @@ def _is_number(v: Any) -> bool:
 
 def write_csv(rows: Iterable[Row], path: str | os.PathLike, columns: Iterable[str] | None = None) -> Path:
     """Write rows as CSV (header = ``columns`` or the union of keys in first-seen order),
-    atomically (temporary file + rename)."""
+    atomically (`qatlib.checkpoint.layout.write_text`)."""
     rows = list(rows)
     if columns is None:
         columns = list(dict.fromkeys(k for r in rows for k in r))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
-        w.writeheader()
-        w.writerows(rows)
-    tmp.replace(path)
-    return path
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    return write_text(path, buf.getvalue())
 
 
 def read_csv(path: str | os.PathLike) -> list[Row]:

@@ -29,12 +29,11 @@
 Everything is validated before anything is written, and written to a temporary directory that is
 renamed into place at the end. The pieces take a model plus an optional iterator of
 ``(name, module)`` so the ZeRO-3 path can hand over modules one at a time, gathered
-(``qatlib.zero3_io.iter_gathered_modules``), with only the main process writing.
+(the ZeRO-3 module walk ``iter_gathered_modules``), with only the main process writing.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -47,17 +46,18 @@ from safetensors.torch import save_file
 from torch import nn
 
 from . import __version__
-from .ptq import SCALES_FILE, SCHEME_FILE, atomic_output_dir, check_output_dir, scale_state_dict
+from .checkpoint.keys import kv_role, parse_key, scale_state_dict
+from .checkpoint.layout import KV_SCALES_FILE, SCALES_FILE, SCHEME_FILE, AtomicDir, write_json
 from .quant import QuantLinear, QuantScheme, QuantSpec, quant_linears
 from .quant import functional as F
-from .quant.linear import weight_readable
+from .quant.calibration import prepared_mismatch
+from .quant.linear import attention_role, is_router, weight_readable
 from .quant.quantizer import Quantizer
 from .quant.spec import Granularity
 
 log = logging.getLogger(__name__)
 
 SAVE_FORMATS = ("real", "fake", "save_kvcache_only", "real_and_kvcache")
-KV_SCALES_FILE = "kv_cache_scales.safetensors"
 EXPORT_INFO_FILE = "qatlib_export.json"
 W4A8_ACTIVATION_MODES = ("runtime", "trained")
 
@@ -237,19 +237,6 @@ def _zp_dtype(args) -> torch.dtype:
 
 
 @torch.no_grad()
-def our_codes(ql: QuantLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(codes, scale, zero_point) of a `QuantLinear`'s weight, exactly as training quantizes it
-    (LWC: the clipped scale of the current weight)."""
-    wq = ql.weight_quantizer
-    if wq is None:
-        raise ExportError("this QuantLinear quantizes no weight")
-    scale, zp = wq.qparams(ql.weight)
-    scale = scale.detach().float().clone()
-    zp = None if zp is None else torch.round(zp.detach().float())
-    return F.quantize(ql.weight, scale, zp, wq.spec), scale, zp
-
-
-@torch.no_grad()
 def compress_linear(
     ql: QuantLinear, fmt: CTFormat, *, name: str = "", verify: bool = True
 ) -> dict[str, torch.Tensor]:
@@ -266,8 +253,10 @@ def compress_linear(
         raise ExportError(
             f"weight of {name or 'a QuantLinear'} is not readable (ZeRO-3 shard or meta): gather it first"
         )
+    if ql.weight_quantizer is None:
+        raise ExportError(f"{name or 'this QuantLinear'} quantizes no weight")
     spec = ql.weight_quantizer.spec
-    codes, scale, zp = our_codes(ql)
+    codes, scale, zp = ql.codes()
     # Our dequantized weight (no fp8_recast: that is the kernel's business, see `changes`). Fed
     # to the compressor, its re-quantization with the same scales gives back exactly our codes.
     deq = F.dequantize(codes, scale, zp, spec.replace(fp8_recast=False), torch.float32)
@@ -298,11 +287,6 @@ def compress_linear(
     if ql.bias is not None:
         out["bias"] = ql.bias.detach()
     return {k: v.detach().cpu().contiguous() for k, v in out.items()}
-
-
-def _attn_role(name: str) -> tuple[str, str] | None:
-    parent, _, child = name.rpartition(".")
-    return (parent, child[0]) if child in ("k_proj", "v_proj") else None
 
 
 def _ct_kv_scale(oq: Quantizer) -> torch.Tensor:
@@ -340,7 +324,7 @@ def export_tensors(
     weights) or None (no checkpoint tensors). ``kv``: also collect ``<attn>.k_cache.scale`` /
     ``v_cache.scale``. ``modules`` yields ``(name, module)`` units covering ``model`` (default
     ``model.named_modules()``); a unit's parameters must be readable while it is yielded, a
-    `QuantLinear` together with its quantizers (ZeRO-3: ``zero3_io.iter_gathered_modules``).
+    `QuantLinear` together with its quantizers (ZeRO-3: ``iter_gathered_modules``).
     ``keep=False`` (non-main ranks) walks the units without computing anything.
     """
     if weights not in ("real", "fake", None):
@@ -361,12 +345,13 @@ def export_tensors(
                         seen.add(id(t))
                         state[k] = t.cpu().contiguous()
             continue
-        if kv:
+        role = kv_role(name, model)
+        if kv and role is not None:
             kv_scales.update(
                 {
                     k: v
                     for k, v in scale_state_dict(model, linears=[(name, module)]).items()
-                    if k.endswith("_cache.scale")
+                    if (p := parse_key(k)) is not None and p.role == "output" and p.kind == "scale"
                 }
             )
         if weights == "fake":
@@ -382,15 +367,11 @@ def export_tensors(
             state.update(
                 {f"{prefix}{k}": v for k, v in compress_linear(module, fmt, name=name, verify=verify).items()}
             )
-            oq, role = module.output_quantizer, _attn_role(name)
+            oq = module.output_quantizer
             if fmt.kv_cache is not None and oq is not None and role is not None:
-                state[f"{role[0]}.{role[1]}_scale"] = _ct_kv_scale(oq)
+                # compressed-tensors' own key: ``<attn>.k_scale`` / ``v_scale``
+                state[f"{name.rpartition('.')[0]}.{role}_scale"] = _ct_kv_scale(oq)
     return state, kv_scales
-
-
-def _is_router(parent: nn.Module | None, child: str, module: nn.Module) -> bool:
-    cls = type(module).__name__
-    return (child == "gate" and parent is not None and hasattr(parent, "experts")) or "Router" in cls
 
 
 def ignore_list(model: nn.Module, extra: Sequence[str] = ()) -> list[str]:
@@ -402,7 +383,7 @@ def ignore_list(model: nn.Module, extra: Sequence[str] = ()) -> list[str]:
         if not name or isinstance(m, (QuantLinear, Quantizer)):
             continue
         parent_name, _, child = name.rpartition(".")
-        if isinstance(m, (nn.Linear, nn.Embedding)) or _is_router(mods.get(parent_name), child, m):
+        if isinstance(m, (nn.Linear, nn.Embedding)) or is_router(mods.get(parent_name), child):
             names.append(name)
     return names + [e for e in extra if e not in names]
 
@@ -427,16 +408,14 @@ def _check_model(model: nn.Module, scheme: QuantScheme, save_format: str) -> lis
         raise ExportError(
             "export: the model has no QuantLinear layers (prepare / calibrate / train it first)"
         )
+    problem = prepared_mismatch(model, scheme)
+    if problem is not None:
+        raise ExportError(problem)
+    mods = dict(model.named_modules())
     for name, ql in qls:
-        for role, attr in (("weight", "weight_quantizer"), ("input", "input_quantizer")):
-            spec, q = getattr(scheme, role), getattr(ql, attr)
-            if (spec is None) != (q is None) or (q is not None and q.spec != spec):
-                raise ExportError(
-                    f"{name}.{attr} ({'none' if q is None else q.spec.describe()}) does not match the scheme "
-                    f"({'none' if spec is None else spec.describe()})"
-                )
-        oq, child = ql.output_quantizer, name.rpartition(".")[2]
-        ospec = getattr(scheme, child[0], None) if child in ("q_proj", "k_proj", "v_proj") else None
+        parent, _, child = name.rpartition(".")
+        oq, role = ql.output_quantizer, attention_role(mods.get(parent), child)
+        ospec = getattr(scheme, role) if role is not None else None
         if (oq is None) != (ospec is None) or (
             oq is not None and oq.spec.replace(num_heads=None) != ospec.replace(num_heads=None)
         ):
@@ -457,7 +436,7 @@ def _check_model(model: nn.Module, scheme: QuantScheme, save_format: str) -> lis
         kv = [
             n
             for n, ql in qls
-            if ql.output_quantizer is not None and _attn_role(n) and not ql.output_quantizer.spec.dynamic
+            if ql.output_quantizer is not None and kv_role(n, model) and not ql.output_quantizer.spec.dynamic
         ]
         if not kv:
             raise ExportError(
@@ -510,8 +489,9 @@ def export(
         if save_format in ("real", "real_and_kvcache")
         else None
     )
+    target = AtomicDir(out_dir, overwrite=overwrite)
     if is_main_process:
-        check_output_dir(out_dir, overwrite=overwrite)
+        target.check()
     info: dict[str, Any] = {
         "qatlib_version": __version__,
         "save_format": save_format,
@@ -546,7 +526,7 @@ def export(
     )
     if not is_main_process:
         return None
-    with atomic_output_dir(out_dir, overwrite=overwrite) as tmp:
+    with target as tmp:
         if weights is not None:
             model.save_pretrained(str(tmp), state_dict=state)
             if fmt is not None:
@@ -565,7 +545,7 @@ def export(
                 str(tmp / SCALES_FILE),
                 metadata={"format": "pt", "qatlib": "fake-export-scales"},
             )
-            (tmp / SCHEME_FILE).write_text(json.dumps(scheme.to_dict(), indent=2) + "\n")
-        (tmp / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+            write_json(tmp / SCHEME_FILE, scheme.to_dict())
+        write_json(tmp / EXPORT_INFO_FILE, info, sort_keys=True)
     log.info("exported %s (%s) to %s", scheme.name, save_format, out_dir)
     return Path(out_dir)

@@ -16,6 +16,7 @@ Save with ``save_ptq_checkpoint(..., save_weights=True)``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Iterable, Sequence
@@ -24,9 +25,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .ptq import CalibrationReport, batch_inputs, finish_with_fallback, prepare_for_calibration
+from .models import decoder_layers
 from .quant import QuantLinear, QuantScheme, QuantSpec, quant_linears
 from .quant import functional as F
+from .quant.calibration import (
+    CalibrationReport,
+    batch_inputs,
+    calibrate_activations,
+    prepare_for_calibration,
+)
 from .quant.linear import PrepareOptions, weight_readable
 from .quant.spec import Granularity
 
@@ -138,18 +145,6 @@ def gptq_quantize_weight(
 
 
 # --------------------------------------------------------------------------- model driver
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The transformer blocks: ``model.get_decoder().layers`` or the longest `ModuleList`."""
-    dec = model.get_decoder() if hasattr(model, "get_decoder") else None
-    layers = getattr(dec, "layers", None)
-    if isinstance(layers, nn.ModuleList):
-        return layers
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    if not lists:
-        raise ValueError("GPTQ: cannot find the decoder layers of this model")
-    return max(lists, key=len)
-
-
 class _HessianHook:
     def __init__(self, n_in: int, device: torch.device) -> None:
         self.H = torch.zeros(n_in, n_in, device=device)
@@ -172,6 +167,12 @@ def _run_layer(layer: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def _run_and_keep(outputs: list, layer: nn.Module, batch: tuple[tuple, dict]) -> None:
+    """Run ``layer`` on one captured ``(args, kwargs)`` and keep the next layer's inputs."""
+    args, kwargs = batch
+    outputs.append(((_run_layer(layer, args, kwargs), *args[1:]), kwargs))
+
+
 @torch.no_grad()
 def gptq(
     model: nn.Module,
@@ -189,7 +190,7 @@ def gptq(
     """GPTQ PTQ of ``model`` for ``scheme``, in place (prepares it if needed).
 
     Weights are GPTQ-quantized layer by layer; static activation scales of each layer are then
-    calibrated (as in `qatlib.ptq.calibrate`) on that layer's inputs with its weights quantized.
+    calibrated (`qatlib.quant.calibration`) on that layer's inputs with its weights quantized.
     Linears that saw fewer than ``min_tokens`` tokens (MoE experts no token was routed to) are
     rounded to nearest instead (counted in the report's ``fallbacks``).
     """
@@ -202,7 +203,7 @@ def gptq(
         if not weight_readable(ql.weight):
             raise ValueError(f"GPTQ: weight of {name} is not readable (ZeRO-3 shard or meta)")
     report = CalibrationReport(algorithm="gptq", scheme=scheme)
-    layers = decoder_layers(model)
+    _, layers = decoder_layers(model)
     was_training = model.training
     model.eval()
 
@@ -274,25 +275,14 @@ def gptq(
             wq.set_qparams(scale.to(ql.weight.device), None if zp is None else zp.to(ql.weight.device))
         del hooks
         # 4. Static activation scales of this layer; the same pass gives the next layer's inputs.
-        statics = [
-            (f"{n}.{r}", q)
-            for n, ql in qls
-            for r in ("input_quantizer", "output_quantizer")
-            if (q := getattr(ql, r)) is not None and not q.spec.dynamic
-        ]
-        report.static_activation_quantizers += len(statics)
-        for _, q in statics:
-            q.start_calibration()
-        try:
-            new_inputs = []
-            for args, kwargs in inputs:
-                out = _run_layer(layer, args, kwargs)
-                new_inputs.append(((out, *args[1:]), kwargs))
-            if statics:
-                finish_with_fallback([(f"layers.{li}.{n}", q) for n, q in statics], report)
-        finally:
-            for _, q in statics:
-                q.calibrating = False
+        new_inputs: list[tuple[tuple, dict]] = []
+        forward = functools.partial(_run_and_keep, new_inputs)
+        seen = calibrate_activations(layer, inputs, forward=forward, prefix=f"layers.{li}.")
+        report.static_activation_quantizers += seen.static_activation_quantizers
+        report.fallbacks.update(seen.fallbacks)
+        if not new_inputs:  # nothing to calibrate: nothing ran
+            for batch in inputs:
+                forward(layer, batch)
         inputs = new_inputs
         log.info("GPTQ: layer %d/%d done (%d linears)", li + 1, len(layers), len(qls))
     model.train(was_training)

@@ -1,19 +1,25 @@
-"""Load the model and tokenizer an experiment config names (plain, single-process path).
+"""Load the model and tokenizer an experiment config names, and the one verb that gives the model
+prepared for an experiment (`load_prepared`).
 
 The ZeRO-3 path (empty model under ``deepspeed.zero.Init`` + streaming load) lives in
-`qatlib.zero3_io`; `load_model` dispatches to it so callers never branch themselves.
+`qatlib.zero3_io`; `load_model` and `load_prepared` dispatch to it so callers never branch themselves.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 if TYPE_CHECKING:
     from .zero3_io import Zero3Context
+
+log = logging.getLogger(__name__)
 
 DTYPES = {
     "auto": "auto",
@@ -24,15 +30,33 @@ DTYPES = {
     "fp32": torch.float32,
     "float32": torch.float32,
 }
+# Where a model keeps its decoder blocks, for models without ``get_decoder().layers``.
+_LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "layers")
 
 
 def resolve_dtype(name: str | torch.dtype | None):
+    """A torch dtype for ``name`` (``bf16``, ``bfloat16``, ``fp32`` ...), or ``"auto"``."""
     if name is None or isinstance(name, torch.dtype):
         return name or "auto"
     try:
         return DTYPES[name]
     except KeyError:
         raise ValueError(f"model.torch_dtype must be one of {', '.join(DTYPES)}; got {name!r}") from None
+
+
+def resolve_model_dir(path: str, *, cache_dir: str | None = None) -> str:
+    """A local folder for ``path``: itself when it exists, else the hub snapshot of that id
+    (downloaded once into the HF cache; the ZeRO-3 loader needs files on disk)."""
+    if Path(path).exists():
+        return path
+    from huggingface_hub import snapshot_download
+
+    log.info("%s is not a local folder: fetching the hub snapshot", path)
+    return snapshot_download(
+        path,
+        cache_dir=cache_dir,
+        allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.py"],
+    )
 
 
 def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
@@ -56,15 +80,7 @@ def load_model(
     if zero3 is not None:
         from . import zero3_io
 
-        if device_map not in (None, "None", "none", "cpu"):
-            raise ValueError(
-                f"device_map={device_map!r} cannot be combined with ZeRO-3 (DeepSpeed places the shards)"
-            )
-        dtype = resolve_dtype(torch_dtype)
-        if dtype != "auto" and dtype != zero3.dtype:
-            raise ValueError(
-                f"model dtype {dtype} differs from the ZeRO-3 context's {zero3.dtype} (set at init_zero3)"
-            )
+        _check_zero3(zero3, torch_dtype, device_map)
         return zero3_io.load_model(
             path, zero3, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
         )
@@ -76,3 +92,88 @@ def load_model(
     model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     model.config.use_cache = False
     return model.eval()
+
+
+def _check_zero3(zero3: Zero3Context, torch_dtype, device_map) -> None:
+    if device_map not in (None, "None", "none", "cpu"):
+        raise ValueError(f"device_map={device_map!r} cannot be combined with ZeRO-3 (DeepSpeed places the shards)")
+    dtype = resolve_dtype(torch_dtype)
+    if dtype != "auto" and dtype != zero3.dtype:
+        raise ValueError(f"model dtype {dtype} differs from the ZeRO-3 context's {zero3.dtype} (set at init_zero3)")
+
+
+def load_prepared(
+    cfg,
+    path: str | os.PathLike,
+    *,
+    scales: str | os.PathLike | None = None,
+    zero3: Zero3Context | None = None,
+    report_path: str | os.PathLike | None = None,
+    complete: bool = False,
+    device_map: str | None = None,
+) -> tuple[nn.Module, dict[str, Any] | None]:
+    """The model prepared for the experiment ``cfg``: loaded from ``path``, prepared with
+    ``cfg.quant_scheme()``, its ignore layers and prepare options, and the quantizer parameters of
+    the checkpoint ``scales`` (PTQ or QAT, docs/design.md) loaded.
+
+    Returns ``(model, scale-load report)`` (hits / misses; None without ``scales`` and under ZeRO-3,
+    where the report goes to ``report_path`` only). ``complete``: a quantizer parameter the
+    checkpoint has no value for is an error (evaluation and export never use init values). With
+    ``zero3`` the model is built partitioned (`qatlib.zero3_io.build_qat_model`; ``scales`` required).
+    """
+    from .checkpoint.layout import CheckpointError
+    from .quant import prepare
+
+    scheme = cfg.quant_scheme()
+    m = cfg.model
+    common = dict(trust_remote_code=m.trust_remote_code, attn_implementation=m.attn_implementation)
+    if zero3 is not None:
+        from . import zero3_io
+
+        _check_zero3(zero3, m.torch_dtype, device_map)
+        model = zero3_io.build_qat_model(
+            path,
+            zero3,
+            scheme,
+            from_ptq_ckpt=scales,
+            ignore=cfg.ignore_layers,
+            options=cfg.prepare_options(),
+            scales_report_path=report_path,
+            **common,
+        )
+        return model, None
+    model = load_model(path, torch_dtype=m.torch_dtype, device_map=device_map, **common)
+    prepare(model, scheme, ignore=cfg.ignore_layers, options=cfg.prepare_options())
+    if scales is None:
+        return model, None
+    from .zero3_io import stream_load_scales  # the plan-then-execute loader, local without ZeRO-3
+
+    report = stream_load_scales(model, scales, scheme, report_path=report_path)
+    if complete and report.get("misses"):
+        raise CheckpointError(
+            f"{scales}: {report['misses']} quantizer parameters have no value there (e.g. "
+            f"{report['missed_params'][0]}); refusing to use init values"
+        )
+    return model, report
+
+
+def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """``(path, blocks)``: the model's own list of decoder blocks (``get_decoder().layers``, else the
+    first non-empty `ModuleList` at a known path: ``model.layers`` for the Llama / Qwen families)."""
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(dec, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers):
+        for name, mod in model.named_modules():
+            if mod is layers:
+                return name, layers
+    for path in _LAYER_PATHS:
+        try:
+            m = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(m, nn.ModuleList) and len(m):
+            return path, m
+    raise ValueError(
+        f"cannot find the decoder layers of {type(model).__name__} (looked for get_decoder().layers, "
+        f"{', '.join(_LAYER_PATHS)})"
+    )

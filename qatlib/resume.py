@@ -8,7 +8,7 @@ Two kinds of directory are accepted:
   same scales as an uninterrupted one;
 - a saved model with a scales file beside it: plain HF safetensors weights (a ``fake`` export, i.e.
   ``dequantize(quantize(W))``, or a `qatlib.zero3_io.save_consolidated` directory) plus
-  ``quant_scheme.json`` and a safetensors file with the quantizer keys of docs/design.md
+  ``quant_scheme.json`` and a safetensors file with the quantizer keys of `qatlib.checkpoint.keys`
   (``scales.safetensors``; LWC clip factors under their module path). Weights are copied
   into the prepared model, scales loaded with `qatlib.zero3_io.stream_load_scales`, and training
   starts at step 0 from there (optimizer state is not part of such a save). When the saved
@@ -25,7 +25,6 @@ Under ZeRO-3 a saved model is not loaded here: build the model from it instead
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -35,15 +34,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from .checkpoint.layout import SCHEME_FILE, CheckpointError, read_scheme, resolve_dir, weight_files
 from .quant import QuantScheme
 from .quant.quantizer import Quantizer
 
 log = logging.getLogger(__name__)
 
 TRAINER_STATE = "trainer_state.json"
-SCHEME_FILE = "quant_scheme.json"
-# Files beside the weights that hold no model weight.
-NON_WEIGHT_FILES = ("scales.safetensors", "kv_cache_scales.safetensors")
 
 
 class ResumeError(ValueError):
@@ -67,9 +64,12 @@ def classify_resume_dir(path: str | os.PathLike) -> tuple[Literal["hf", "saved"]
     last = _last_hf_checkpoint(p)
     if last is not None:
         return "hf", last
-    for d in (p, p / "final_quant_checkpoint"):
-        if (d / SCHEME_FILE).is_file() and any(d.glob("*.safetensors")):
-            return "saved", d
+    try:
+        d = resolve_dir(p)
+    except CheckpointError:
+        d = None
+    if d is not None and any(d.glob("*.safetensors")):
+        return "saved", d
     raise ResumeError(
         f"resume_ckpt_dir {p}: neither an HF Trainer checkpoint ({TRAINER_STATE}, or checkpoint-N folders) nor a "
         f"saved model with {SCHEME_FILE} and safetensors scales beside its weights"
@@ -80,13 +80,9 @@ def _quantizer_prefixes(model: nn.Module) -> tuple[str, ...]:
     return tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, Quantizer))
 
 
-def _weight_files(model_dir: str | os.PathLike) -> list[Path]:
-    return sorted(f for f in Path(model_dir).glob("*.safetensors") if f.name not in NON_WEIGHT_FILES)
-
-
 def _saved_keys(model_dir: str | os.PathLike):
     """``(key, open safetensors handle)`` for every tensor of the weight files in ``model_dir``."""
-    for f in _weight_files(model_dir):
+    for f in weight_files(model_dir):
         with safe_open(str(f), framework="pt") as fh:
             for key in fh.keys():
                 yield key, fh
@@ -113,7 +109,7 @@ def load_saved_weights(model: nn.Module, model_dir: str | os.PathLike) -> int:
             full = f"{mname}.{bname}" if mname else bname
             if b is not None and bname not in m._non_persistent_buffers_set and not full.startswith(qpre):
                 targets[full] = b
-    if not _weight_files(model_dir):
+    if not weight_files(model_dir):
         raise ResumeError(f"{model_dir}: no weight files (*.safetensors)")
     filled: set[int] = set()
     unexpected, mismatched = [], []
@@ -182,7 +178,7 @@ def load_saved_model(
 
     model_dir = Path(model_dir)
     if scheme is None:
-        scheme = QuantScheme.from_dict(json.loads((model_dir / SCHEME_FILE).read_text()))
+        scheme = read_scheme(model_dir)
     report = stream_load_scales(model, model_dir, scheme)
     if report.get("hits", 0) == 0:
         raise ResumeError(f"{model_dir}: no quantizer parameter found in its safetensors files")

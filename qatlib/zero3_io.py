@@ -9,12 +9,13 @@ The ZeRO-3 path, in the order a run uses it (upstream design: shared spec qat-ze
    reading or initialising any weight, then linearises fused MoE experts inside the same context,
    so every parameter is partitioned at creation (per-rank peak ~ model / world).
 3. `stream_load_weights` fills the parameters: rank 0 reads the safetensors files tensor by tensor
-   and every rank takes part in the same ``GatheredParameters(modifier_rank=0)`` in the same order.
+   and every rank takes part in the same ``GatheredParameters(modifier_rank=0)`` in the same order,
+   following a plan of `qatlib.checkpoint.safetensors` (which key fills which parameter slice).
 4. `prepare_zero3` swaps linears for `QuantLinear` under a fp32 ``zero.Init``, so the new scales are
    partitioned fp32 masters; `stream_load_scales` fills them from a PTQ checkpoint (it works on a
-   plain model too: the single-process QAT warm start uses it).
-5. `build_param_groups` / `make_optimizer` give torch AdamW groups of the scale / LWC parameters;
-   `check_ds_config` refuses a DeepSpeed config with its own ``optimizer`` block.
+   plain model too, with no collective: `qatlib.models.load_prepared` uses it for every warm start).
+5. `check_ds_config` refuses a DeepSpeed config with its own ``optimizer`` block (qatlib builds the
+   optimizer itself, with its scale / LWC groups).
 6. `iter_gathered_modules`, `consolidated_state_dict`, `save_consolidated` gather module by module
    (same collectives on every rank, CPU copies on rank 0 only); `run_metadata` records the shares.
 
@@ -48,10 +49,7 @@ import json
 import logging
 import os
 import platform
-import re
 import resource
-import shutil
-import struct
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -60,21 +58,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from .moe import LinearizedMoeExperts, is_fused_experts, linearize_moe_experts
-from .quant import ROLE_LWC, ROLE_SCALE, PrepareOptions, Quantizer, QuantLinear, QuantScheme, prepare
-from .quant.quantizer import role_parameters
+from .checkpoint import safetensors as st
+from .checkpoint.keys import key_of, scale_keys
+from .checkpoint.layout import (
+    RUN_METADATA_FILE,
+    SCALES_FILE,
+    SCHEME_FILE,
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX_FILE,
+    AtomicDir,
+    CheckpointError,
+    check_scheme,
+    name_weight_shards,
+    safetensors_files,
+    weight_files,
+    write_json,
+)
+from .models import resolve_dtype
+from .moe import LinearizedMoeExperts, linearize_moe_experts
+from .quant import PrepareOptions, Quantizer, QuantLinear, QuantScheme, prepare
+from .quant.linear import prepared_scheme
 
 log = logging.getLogger(__name__)
-
-WEIGHTS_NAME = "model.safetensors"
-WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-SCALES_NAME = "scales.safetensors"
-SCHEME_NAME = "quant_scheme.json"
-METADATA_NAME = "run_metadata.json"
-NESTED_PTQ_DIR = "final_quant_checkpoint"
-
-# Checkpoint keys a model never has a parameter for (old checkpoints stored RoPE tables).
-DEFAULT_IGNORED_KEYS = (r".*\.rotary_emb\.inv_freq$",)
 
 
 class Zero3Error(ValueError):
@@ -82,15 +87,6 @@ class Zero3Error(ValueError):
 
 
 # =========================================================================== detection
-def is_deepspeed_zero3_enabled() -> bool:
-    """Whether an HF DeepSpeed config with ZeRO stage 3 is registered (and still alive)."""
-    try:
-        from transformers.integrations import is_deepspeed_zero3_enabled as hf_is_zero3
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return False
-    return bool(hf_is_zero3())
-
-
 def is_zero3_param(p: Any) -> bool:
     """A parameter partitioned by ``deepspeed.zero.Init`` (it carries ``ds_id`` / ``ds_tensor``)."""
     return hasattr(p, "ds_id")
@@ -150,7 +146,7 @@ class _Comm:
         if self.is_main:
             try:
                 result = fn()
-            except Zero3Error as e:
+            except (Zero3Error, CheckpointError) as e:
                 error = str(e)
             except Exception as e:  # noqa: BLE001 - re-raised on every rank below
                 error = f"{type(e).__name__}: {e}"
@@ -198,9 +194,9 @@ def check_ds_config(ds_config: dict, *, source: str = "the DeepSpeed config") ->
 
 def _precision_dtype(ds_config: dict) -> torch.dtype | None:
     """The dtype the config pins (bf16 / fp16 ``enabled: true``), None when "auto" or absent."""
-    for key, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("fp16", torch.float16)):
+    for key in ("bf16", "bfloat16", "fp16"):
         if ds_config.get(key, {}).get("enabled") is True:
-            return dtype
+            return resolve_dtype(key)
     return None
 
 
@@ -280,7 +276,7 @@ def shutdown() -> None:
 def init_zero3(
     ds_config: dict | str | os.PathLike,
     *,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     timeout_s: float = 300.0,
     backend: str | None = None,
     return_freed_memory: bool = True,
@@ -288,8 +284,8 @@ def init_zero3(
     """Initialise ``deepspeed.comm`` and register the HF DeepSpeed config; call it FIRST (before any
     TrainingArguments or model exists), under ``torchrun``.
 
-    ``dtype``: model dtype when the config says ``"auto"`` (default fp32); a config that pins bf16/fp16
-    wins, and a contradicting ``dtype`` is an error. ``timeout_s`` bounds every collective, so a rank
+    ``dtype``: model dtype (or its name, `qatlib.models.resolve_dtype`) when the config says ``"auto"``
+    (default fp32); a config that pins bf16/fp16 wins, and a contradicting ``dtype`` is an error. ``timeout_s`` bounds every collective, so a rank
     that dies or diverges ends the run instead of hanging it. ``backend``: default nccl with CUDA,
     else gloo (DeepSpeed's CPU default would want oneCCL). ``return_freed_memory`` (glibc only) makes
     every host allocation of 1 MiB or more its own mapping, returned to the OS when freed: building
@@ -301,6 +297,8 @@ def init_zero3(
     source = str(ds_config) if not isinstance(ds_config, dict) else "the DeepSpeed config"
     check_ds_config(cfg, source=source)
     pinned = _precision_dtype(cfg)
+    dtype = resolve_dtype(dtype) if dtype is not None else None
+    dtype = None if dtype == "auto" else dtype
     if pinned is not None and dtype is not None and dtype != pinned:
         raise Zero3Error(f"{source} enables {pinned} but the model dtype is {dtype}; make them agree")
     dtype = pinned or dtype or torch.float32
@@ -396,171 +394,19 @@ def build_empty_model(
     return model.eval()
 
 
-# =========================================================================== safetensors reading
-_ST_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16,
-    "U32": torch.uint32,
-    "U64": torch.uint64,
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor of a safetensors file lies (absolute byte offsets)."""
-
-    file: str
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-    start: int
-    end: int
-
-
-def read_safetensors_header(path: str | os.PathLike) -> list[TensorInfo]:
-    """The tensors of one file in storage order, after checking the file is complete: a truncated or
-    corrupt file is a `Zero3Error` naming it (found here, before any collective depends on it)."""
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise Zero3Error(f"{path}: truncated safetensors file ({size} bytes, no header)")
-            (n,) = struct.unpack("<Q", raw)
-            if 8 + n > size:
-                raise Zero3Error(f"{path}: truncated safetensors file (header of {n} bytes, file of {size})")
-            header = json.loads(f.read(n))
-    except OSError as e:
-        raise Zero3Error(f"{path}: cannot read ({e})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise Zero3Error(f"{path}: corrupt safetensors header ({e})") from None
-    base = 8 + n
-    out = []
-    for key, meta in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            b, e = meta["data_offsets"]
-            info = TensorInfo(str(path), key, meta["dtype"], tuple(meta["shape"]), base + b, base + e)
-        except (KeyError, TypeError, ValueError) as err:
-            raise Zero3Error(f"{path}: corrupt safetensors header entry {key!r} ({err})") from None
-        if info.dtype not in _ST_DTYPES:
-            raise Zero3Error(f"{path}: tensor {key} has unsupported dtype {info.dtype}")
-        if info.end > size:
-            raise Zero3Error(
-                f"{path}: truncated safetensors file: tensor {key} ends at byte {info.end}, the file has {size}"
-            )
-        out.append(info)
-    return sorted(out, key=lambda i: i.start)
-
-
-def read_tensor(fh, info: TensorInfo, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Read one tensor with plain file reads (no mmap: mapped pages would count in the RSS of rank 0
-    for the whole shard). With ``out`` (contiguous, same dtype and size) it reads straight into it."""
-    dtype = _ST_DTYPES[info.dtype]
-    nbytes = info.end - info.start
-    if out is None:
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-    else:
-        buf = out.view(-1).view(torch.uint8)
-        if buf.numel() != nbytes:
-            raise Zero3Error(f"{info.file}: {info.key} holds {nbytes} bytes, the target {buf.numel()}")
-    fh.seek(info.start)
-    if nbytes and fh.readinto(buf.numpy()) != nbytes:
-        raise Zero3Error(f"{info.file}: short read of {info.key} (file truncated while loading?)")
-    return out if out is not None else buf.view(dtype).reshape(info.shape)
-
-
-def _weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / WEIGHTS_INDEX_NAME
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise Zero3Error(f"{index}: not a safetensors index ({e})") from None
-        files = list(dict.fromkeys(weight_map.values()))
-        missing = [f for f in files if not (model_dir / f).is_file()]
-        if missing:
-            raise Zero3Error(f"{index} names files that do not exist: {', '.join(missing)}")
-        return [model_dir / f for f in files]
-    single = model_dir / WEIGHTS_NAME
-    if single.is_file():
-        return [single]
-    raise Zero3Error(f"{model_dir}: no {WEIGHTS_NAME} nor {WEIGHTS_INDEX_NAME}")
-
-
-def _shape_after(shape: Sequence[int], index: tuple | None) -> tuple[int, ...] | None:
-    """Shape of ``tensor[index]`` for a tensor of ``shape`` (None when the index does not fit)."""
-    if not index:
-        return tuple(shape)
-    try:
-        return tuple(torch.empty(tuple(shape), device="meta")[index].shape)
-    except IndexError:
-        return None
-
-
-# =========================================================================== loading plan
-@dataclasses.dataclass(frozen=True)
-class Assign:
-    """Copy ``source[src]`` into ``target[dst]`` (``target``: a parameter or buffer name)."""
-
-    target: str
-    dst: tuple | None = None
-    src: tuple | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanEntry:
-    info: TensorInfo
-    assigns: tuple[Assign, ...]
-
-
-def _format_problems(where: str, problems: dict[str, list[str]], limit: int = 20) -> str:
-    lines = [f"{where}:"]
-    for title, items in problems.items():
-        if items:
-            shown = ", ".join(items[:limit]) + (
-                f", ... ({len(items) - limit} more)" if len(items) > limit else ""
-            )
-            lines.append(f"  {title} ({len(items)}): {shown}")
-    return "\n".join(lines)
-
-
-def _chunks(entries: list[PlanEntry], chunk_bytes: int) -> Iterator[list[PlanEntry]]:
-    """Consecutive entries of one file, up to ``chunk_bytes`` of source data (at least one entry)."""
-    cur: list[PlanEntry] = []
-    size = 0
-    for e in entries:
-        n = e.info.end - e.info.start
-        if cur and (e.info.file != cur[0].info.file or size + n > chunk_bytes):
-            yield cur
-            cur, size = [], 0
-        cur.append(e)
-        size += n
-    if cur:
-        yield cur
-
-
+# =========================================================================== streamed loading
 def _execute_plan(
-    model: nn.Module, plan: list[PlanEntry], comm: _Comm, *, chunk_bytes: int, cast: Callable | None = None
+    model: nn.Module, plan: list[st.PlanEntry], comm: _Comm, *, chunk_bytes: int, cast: Callable | None = None
 ) -> None:
     """All ranks: per chunk, gather its target parameters (modifier rank 0); rank 0 reads and copies;
     rank 0's read errors are broadcast after the chunk and raised everywhere."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    for chunk in _chunks(plan, chunk_bytes):
+
+    def dest_of(name: str) -> torch.Tensor:
+        return params[name].data if name in params else buffers[name]
+
+    for chunk in st.chunks(plan, chunk_bytes):
         targets = list(dict.fromkeys(a.target for e in chunk for a in e.assigns))
         chunk_params = [params[t] for t in targets if t in params]
         error = None
@@ -569,7 +415,7 @@ def _execute_plan(
                 try:
                     with open(chunk[0].info.file, "rb") as fh:
                         for e in chunk:
-                            _copy_entry(fh, e, params, buffers, cast)
+                            st.copy_entry(fh, e, dest_of, cast)
                 except Exception as err:  # noqa: BLE001 - broadcast and raised on every rank below
                     error = f"{chunk[0].info.file}: {err}"
         error = comm.bcast(error)
@@ -581,154 +427,8 @@ def _execute_plan(
                     torch.distributed.broadcast(buffers[t], src=0)
 
 
-def _copy_entry(fh, e: PlanEntry, params: dict, buffers: dict, cast: Callable | None) -> None:
-    def dest_of(name: str) -> torch.Tensor:
-        return params[name].data if name in params else buffers[name]
-
-    a0 = e.assigns[0]
-    if len(e.assigns) == 1 and a0.dst is None and a0.src is None and cast is None:
-        d = dest_of(a0.target)
-        if d.is_contiguous() and d.dtype == _ST_DTYPES[e.info.dtype] and d.device.type == "cpu":
-            read_tensor(fh, e.info, out=d)
-            return
-    t = read_tensor(fh, e.info)
-    for a in e.assigns:
-        d = dest_of(a.target)
-        view = d[a.dst] if a.dst else d
-        src = t[a.src] if a.src else t
-        if cast is not None:
-            src = cast(src)
-        if src.shape != view.shape:  # only a 1-element scalar <-> [1] (validated in the plan)
-            src = src.reshape(view.shape)
-        view.copy_(src)
-
-
 def _full_shape(p: torch.Tensor) -> tuple[int, ...]:
     return tuple(p.ds_shape) if is_zero3_param(p) else tuple(p.shape)
-
-
-_FUSED_KEY = re.compile(r"^(?P<prefix>.+)\.(?P<proj>gate_up_proj|down_proj)$")
-_EXPERT_KEY = re.compile(r"^(?P<prefix>.+)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-
-
-def _weight_plan(model: nn.Module, model_dir: Path, ignore: Sequence[str]) -> list[PlanEntry]:
-    """Rank 0: map every checkpoint tensor to the parameter slices it fills; any missing, unexpected,
-    duplicate or shape-mismatched key is a `Zero3Error` listing them."""
-    params = {n: _full_shape(p) for n, p in model.named_parameters()}
-    canon = {id(p): n for n, p in model.named_parameters()}
-    aliases = {
-        n: canon[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if canon[id(p)] != n
-    }
-    buffers = {}
-    for mname, m in model.named_modules():
-        for bname, b in m.named_buffers(recurse=False):
-            if b is not None and bname not in m._non_persistent_buffers_set:
-                buffers[f"{mname}.{bname}" if mname else bname] = tuple(b.shape)
-    linearized = {n: m for n, m in model.named_modules() if isinstance(m, LinearizedMoeExperts)}
-    fused = {n: m for n, m in model.named_modules() if is_fused_experts(m)}
-    ignore_re = [re.compile(p) for p in ignore]
-
-    shapes = {**params, **buffers}
-    covered: dict[str, int] = {}
-    seen: dict[tuple, str] = {}
-    missing, unexpected, mismatched, duplicate, tied = [], [], [], [], []
-    reported: set[str] = set()  # targets of mismatched keys: not also listed as missing
-    plan = []
-    for path in _weight_files(model_dir):
-        for info in read_safetensors_header(path):
-            key = info.key
-            assigns: list[Assign] = []
-            m_f, m_e = _FUSED_KEY.match(key), _EXPERT_KEY.match(key)
-            if key in shapes:
-                assigns = [Assign(key)]
-            elif key in aliases:
-                tied.append(key)  # the same Parameter as aliases[key]: filled by that key
-                continue
-            elif m_f and m_f["prefix"] in linearized:
-                lin = linearized[m_f["prefix"]]
-                inter, p = lin.intermediate_dim, m_f["prefix"]
-                for e in range(len(lin)):
-                    if m_f["proj"] == "gate_up_proj":
-                        assigns += [
-                            Assign(f"{p}.{e}.gate_proj.weight", src=(e, slice(0, inter))),
-                            Assign(f"{p}.{e}.up_proj.weight", src=(e, slice(inter, 2 * inter))),
-                        ]
-                    else:
-                        assigns.append(Assign(f"{p}.{e}.down_proj.weight", src=(e,)))
-                if info.shape[:1] != (len(lin),):
-                    mismatched.append(f"{key}: checkpoint {list(info.shape)}, model has {len(lin)} experts")
-                    continue
-            elif m_e and m_e["prefix"] in fused:
-                fm, p, e = fused[m_e["prefix"]], m_e["prefix"], int(m_e["e"])
-                inter = fm.intermediate_dim
-                dst = {
-                    "gate_proj": (e, slice(0, inter)),
-                    "up_proj": (e, slice(inter, 2 * inter)),
-                    "down_proj": (e,),
-                }
-                target = f"{p}.down_proj" if m_e["proj"] == "down_proj" else f"{p}.gate_up_proj"
-                if e >= fm.num_experts:
-                    unexpected.append(key)
-                    continue
-                assigns = [Assign(target, dst=dst[m_e["proj"]])]
-            elif any(r.fullmatch(key) for r in ignore_re):
-                continue
-            else:
-                unexpected.append(key)
-                continue
-            ok = True
-            for a in assigns:
-                src_shape = _shape_after(info.shape, a.src)
-                dst_shape = _shape_after(shapes[a.target], a.dst)
-                if src_shape != dst_shape:
-                    mismatched.append(
-                        f"{key}: checkpoint {_fmt(src_shape)} vs model {a.target} {_fmt(dst_shape)}"
-                    )
-                    reported.add(a.target)
-                    ok = False
-                    break
-                piece = (a.target, repr(a.dst))
-                if piece in seen:
-                    duplicate.append(f"{key} (also {seen[piece]})")
-                    ok = False
-                    break
-                seen[piece] = key
-            if ok:
-                for a in assigns:
-                    covered[a.target] = covered.get(a.target, 0) + _numel(
-                        _shape_after(shapes[a.target], a.dst)
-                    )
-                plan.append(PlanEntry(info, tuple(assigns)))
-    optional = {n for n, _ in role_parameters(model)}  # quantizer params
-    for name, shape in shapes.items():
-        if name in reported or (name in optional and name not in covered):
-            continue
-        if covered.get(name, 0) != _numel(shape):
-            missing.append(
-                name if name not in covered else f"{name} (partly: {covered[name]}/{_numel(shape)})"
-            )
-    problems = {
-        "missing": missing,
-        "unexpected": unexpected,
-        "shape mismatch": mismatched,
-        "duplicate": duplicate,
-    }
-    if any(problems.values()):
-        raise Zero3Error(_format_problems(f"checkpoint {model_dir} does not match the model", problems))
-    if tied:
-        log.info("skipped %d tied checkpoint keys (%s)", len(tied), ", ".join(tied[:5]))
-    return plan
-
-
-def _fmt(shape: Sequence[int] | None) -> str:
-    return "(does not fit)" if shape is None else str(list(shape))
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def stream_load_weights(
@@ -736,7 +436,7 @@ def stream_load_weights(
     model_path: str | os.PathLike,
     *,
     chunk_bytes: int = 64 << 20,
-    ignore: Sequence[str] = DEFAULT_IGNORED_KEYS,
+    ignore: Sequence[str] = st.DEFAULT_IGNORED_KEYS,
 ) -> dict:
     """Fill every parameter (and persistent buffer) of ``model`` from the safetensors checkpoint in
     ``model_path`` (``model.safetensors`` or a ``model.safetensors.index.json`` with shards).
@@ -754,7 +454,14 @@ def stream_load_weights(
     model_dir = Path(model_path)
     comm = _Comm(model_is_zero3(model))
     t0 = time.perf_counter()
-    plan = comm.decide(lambda: _weight_plan(model, model_dir, ignore))
+
+    def plan_weights() -> list[st.PlanEntry]:
+        files = weight_files(model_dir)
+        if not files:
+            raise CheckpointError(f"{model_dir}: no {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}")
+        return st.weight_plan(files, _model_tensors(model), where=str(model_dir), ignore=ignore)
+
+    plan = comm.decide(plan_weights)
     _execute_plan(model, plan, comm, chunk_bytes=chunk_bytes)
     report = {
         "tensors": len(plan),
@@ -793,167 +500,14 @@ def load_model(
     return model
 
 
-# =========================================================================== quantizer keys
-def _quantizer_keys(model: nn.Module) -> dict[str, str]:
-    """Checkpoint key -> quantizer parameter name, per docs/design.md:
-    ``L.weight_scale`` / ``L.weight_zero_point`` (weight_quantizer), ``L.input_scale`` /
-    ``L.input_zero_point`` (input_quantizer), ``<attn>.k_cache.scale`` / ``.v_cache.scale`` (+
-    ``.zero_point``; k_proj / v_proj output_quantizer), ``L.output_scale`` / ``L.output_zero_point``
-    for other output quantizers (q). LWC clip factors keep their module path
-    (``L.weight_quantizer.clip_factor_w_max``)."""
-    keys: dict[str, str] = {}
-    for name, ql in model.named_modules():
-        if not isinstance(ql, QuantLinear):
-            continue
-        parent, _, child = name.rpartition(".")
-        for role, q in ql.quantizers():
-            qname = f"{name}.{role}"
-            if role == "output_quantizer" and child in ("k_proj", "v_proj"):
-                prefix = f"{parent}.{child[0]}_cache." if parent else f"{child[0]}_cache."
-                stem = {"scale": prefix + "scale", "zero_point": prefix + "zero_point"}
-            else:
-                short = role.removesuffix("_quantizer")
-                stem = {"scale": f"{name}.{short}_scale", "zero_point": f"{name}.{short}_zero_point"}
-            for pname in ("scale", "zero_point"):
-                if getattr(q, pname) is not None:
-                    keys[stem[pname]] = f"{qname}.{pname}"
-            for pname in ("clip_factor_w_max", "clip_factor_w_min"):
-                if getattr(q, pname) is not None:
-                    keys[f"{qname}.{pname}"] = f"{qname}.{pname}"
-    return keys
+def _model_tensors(model: nn.Module) -> st.ModelTensors:
+    return st.model_tensors(model, shape_of=_full_shape)
 
 
-_SCALE_LIKE = re.compile(r".*(_scale|\.scale|_zero_point|\.zero_point|clip_factor_w_max|clip_factor_w_min)$")
-_FUSED_SCALE = re.compile(
-    r"^(?P<prefix>.+)\.(?P<proj>gate_up_proj|down_proj)"
-    r"(?:\.(?P<a>weight_scale|weight_zero_point|input_scale|input_zero_point)"
-    r"|_(?P<b>scale|zero_point|input_scale|input_zero_point|weight_scale|weight_zero_point))$"
-)
-
-
-def _fused_scale_assigns(
-    model: nn.Module, key: str, shape: tuple[int, ...], qkeys: dict[str, str]
-) -> list | None:
-    """Fan a fused-expert scale key (``mlp.experts.gate_up_proj_scale`` or
-    ``mlp.experts.gate_up_proj.weight_scale``, leading expert dim) out to each expert's quantizer.
-    A gate_up scale whose per-expert slice spans the fused out dim (2I rows) is split into gate / up;
-    a per-tensor one applies to both."""
-    m = _FUSED_SCALE.match(key)
-    if not m:
-        return None
-    try:
-        lin = model.get_submodule(m["prefix"])
-    except AttributeError:
-        return None
-    if not isinstance(lin, LinearizedMoeExperts):
-        return None
-    kind = m["a"] or m["b"]
-    kind = {"scale": "weight_scale", "zero_point": "weight_zero_point"}.get(kind, kind)
-    inter = lin.intermediate_dim
-    projs = ("gate_proj", "up_proj") if m["proj"] == "gate_up_proj" else ("down_proj",)
-    split = kind.startswith("weight") and len(projs) == 2 and len(shape) >= 3 and shape[1] == 2 * inter
-    out = []
-    for e in range(len(lin)):
-        for i, proj in enumerate(projs):
-            target = qkeys.get(f"{m['prefix']}.{e}.{proj}.{kind}")
-            if target is None:
-                continue
-            src = (e, slice(i * inter, (i + 1) * inter)) if split else (e,)
-            out.append(Assign(target, src=src))
-    return out
-
-
-def resolve_ptq_dir(ptq_dir: str | os.PathLike) -> Path:
-    """The directory holding ``quant_scheme.json``: ``ptq_dir`` itself or its nested
-    ``final_quant_checkpoint/``."""
-    d = Path(ptq_dir)
-    for cand in (d, d / NESTED_PTQ_DIR):
-        if (cand / SCHEME_NAME).is_file():
-            return cand
-    if not d.exists():
-        raise Zero3Error(f"PTQ checkpoint {d} does not exist")
-    raise Zero3Error(
-        f"PTQ checkpoint {d}: no {SCHEME_NAME} in it nor in {d / NESTED_PTQ_DIR} (not a qatlib PTQ output?)"
-    )
-
-
-def check_ptq_scheme(ptq_dir: str | os.PathLike, scheme: QuantScheme) -> tuple[Path, QuantScheme]:
-    """Resolve the PTQ dir and refuse a checkpoint whose scheme differs from ``scheme``."""
-    d = resolve_ptq_dir(ptq_dir)
-    try:
-        ckpt_scheme = QuantScheme.from_dict(json.loads((d / SCHEME_NAME).read_text()))
-    except (json.JSONDecodeError, TypeError, ValueError) as e:
-        raise Zero3Error(f"{d / SCHEME_NAME}: not a quant scheme ({e})") from None
-    problems = scheme.compatible_with(ckpt_scheme)
-    if problems:
-        raise Zero3Error(
-            f"PTQ checkpoint {d} was made for scheme {ckpt_scheme.name!r}, incompatible with the configured "
-            f"{scheme.name!r}: " + "; ".join(problems)
-        )
-    return d, ckpt_scheme
-
-
-def _check_ptq_scheme_only(ptq_dir: str | os.PathLike, scheme: QuantScheme) -> None:
-    check_ptq_scheme(ptq_dir, scheme)
-
-
-def _scale_plan(
-    model: nn.Module, ptq_dir: str | os.PathLike, scheme: QuantScheme
-) -> tuple[list[PlanEntry], dict]:
-    d, _ = check_ptq_scheme(ptq_dir, scheme)
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise Zero3Error(f"PTQ checkpoint {d}: no *.safetensors file")
-    qkeys = _quantizer_keys(model)
-    shapes = {n: _full_shape(p) for n, p in model.named_parameters()}
-    plan, seen = [], {}
-    mismatched, duplicate, unused = [], [], []
-    ignored = 0
-    for path in files:
-        for info in read_safetensors_header(path):
-            key = info.key
-            if key in qkeys:
-                assigns = [Assign(qkeys[key])]
-            else:
-                assigns = _fused_scale_assigns(model, key, info.shape, qkeys)
-                if assigns is None:
-                    if _SCALE_LIKE.fullmatch(key):
-                        unused.append(key)
-                    else:
-                        ignored += 1  # weights of a full checkpoint
-                    continue
-            ok = True
-            for a in assigns:
-                src_shape, dst_shape = _shape_after(info.shape, a.src), shapes[a.target]
-                if src_shape != dst_shape and not (
-                    src_shape is not None and _numel(src_shape) == 1 and dst_shape == (1,)
-                ):
-                    mismatched.append(f"{key}: checkpoint {_fmt(src_shape)} vs {a.target} {_fmt(dst_shape)}")
-                    ok = False
-                    break
-                if a.target in seen:
-                    duplicate.append(f"{key} (also {seen[a.target]})")
-                    ok = False
-                    break
-                seen[a.target] = key
-            if ok and assigns:
-                plan.append(PlanEntry(info, tuple(assigns)))
-    problems = {"shape mismatch": mismatched, "duplicate": duplicate}
-    if any(problems.values()):
-        raise Zero3Error(_format_problems(f"PTQ checkpoint {d} does not fit the prepared model", problems))
-    hits = sorted(seen)
-    misses = sorted(set(qkeys.values()) - set(seen))
-    report = {
-        "ptq_dir": str(d),
-        "files": [p.name for p in files],
-        "hits": len(hits),
-        "misses": len(misses),
-        "unused_keys": len(unused),
-        "ignored_keys": ignored,
-        "missed_params": misses,
-        "unused_key_names": unused,
-    }
-    return plan, report
+def _scale_plan(model: nn.Module, ptq_dir: str | os.PathLike, scheme: QuantScheme) -> tuple[list, dict]:
+    d, _ = check_scheme(ptq_dir, scheme)
+    qkeys = {key: name for name, key in scale_keys(model).items()}
+    return st.scale_plan(safetensors_files(d), _model_tensors(model), qkeys, where=str(d))
 
 
 def stream_load_scales(
@@ -994,7 +548,7 @@ def stream_load_scales(
         if report["unused_keys"]:
             log.warning("scale keys matching no quantizer: %s", ", ".join(report["unused_key_names"][:10]))
         if report_path is not None:
-            _write_json(Path(report_path), report)
+            write_json(report_path, report)
     return report
 
 
@@ -1039,7 +593,7 @@ def build_qat_model(
             "ZeRO-3 QAT needs a PTQ checkpoint (compression.QAT.from_ptq_ckpt): scales cannot be calibrated by "
             "forward on partitioned weights. Run the PTQ stage first and point from_ptq_ckpt at its output."
         )
-    comm.decide(lambda: _check_ptq_scheme_only(from_ptq_ckpt, scheme))
+    comm.decide(lambda: check_scheme(from_ptq_ckpt, scheme))
     model = load_model(
         model_path,
         ctx,
@@ -1050,51 +604,6 @@ def build_qat_model(
     prepare_zero3(model, scheme, ctx, ignore=ignore, options=options)
     stream_load_scales(model, from_ptq_ckpt, scheme, report_path=scales_report_path)
     return model
-
-
-# =========================================================================== optimizer
-def qat_parameters(model: nn.Module, role: str, *, trainable_only: bool = True) -> list[nn.Parameter]:
-    """Quantizer parameters of ``role`` ("scale" / "lwc"), each once (by identity: a tied
-    parameter handed twice trips DeepSpeed's duplicate check), in module order."""
-    seen, out = set(), []
-    for _, p in role_parameters(model, role):
-        if id(p) not in seen and (p.requires_grad or not trainable_only):
-            seen.add(id(p))
-            out.append(p)
-    return out
-
-
-def build_param_groups(
-    model: nn.Module, *, scale_lr: float, lwc_lr: float | None = None, weight_decay: float = 0.0
-) -> list[dict]:
-    """torch optimizer groups: trainable scales / zero points at ``scale_lr``, LWC factors at
-    ``lwc_lr`` (default ``scale_lr``); empty groups are left out. Raises if nothing is trainable."""
-    groups = []
-    for name, role, lr in (
-        ("scale", ROLE_SCALE, scale_lr),
-        ("lwc", ROLE_LWC, lwc_lr if lwc_lr is not None else scale_lr),
-    ):
-        ps = qat_parameters(model, role)
-        if ps:
-            groups.append({"name": name, "params": ps, "lr": lr, "weight_decay": weight_decay})
-    if not groups:
-        raise ValueError("no trainable scale / LWC parameters: is the model prepared, with learnable scales?")
-    return groups
-
-
-def make_optimizer(
-    model: nn.Module,
-    *,
-    scale_lr: float,
-    lwc_lr: float | None = None,
-    weight_decay: float = 0.0,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-) -> torch.optim.AdamW:
-    """A torch AdamW over `build_param_groups` (pass it to ``deepspeed.initialize(optimizer=...)``,
-    with ``zero_allow_untested_optimizer``, which `init_zero3` sets)."""
-    groups = build_param_groups(model, scale_lr=scale_lr, lwc_lr=lwc_lr, weight_decay=weight_decay)
-    return torch.optim.AdamW(groups, lr=scale_lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
 # =========================================================================== gather / save
@@ -1169,21 +678,6 @@ def consolidated_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return sd
 
 
-def _scheme_of(model: nn.Module) -> QuantScheme | None:
-    """The scheme a prepared model was built with (first QuantLinear's specs; k/v from the attention)."""
-    kw: dict[str, Any] = {}
-    for name, ql in model.named_modules():
-        if not isinstance(ql, QuantLinear):
-            continue
-        child = name.rpartition(".")[2]
-        if "weight" not in kw:
-            kw["weight"] = ql.weight_quantizer.spec if ql.weight_quantizer else None
-            kw["input"] = ql.input_quantizer.spec if ql.input_quantizer else None
-        if ql.output_quantizer is not None and child in ("q_proj", "k_proj", "v_proj"):
-            kw.setdefault(child[0], ql.output_quantizer.spec)
-    return QuantScheme(name="prepared", **kw) if kw else None
-
-
 def save_consolidated(
     model: nn.Module,
     out_dir: str | os.PathLike,
@@ -1212,24 +706,15 @@ def save_consolidated(
     out_dir = Path(out_dir)
     rank0 = get_rank() == 0
     comm = _Comm(_dist_ready())
-    scheme = scheme or _scheme_of(model)
-    key_of = {param: key for key, param in _quantizer_keys(model).items()}
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-
-    def start() -> None:
-        if out_dir.exists() and not overwrite:
-            raise Zero3Error(f"{out_dir} exists (overwrite=False)")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-
-    comm.decide(start)
+    scheme = scheme or prepared_scheme(model)
+    param_key = scale_keys(model)
+    target = AtomicDir(out_dir, overwrite=overwrite)
+    tmp = comm.decide(target.open)  # rank 0 creates it; the others never write
     shards: list[tuple[Path, list[str]]] = []
     pending: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     pending_bytes = 0
-    error: str | None = (
-        None  # rank 0's write failure: the gathers go on (they are collectives), then it is raised
-    )
+    error: str | None = None  # rank 0's write failure: the gathers go on (collectives), then raised
 
     def flush() -> None:
         nonlocal pending, pending_bytes
@@ -1246,19 +731,17 @@ def save_consolidated(
         try:
             for full, t in tensors.items():
                 if full.startswith(quant_prefixes):
-                    if full in key_of:
-                        scales[key_of[full]] = t.float().contiguous()
+                    if full in param_key:
+                        scales[param_key[full]] = t.float().contiguous()
                     continue
                 pending[full] = t.contiguous()
                 pending_bytes += t.numel() * t.element_size()
             if isinstance(m, QuantLinear) and m.weight_quantizer is not None and m.weight_quantizer.uses_lwc:
-                with (
-                    torch.no_grad()
-                ):  # the LWC-derived scale, what a PTQ checkpoint / export calls weight_scale
+                with torch.no_grad():  # the LWC-derived scale, what a PTQ checkpoint / export calls weight_scale
                     s, zp = m.weight_quantizer.qparams(m.weight.detach().float())
-                scales[f"{name}.weight_scale"] = s.detach().float().cpu().contiguous()
+                scales[key_of(name, "weight", "scale")] = s.detach().float().cpu().contiguous()
                 if zp is not None:
-                    scales[f"{name}.weight_zero_point"] = zp.detach().float().cpu().contiguous()
+                    scales[key_of(name, "weight", "zero_point")] = zp.detach().float().cpu().contiguous()
             if pending_bytes >= max_shard_bytes:
                 flush()
         except Exception as e:  # noqa: BLE001 - raised on every rank by finish()
@@ -1271,23 +754,19 @@ def save_consolidated(
             if error is not None:
                 raise Zero3Error(error)
             flush()
-            _finish_weight_files(tmp, shards)
+            name_weight_shards(tmp, shards)
             model.config.save_pretrained(tmp)
             if getattr(model, "generation_config", None) is not None:
                 with contextlib.suppress(Exception):
                     model.generation_config.save_pretrained(tmp)
             if scales:
-                save_file(scales, str(tmp / SCALES_NAME), metadata={"format": "pt"})
+                save_file(scales, str(tmp / SCALES_FILE), metadata={"format": "pt"})
                 if scheme is not None:
-                    _write_json(tmp / SCHEME_NAME, scheme.to_dict())
-            _write_json(tmp / METADATA_NAME, meta)
-            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-            if out_dir.exists():
-                out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old, ignore_errors=True)
+                    write_json(tmp / SCHEME_FILE, scheme.to_dict())
+            write_json(tmp / RUN_METADATA_FILE, meta)
+            target.commit()
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)  # no half-written output
+            target.abort()  # no half-written output
             raise
         log.info(
             "saved consolidated model to %s (%d weight files, %d scale tensors)",
@@ -1298,28 +777,6 @@ def save_consolidated(
 
     comm.decide(finish)
     return out_dir if rank0 else None
-
-
-def _finish_weight_files(tmp: Path, shards: list[tuple[Path, list[str]]]) -> None:
-    if len(shards) <= 1:
-        if shards:
-            shards[0][0].rename(tmp / WEIGHTS_NAME)
-        return
-    n = len(shards)
-    weight_map, total = {}, 0
-    for i, (path, keys) in enumerate(shards):
-        final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        path.rename(tmp / final)
-        total += (tmp / final).stat().st_size
-        weight_map.update(dict.fromkeys(keys, final))
-    _write_json(tmp / WEIGHTS_INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    tmp.replace(path)
 
 
 # =========================================================================== observability
@@ -1393,12 +850,4 @@ def run_metadata(model: nn.Module | None = None) -> dict:
             total / 2**20,
             [round(r["peak_rss_bytes"] / 2**20) for r in ranks],
         )
-    return meta
-
-
-def write_run_metadata(model: nn.Module | None, path: str | os.PathLike) -> dict:
-    """`run_metadata` (collective) written as JSON by rank 0."""
-    meta = run_metadata(model)
-    if get_rank() == 0:
-        _write_json(Path(path), meta)
     return meta

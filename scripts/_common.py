@@ -17,9 +17,9 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 log = logging.getLogger("qatlib.scripts")
+_SET_HELP = "override a config key (dotted path; the value is read as YAML); repeatable"
 
 
 def parser(
@@ -30,17 +30,10 @@ def parser(
     if config:
         ap.add_argument("-c", "--config", required=True, help="experiment YAML (upstream AngelSlim layout)")
         ap.add_argument(
-            "--set",
-            dest="overrides",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override a config key (dotted path; the value is read as YAML); repeatable",
+            "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=_SET_HELP
         )
     if model:
-        ap.add_argument(
-            "--model-path", default=None, help="model folder or hub id (overrides model.model_path)"
-        )
+        ap.add_argument("--model-path", default=None, help="model folder or hub id (sets model.model_path)")
     if save:
         ap.add_argument("--save-path", default=None, help="output folder (overrides global.save_path)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -92,29 +85,28 @@ def setup(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
 
 
-def write_json(path: str | os.PathLike, obj) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, p)
-
-
 @contextlib.contextmanager
 def stage(name: str, args: argparse.Namespace) -> Iterator[dict]:
     """Run a stage: set up, time it, and (rank 0) write ``args.timing`` when it succeeds.
 
-    Yields a dict whose entries are added to the timing record.
-    """
+    Yields a dict whose entries are added to the timing record. A `CheckpointError` (a missing or
+    unfit PTQ / QAT checkpoint) ends the stage with its message."""
+    from qatlib.checkpoint.layout import CheckpointError
+
     setup(args)
     extra: dict = {}
     t0 = time.perf_counter()
     log.info("stage %s: start", name)
-    yield extra
+    try:
+        yield extra
+    except CheckpointError as e:  # a missing / unfit checkpoint is a user error, not a traceback
+        sys.exit(f"error: {e}")
     wall = time.perf_counter() - t0
     log.info("stage %s: done in %.1f s", name, wall)
     if args.timing and rank() == 0:
         import torch
+
+        from qatlib.checkpoint.layout import write_json
 
         record = {
             "stage": name,
@@ -124,28 +116,4 @@ def stage(name: str, args: argparse.Namespace) -> Iterator[dict]:
             "cpu_count": os.cpu_count(),
         }
         record.update(extra)
-        write_json(args.timing, record)
-
-
-def resolve_model_dir(path: str, *, cache_dir: str | None = None) -> str:
-    """A local folder for ``path``: itself when it exists, else the hub snapshot of that id
-    (downloaded once into the HF cache; the ZeRO-3 loader needs files on disk)."""
-    if Path(path).exists():
-        return path
-    from huggingface_hub import snapshot_download
-
-    log.info("%s is not a local folder: fetching the hub snapshot", path)
-    return snapshot_download(
-        path,
-        cache_dir=cache_dir,
-        allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.py"],
-    )
-
-
-# ----------------------------------------------------------------------------- config -> qatlib
-def torch_dtype(cfg):
-    """The model dtype of ``model.torch_dtype`` (None for ``auto``)."""
-    from qatlib.models import resolve_dtype
-
-    d = resolve_dtype(cfg.model.torch_dtype_name)
-    return None if d == "auto" else d
+        write_json(args.timing, record, sort_keys=True)

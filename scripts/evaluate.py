@@ -50,33 +50,18 @@ def split_tasks(tasks: list[str]) -> tuple[list[str], list[str], list[str]]:
 def load_variant(cfg, variant: str, model_path: str, scales: str | None):
     import torch
 
-    from qatlib.models import load_model
+    from qatlib.models import load_model, load_prepared
 
-    cuda = torch.cuda.is_available()
-    if variant == "export":
+    m, device_map = cfg.model, "auto" if torch.cuda.is_available() else None
+    if variant == "export":  # compressed-tensors decompresses and quantizes activations itself
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(
-            model_path, trust_remote_code=cfg.model.trust_remote_code, device_map="auto" if cuda else None
-        )
-        return model.eval()
-    model = load_model(
-        model_path,
-        torch_dtype=cfg.model.torch_dtype,
-        trust_remote_code=cfg.model.trust_remote_code,
-        attn_implementation=cfg.model.attn_implementation,
-        device_map="auto" if cuda else None,
-    )
+        kw = dict(trust_remote_code=m.trust_remote_code, device_map=device_map)
+        return AutoModelForCausalLM.from_pretrained(model_path, **kw).eval()
     if scales:
-        from qatlib.quant import prepare
-        from qatlib.zero3_io import stream_load_scales
-
-        scheme = cfg.quant_scheme()
-        prepare(model, scheme, ignore=cfg.ignore_layers, options=cfg.prepare_options())
-        rep = stream_load_scales(model, scales, scheme)
-        if rep.get("misses"):
-            raise SystemExit(f"error: {scales}: {rep['misses']} quantizer parameters have no value there")
-    return model.eval()
+        return load_prepared(cfg, model_path, scales=scales, complete=True, device_map=device_map)[0].eval()
+    kw = dict(trust_remote_code=m.trust_remote_code, attn_implementation=m.attn_implementation)
+    return load_model(model_path, torch_dtype=m.torch_dtype, device_map=device_map, **kw)
 
 
 def main(argv=None) -> int:
@@ -94,56 +79,35 @@ def main(argv=None) -> int:
         ap.error(f"{args.config}: no `evaluation` (ppl / tasks) to run")
 
     with _common.stage(f"evaluate-{args.variant}", args) as record:
+        from qatlib.checkpoint.layout import write_json
         from qatlib.eval.harness import evaluate_tasks
         from qatlib.eval.perplexity import perplexity
-        from qatlib.models import load_tokenizer
+        from qatlib.models import load_tokenizer, resolve_model_dir
 
         t0 = time.perf_counter()
-        model_dir = _common.resolve_model_dir(cfg.model.model_path, cache_dir=cfg.model.cache_dir)
+        model_dir = resolve_model_dir(cfg.model.model_path, cache_dir=cfg.model.cache_dir)
         model = load_variant(cfg, args.variant, model_dir, args.scales)
         tok = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-        result = {
-            "variant": args.variant,
-            "model_path": str(model_dir),
-            "scales": args.scales,
-            "ppl": {},
-            "tasks": {},
-        }
+        result = {"variant": args.variant, "model_path": str(model_dir), "scales": args.scales}
+        result.update(ppl={}, tasks={})
+        run = dict(batch_size=ev.batch_size, limit=ev.limit)
         for src in ev.ppl:
-            r = perplexity(
-                model,
-                tok,
-                src,
-                seq_len=ev.max_seq_length,
-                batch_size=ev.batch_size,
-                limit=ev.limit,
-                progress=not args.no_progress,
-                cache_dir=args.hf_home,
-            )
+            kw = dict(seq_len=ev.max_seq_length, progress=not args.no_progress, cache_dir=args.hf_home)
+            r = perplexity(model, tok, src, **run, **kw)
             result["ppl"][ppl_label(src)] = r
             print(f"{args.variant} ppl {ppl_label(src)}: {r['ppl']:.4f} ({r['windows']} windows)")
         if ev.tasks:
             names, include, hub = split_tasks(list(ev.tasks))
-            result["tasks"] = evaluate_tasks(
-                model,
-                tok,
-                names,
-                num_fewshot=ev.num_fewshot,
-                limit=ev.limit,
-                batch_size=ev.batch_size,
-                include_path=include or None,
-                include_defaults=bool(hub),
-                hf_home=args.hf_home,
-                max_length=ev.max_seq_length,
-                seed=cfg.global_.seed,
-            )
+            kw = dict(include_path=include or None, include_defaults=bool(hub), hf_home=args.hf_home)
+            kw.update(num_fewshot=ev.num_fewshot, max_length=ev.max_seq_length, seed=cfg.global_.seed)
+            result["tasks"] = evaluate_tasks(model, tok, names, **run, **kw)
             for task, m in result["tasks"].items():
                 print(f"{args.variant} {task}: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items()))
         result["wall_s"] = round(time.perf_counter() - t0, 3)
         bad = [k for k, r in result["ppl"].items() if not math.isfinite(r["ppl"])]
         if bad:
             raise SystemExit(f"error: non-finite perplexity on {', '.join(bad)} ({args.variant})")
-        _common.write_json(args.out, result)
+        write_json(args.out, result, sort_keys=True)
         record.update(variant=args.variant)
     return 0
 

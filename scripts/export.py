@@ -4,7 +4,8 @@
         --model-path results/tiny-qwen3-moe/qat --save-path results/tiny-qwen3-moe/export
 
 ``--model-path`` is the QAT checkpoint (an HF model folder with its scales beside the weights);
-the model is rebuilt with the experiment's scheme, the trained scales are loaded, and
+the model is rebuilt with the experiment's scheme, the trained scales are loaded
+(`qatlib.models.load_prepared`; a quantizer without a trained value is an error), and
 `qatlib.export.export` writes ``compression.QAT.save_format`` (default ``real``: compressed-tensors,
 loadable by vLLM / SGLang / transformers).
 """
@@ -28,24 +29,10 @@ def main(argv=None) -> int:
 
     with _common.stage("convert_export", args) as record:
         from qatlib.export import export
-        from qatlib.models import load_model, load_tokenizer
-        from qatlib.quant import prepare
-        from qatlib.zero3_io import stream_load_scales
+        from qatlib.models import load_prepared, load_tokenizer
 
         scheme = cfg.quant_scheme()
-        model = load_model(
-            args.model_path,
-            torch_dtype=cfg.model.torch_dtype,
-            trust_remote_code=cfg.model.trust_remote_code,
-            attn_implementation=cfg.model.attn_implementation,
-        )
-        prepare(model, scheme, ignore=cfg.ignore_layers, options=cfg.prepare_options())
-        loaded = stream_load_scales(model, args.model_path, scheme)
-        if loaded.get("misses"):
-            raise SystemExit(
-                f"error: {args.model_path}: {loaded['misses']} quantizer parameters have no "
-                "trained value in the QAT checkpoint; refusing to export init values"
-            )
+        model, loaded = load_prepared(cfg, args.model_path, scales=args.model_path, complete=True)
         tok = load_tokenizer(args.model_path, trust_remote_code=cfg.model.trust_remote_code)
         out = export(
             model,

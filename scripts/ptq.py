@@ -29,11 +29,11 @@ def main(argv=None) -> int:
         from torch.utils.data import DataLoader
 
         from qatlib.data import PadCollator, load_training_data
-        from qatlib.models import load_model, load_tokenizer
+        from qatlib.models import load_model, load_tokenizer, resolve_model_dir
         from qatlib.ptq import calibrate, save_ptq_checkpoint
 
         scheme = cfg.quant_scheme()
-        model_dir = _common.resolve_model_dir(cfg.model.model_path, cache_dir=cfg.model.cache_dir)
+        model_dir = resolve_model_dir(cfg.model.model_path, cache_dir=cfg.model.cache_dir)
         cuda = torch.cuda.is_available()
         model = load_model(
             model_dir,

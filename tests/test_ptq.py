@@ -10,8 +10,9 @@ import torch
 from conftest import build_model, tiny_qwen3_config, tiny_qwen3_moe_config
 
 from qatlib import ptq
+from qatlib.checkpoint.layout import read_scheme, read_scheme_record
 from qatlib.gptq import gptq, gptq_quantize_weight
-from qatlib.ptq import calibrate, load_ptq_metadata, load_ptq_scheme, save_ptq_checkpoint
+from qatlib.ptq import calibrate, save_ptq_checkpoint
 from qatlib.quant import Granularity, QuantScheme, QuantSpec, compute_qparams, prepare, preset, quant_linears
 from qatlib.zero3_io import stream_load_scales
 
@@ -182,8 +183,8 @@ def test_save_load_ptq_checkpoint(tmp_path, moe):
     report = calibrate(model, scheme, _batches(), kv="per-tensor")
     scheme = report.scheme
     out = save_ptq_checkpoint(model, scheme, tmp_path / "ptq", calibration=report)
-    meta = load_ptq_metadata(out)
-    assert load_ptq_scheme(out) == scheme
+    meta = read_scheme_record(out)
+    assert read_scheme(out) == scheme
     assert meta["qatlib_version"] and meta["calibration"]["num_batches"] == 2 and meta["weights"] is None
     assert sorted(p.name for p in out.iterdir()) == ["quant_scheme.json", "scales.safetensors"]
     from safetensors import safe_open

@@ -601,11 +601,14 @@ def test_blockwise_moe_bf16_then_fake_export(tmp_path, tiny_qwen3_moe):
 
 
 def test_blockwise_cli_trains_and_saves_a_qat_checkpoint(tmp_path, tiny_tokenizer):
-    """``python -m qatlib.trainers.blockwise -c CONFIG``: train_blockwise from the config, then a
-    QAT checkpoint that reloads (weights) and warm-starts (scales) a fresh prepared model."""
+    """``python scripts/qat.py -c CONFIG`` with ``training_mode: blockwise``: train_blockwise from the
+    config, then a QAT checkpoint that reloads (weights) and warm-starts (scales) a fresh prepared model."""
+    import subprocess
+    import sys
+
     import yaml
 
-    from qatlib.trainers.blockwise import BLOCKWISE_LOG_FILE, main
+    from qatlib.checkpoint.layout import TRAIN_LOG_FILE
     from qatlib.zero3_io import stream_load_scales
 
     model_dir = tmp_path / "base"
@@ -622,8 +625,11 @@ def test_blockwise_cli_trains_and_saves_a_qat_checkpoint(tmp_path, tiny_tokenize
         block_wise_config=bw,
     )
     (tmp_path / "exp.yaml").write_text(yaml.safe_dump(raw))
-    assert main(["-c", str(tmp_path / "exp.yaml"), "--save-path", str(tmp_path / "qat")]) == 0
-    lines = read_log(tmp_path / "qat" / BLOCKWISE_LOG_FILE)
+    script = Path(__file__).resolve().parents[1] / "scripts" / "qat.py"
+    cmd = [sys.executable, str(script), "-c", str(tmp_path / "exp.yaml"), "--save-path", str(tmp_path / "qat")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = read_log(tmp_path / "qat" / TRAIN_LOG_FILE)
     assert [(x["block"], x["epoch"]) for x in lines] == [(0, 0), (1, 0)] and "val_mse" in lines[0]
     from qatlib.resume import load_saved_model
 

@@ -19,7 +19,9 @@ from conftest import VOCAB, build_model, one_thread, tiny_qwen3_config, tiny_qwe
 from safetensors.torch import load_file, save_file
 
 from qatlib import zero3_io as z
+from qatlib.checkpoint.layout import RUN_METADATA_FILE, SCALES_FILE, WEIGHTS_INDEX_FILE
 from qatlib.quant import Granularity, PrepareOptions, QuantLinear, QuantScheme, QuantSpec, prepare, quantizers
+from qatlib.trainers.params import Learnable, param_groups, select_trainable
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).parent / "zero3_workers"
@@ -132,7 +134,7 @@ def reference_run(model_dir: Path, ptq_dir: Path, data: dict, steps: int) -> dic
         init_params = quant_params(model)
         for p in model.parameters():
             p.requires_grad_(id(p) in _quant_ids(model))
-        opt = z.make_optimizer(model, scale_lr=LR, eps=EPS)
+        opt = scale_optimizer(model, LR, EPS)
         model.train()
         losses = []
         for s in range(steps):
@@ -313,8 +315,8 @@ def test_qat_steps_match_single_process(zero3_run, ckpts, name):
 def test_consolidated_save_reloads_without_deepspeed(zero3_run, name):
     results, run_dir, _ = zero3_run
     saved = run_dir / f"{name}_saved"
-    assert (saved / "config.json").is_file() and (saved / z.SCALES_NAME).is_file()
-    assert json.loads((saved / z.METADATA_NAME).read_text())["world_size"] == 2
+    assert (saved / "config.json").is_file() and (saved / SCALES_FILE).is_file()
+    assert json.loads((saved / RUN_METADATA_FILE).read_text())["world_size"] == 2
     with one_thread():
         model, report = prepared_from(saved, saved)
         with torch.no_grad():
@@ -527,7 +529,7 @@ def test_plain_save_consolidated_roundtrip(tmp_path, ckpts, lwc):
         with torch.no_grad():
             want = model(input_ids=x).logits
         out = z.save_consolidated(model, tmp_path / "saved", max_shard_bytes=100_000)
-        assert (out / z.WEIGHTS_INDEX_NAME).is_file() and len(list(out.glob("model-*-of-*.safetensors"))) > 1
+        assert (out / WEIGHTS_INDEX_FILE).is_file() and len(list(out.glob("model-*-of-*.safetensors"))) > 1
         assert not list(tmp_path.glob(".saved.tmp-*"))  # the temporary dir was renamed
         for reload_opts in [opts, PrepareOptions()] if lwc else [opts]:
             again = load_plain(out)
@@ -536,7 +538,7 @@ def test_plain_save_consolidated_roundtrip(tmp_path, ckpts, lwc):
             assert report["misses"] == 0
             with torch.no_grad():
                 assert torch.equal(again(input_ids=x).logits, want)
-    assert json.loads((out / z.METADATA_NAME).read_text())["zero_stage"] == 0
+    assert json.loads((out / RUN_METADATA_FILE).read_text())["zero_stage"] == 0
 
 
 def test_param_groups_dedupe_and_roles():
@@ -544,7 +546,8 @@ def test_param_groups_dedupe_and_roles():
     prepare(model, SCHEME, options=PrepareOptions(lwc_init=1.0))
     attn = model.model.layers[0].self_attn
     attn.v_proj.input_quantizer.scale = attn.k_proj.input_quantizer.scale  # a shared (tied) scale
-    groups = z.build_param_groups(model, scale_lr=1e-4, lwc_lr=1e-3)
+    tp = select_trainable(model, Learnable(act_scale=True, weight_scale=True, kv_scale=True, lwc=True))
+    groups = param_groups(tp, lr=1e-4, lwc_lr=1e-3)
     assert [(g["name"], g["lr"]) for g in groups] == [("scale", 1e-4), ("lwc", 1e-3)]
     ids = [id(p) for g in groups for p in g["params"]]
     assert len(ids) == len(set(ids))
@@ -554,7 +557,7 @@ def test_param_groups_dedupe_and_roles():
     assert sum(p.numel() for g in groups for p in g["params"]) == sum(
         p.numel() for p in {id(p): p for p in model.parameters() if id(p) in _quant_ids(model)}.values()
     )
-    opt = z.make_optimizer(model, scale_lr=1e-4, lwc_lr=1e-3)
+    opt = torch.optim.AdamW(groups, lr=1e-4)
     assert isinstance(opt, torch.optim.AdamW) and len(opt.param_groups) == 2
 
 
@@ -585,6 +588,15 @@ def test_non_zero_path_is_untouched(ckpts):
     assert z.consolidated_state_dict(model).keys() == model.state_dict().keys()
     meta = z.run_metadata(model)
     assert meta["world_size"] == 1 and meta["zero_stage"] == 0 and meta["ranks"][0]["share_max"] == 1.0
+
+
+# Every scale of SCHEME (weight, input, k/v outputs; no q) trains, as in the ZeRO-3 workers.
+ALL_SCALES = Learnable(act_scale=True, weight_scale=True, kv_scale=True)
+
+
+def scale_optimizer(model, lr: float, eps: float) -> torch.optim.AdamW:
+    """torch AdamW over the trainers' own groups (`qatlib.trainers.params`) of every scale."""
+    return torch.optim.AdamW(param_groups(select_trainable(model, ALL_SCALES), lr=lr), lr=lr, eps=eps)
 
 
 def _quant_ids(model):

@@ -85,6 +85,20 @@ class QuantLinear(nn.Module):
         wq = self.weight_quantizer
         return self.weight if wq is None else wq(self.weight)
 
+    @torch.no_grad()
+    def codes(self, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(codes, scale, zero_point)`` of the weight (or of ``weight``) exactly as training
+        quantizes it (LWC: the clipped scale of that weight; zero points rounded): what `convert`
+        stores and what export compresses."""
+        wq = self.weight_quantizer
+        if wq is None:
+            raise ValueError("this QuantLinear quantizes no weight")
+        w = self.weight if weight is None else weight
+        scale, zp = wq.qparams(w)
+        scale = scale.detach().float().clone()
+        zp = None if zp is None else torch.round(zp.detach().float()).clone()
+        return F.quantize(w, scale, zp, wq.spec), scale, zp
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(self, x, self.fake_quant_weight())
 
@@ -111,10 +125,8 @@ class QDQLinear(nn.Module):
                 self.register_buffer("weight", w.detach().clone())
                 self.weight_scale = self.weight_zero_point = None
             else:
-                scale, zp = wq.qparams(w)
-                scale = scale.detach().float().clone()
-                zp = None if zp is None else torch.round(zp.detach().float()).clone()
-                self.register_buffer("weight", F.quantize(w, scale, zp, wq.spec))
+                codes, scale, zp = ql.codes(w)
+                self.register_buffer("weight", codes)
                 self.register_buffer("weight_scale", scale)
                 self.register_buffer("weight_zero_point", zp)
         self.bias = None if ql.bias is None else nn.Parameter(ql.bias.detach().clone(), requires_grad=False)
@@ -166,15 +178,18 @@ def matches_any(name: str, patterns: Sequence[str]) -> bool:
     return False
 
 
-def _is_router(parent: nn.Module, child_name: str) -> bool:
+def is_router(parent: nn.Module | None, child_name: str) -> bool:
     """A router gate (the ``gate`` linear of a module that also holds ``experts``) is never
     quantized by default: its logits pick experts, and deployment runtimes keep it in high precision."""
-    return child_name == "gate" and hasattr(parent, "experts")
+    return child_name == "gate" and parent is not None and hasattr(parent, "experts")
 
 
-def _attention_role(parent: nn.Module, child_name: str) -> str | None:
-    """'q' / 'k' / 'v' for the projections of an attention module (found by structure)."""
-    if child_name in ("q_proj", "k_proj", "v_proj") and all(hasattr(parent, a) for a in ("q_proj", "k_proj", "v_proj")):
+def attention_role(parent: nn.Module | None, child_name: str) -> str | None:
+    """'q' / 'k' / 'v' for the projections of an attention module (found by structure: a
+    ``q_proj`` / ``k_proj`` / ``v_proj`` child of a module that has all three)."""
+    if child_name in ("q_proj", "k_proj", "v_proj") and parent is not None and all(
+        hasattr(parent, a) for a in ("q_proj", "k_proj", "v_proj")
+    ):
         return child_name[0]
     return None
 
@@ -225,7 +240,7 @@ def prepare(
             if type(child) is not nn.Linear:
                 continue
             full = f"{name}.{child_name}" if name else child_name
-            if matches_any(full, ignore) or _is_router(module, child_name):
+            if matches_any(full, ignore) or is_router(module, child_name):
                 continue
             todo.append((module, child_name, child, full))
     w = scheme.weight
@@ -236,7 +251,7 @@ def prepare(
                              + (f" and {len(bad) - 10} more" if len(bad) > 10 else ""))
     in_attention = False
     for parent, child_name, child, _ in todo:
-        out_spec = _output_spec(scheme, _attention_role(parent, child_name), parent, child)
+        out_spec = _output_spec(scheme, attention_role(parent, child_name), parent, child)
         with init_context():
             ql = QuantLinear(
                 child,
@@ -276,6 +291,24 @@ def quantizers(model: nn.Module) -> Iterator[tuple[str, Quantizer]]:
             yield name, m
 
 
+def prepared_scheme(model: nn.Module) -> QuantScheme | None:
+    """The scheme a prepared model was built with (first QuantLinear's weight / input specs, q / k / v
+    from the attention projections); None for an unprepared model."""
+    kw: dict = {}
+    modules = dict(model.named_modules())
+    for name, ql in modules.items():
+        if not isinstance(ql, QuantLinear):
+            continue
+        parent, _, child = name.rpartition(".")
+        if "weight" not in kw:
+            kw["weight"] = ql.weight_quantizer.spec if ql.weight_quantizer else None
+            kw["input"] = ql.input_quantizer.spec if ql.input_quantizer else None
+        role = attention_role(modules.get(parent), child)
+        if ql.output_quantizer is not None and role is not None:
+            kw.setdefault(role, ql.output_quantizer.spec)
+    return QuantScheme(name="prepared", **kw) if kw else None
+
+
 @contextlib.contextmanager
 def quantization_disabled(model: nn.Module) -> Iterator[None]:
     """Run ``model`` unquantized inside the block (the KD teacher is the same model, no copy)."""
@@ -300,13 +333,13 @@ def quantization_disabled(model: nn.Module) -> Iterator[None]:
 def convert(model: nn.Module) -> nn.Module:
     """Replace every `QuantLinear` by its `QDQLinear` (codes + scales), in place.
 
-    Needs readable weights: under ZeRO-3 use ``qatlib.zero3_io`` (gathers, rank 0 only)."""
+    Needs readable weights: under ZeRO-3 gather them first (rank 0 only)."""
     todo = [(name, m) for name, m in quant_linears(model)]
     if not todo:
         raise ValueError("convert: the model has no QuantLinear layers (was it prepared?)")
     for name, ql in todo:
         if not weight_readable(ql.weight):
-            raise ValueError(f"convert: weight of {name} is not readable (ZeRO-3 shard or meta); use zero3_io")
+            raise ValueError(f"convert: weight of {name} is not readable (ZeRO-3 shard or meta); gather it first")
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, QDQLinear(ql))

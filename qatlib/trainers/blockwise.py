@@ -1,6 +1,6 @@
 """Blockwise QAT (EfficientQAT Block-AP / OmniQuant style), single process.
 
-For each decoder block of ``model.model.layers`` (dense or MoE), in order:
+For each decoder block (`qatlib.models.decoder_layers`: ``model.model.layers``; dense or MoE), in order:
 
 1. targets: the block run UNQUANTIZED (`quantization_disabled`) on the full-precision inputs
    (``fp_inps``) — computed before the block changes;
@@ -40,14 +40,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..quant import QuantLinear, quantization_disabled
-from ..quant.quantizer import Quantizer
+from ..checkpoint.layout import TRAIN_LOG_FILE
+from ..models import decoder_layers
+from ..quant import quantization_disabled
+from ..quant.calibration import calibrate_activations
 from .params import Learnable, freeze_all_but, select_trainable
 
 log = logging.getLogger(__name__)
-
-BLOCKWISE_LOG_FILE = "blockwise_log.jsonl"
-_LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "layers")
 
 
 @dataclass(frozen=True)
@@ -74,20 +73,6 @@ class BlockwiseResult:
 
 class _StopForward(Exception):
     pass
-
-
-def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The model's own list of decoder blocks (``model.model.layers`` for Llama / Qwen families)."""
-    for path in _LAYER_PATHS:
-        try:
-            m = model.get_submodule(path)
-        except AttributeError:
-            continue
-        if isinstance(m, nn.ModuleList) and len(m):
-            return path, m
-    raise ValueError(
-        f"cannot find the decoder layers of {type(model).__name__} (looked for {', '.join(_LAYER_PATHS)})"
-    )
 
 
 def blockwise_samples(dataset: Iterable[dict[str, Sequence[int]]], seqlen: int, n: int) -> list[torch.Tensor]:
@@ -159,35 +144,14 @@ def _block_out(block: nn.Module, x: torch.Tensor, kw: dict) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def _static_act_quantizers(block: nn.Module) -> list[tuple[str, Quantizer]]:
-    out = []
-    for name, ql in block.named_modules():
-        if isinstance(ql, QuantLinear):
-            for role in ("input_quantizer", "output_quantizer"):
-                q = getattr(ql, role)
-                if q is not None and not q.spec.dynamic and q.scale is not None:
-                    out.append((f"{name}.{role}", q))
-    return out
-
-
-@torch.no_grad()
 def _calibrate_block(block: nn.Module, inps: list[torch.Tensor], kws: list[dict]) -> int:
     """Calibrate the block's not-yet-initialised static activation quantizers on ``inps``."""
-    todo = [(n, q) for n, q in _static_act_quantizers(block) if not bool(q.initialized)]
-    if not todo:
-        return 0
-    from ..ptq import CalibrationReport, finish_with_fallback
+    report = calibrate_activations(block, list(zip(inps, kws)), forward=_run_block, only_uninitialized=True)
+    return report.static_activation_quantizers
 
-    for _, q in todo:
-        q.start_calibration()
-    try:
-        for x, kw in zip(inps, kws):
-            _block_out(block, x, kw)
-        finish_with_fallback(todo, CalibrationReport())
-    finally:
-        for _, q in todo:
-            q.calibrating = False
-    return len(todo)
+
+def _run_block(block: nn.Module, batch: tuple[torch.Tensor, dict]) -> None:
+    _block_out(block, *batch)
 
 
 def _cosine_factor(step: int, total: int, min_lr_factor: float) -> float:
@@ -353,7 +317,7 @@ def train_blockwise(
 ) -> BlockwiseResult:
     """Blockwise QAT as ``cfg`` says (``compression.QAT.block_wise_config``, ``learnable``), on a
     prepared model and a tokenized dataset. ``log_file``: True = ``<global.save_path>/
-    blockwise_log.jsonl``, a path, or None / False for none (the records are in the result).
+    train_log.jsonl``, a path, or None / False for none (the records are in the result).
     ZeRO-3 is not supported (single process)."""
     if getattr(cfg, "zero3_enabled", False):
         raise ValueError("blockwise QAT runs in a single process; it does not support ZeRO-3")
@@ -362,7 +326,7 @@ def train_blockwise(
         train_dataset, settings.training_seqlen, settings.train_size + settings.val_size
     )
     if log_file is True:
-        log_file = Path(cfg.global_.save_path) / BLOCKWISE_LOG_FILE
+        log_file = Path(cfg.global_.save_path) / TRAIN_LOG_FILE
     trainer = BlockwiseTrainer(
         model,
         settings,
@@ -371,67 +335,5 @@ def train_blockwise(
         log_file=log_file or None,
         seed=cfg.global_.seed,
     )
-    return trainer.train(samples)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m qatlib.trainers.blockwise -c CONFIG [--set k=v] [--model-path P] [--save-path D]``
-
-    Single-process blockwise QAT: load the model, prepare it with the config's scheme, warm-start
-    the scales from ``compression.QAT.from_ptq_ckpt`` when set, train block by block, and save
-    the QAT checkpoint (HF model folder + ``scales.safetensors`` + ``quant_scheme.json``,
-    `qatlib.zero3_io.save_consolidated`) with ``blockwise_log.jsonl`` to ``global.save_path``."""
-    import argparse
-
-    from ..config import ConfigError, load_config
-    from ..data import training_data_from_config
-    from ..models import load_model, load_tokenizer
-    from ..quant import prepare
-    from ..zero3_io import save_consolidated, stream_load_scales
-
-    ap = argparse.ArgumentParser(prog="python -m qatlib.trainers.blockwise", description="blockwise QAT")
-    ap.add_argument("-c", "--config", required=True)
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--model-path", default=None)
-    ap.add_argument("--save-path", default=None)
-    args = ap.parse_args(argv)
-    sets = list(args.overrides)
-    if args.model_path:
-        sets.append(f"model.model_path={json.dumps(str(args.model_path))}")
-    if args.save_path:
-        sets.append(f"global.save_path={json.dumps(str(args.save_path))}")
-    try:
-        cfg = load_config(args.config, sets)
-    except ConfigError as e:
-        ap.exit(2, f"error: {e}\n")
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     torch.manual_seed(cfg.global_.seed)
-    scheme = cfg.quant_scheme()
-    model = load_model(
-        cfg.model.model_path,
-        torch_dtype=cfg.model.torch_dtype,
-        trust_remote_code=cfg.model.trust_remote_code,
-        attn_implementation=cfg.model.attn_implementation,
-    )
-    tok = load_tokenizer(cfg.model.model_path, trust_remote_code=cfg.model.trust_remote_code)
-    prepare(model, scheme, ignore=cfg.ignore_layers, options=cfg.prepare_options())
-    ptq = cfg.qat.from_ptq_ckpt
-    if ptq:
-        stream_load_scales(model, ptq, scheme)
-    save = Path(cfg.global_.save_path)
-    res = train_blockwise(
-        cfg,
-        model,
-        training_data_from_config(cfg, tok),
-        scales_loaded=bool(ptq),
-        log_file=None,
-    )
-    save_consolidated(model, save, scheme=scheme)
-    tok.save_pretrained(str(save))
-    (save / BLOCKWISE_LOG_FILE).write_text("".join(json.dumps(r) + "\n" for r in res.log))
-    print(f"blockwise QAT ({scheme.name}, {res.blocks} blocks, {res.seconds:.1f}s): {save}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return trainer.train(samples)

@@ -16,9 +16,9 @@
   accumulation and data parallelism give the mean over all valid tokens, not a mean of means;
 - logs ``lm_loss``, ``kd/<loss_type>``, ``kd/forward_kl``, ``kd/backward_kl`` and ``total_loss``
   into the Trainer's log dict, token-weighted over each logging interval and summed over ranks,
-  and appends one JSON line per logging step to ``<output_dir>/qat_log.jsonl``.
+  and appends one JSON line per logging step to ``<output_dir>/train_log.jsonl``.
 
-One line of ``qat_log.jsonl`` (rank 0 writes; a resumed run first drops the lines of steps it
+One line of ``train_log.jsonl`` (rank 0 writes; a resumed run first drops the lines of steps it
 will log again, so each step appears once)::
 
     {"step": 20, "loss": 2.08, "grad_norm": 0.41, "learning_rate": 1e-05,
@@ -50,14 +50,16 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from transformers import Seq2SeqTrainingArguments, Trainer, TrainingArguments
 
+from ..checkpoint.layout import TRAIN_LOG_FILE
 from ..data import PadCollator
 from ..losses import LossConfig, qat_loss
-from ..quant import quant_linears, quantization_disabled
+from ..quant import quantization_disabled
+from ..quant.calibration import calibrate_activations, static_quantizers
 from .params import Learnable, TrainableParams, apply_learnable, freeze_all_but, param_groups
 
 log = logging.getLogger(__name__)
 
-LOG_FILE = "qat_log.jsonl"
+LOG_FILE = TRAIN_LOG_FILE
 
 
 def _dist_world() -> int:
@@ -72,7 +74,7 @@ class QATTrainer(Trainer):
     Keyword arguments beyond the Trainer's: ``loss_config`` (`LossConfig`), ``learnable``
     (`Learnable`, default weight scales only) or an explicit ``trainable`` selection, ``lwc_lr``,
     ``norm_lr``, ``teacher`` (a separate teacher model; None = the model itself with quantization
-    disabled), ``log_file`` (default ``<output_dir>/qat_log.jsonl``; False = none).
+    disabled), ``log_file`` (default ``<output_dir>/train_log.jsonl``; False = none).
     """
 
     def __init__(
@@ -254,7 +256,6 @@ def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- lazy init
 def lazy_init_activation_scales(
     model: nn.Module,
-    scheme,
     dataset: Dataset,
     collator,
     *,
@@ -264,21 +265,13 @@ def lazy_init_activation_scales(
     """Calibrate static activation scales on the first ``num_samples`` training samples (upstream's
     ``lazy_init_samples``), when no PTQ checkpoint provided them. Non-ZeRO only. Returns the
     number of batches seen (0 when the scheme has no static activation quantizer)."""
-    statics = [
-        q
-        for _, ql in quant_linears(model)
-        for q in (ql.input_quantizer, ql.output_quantizer)
-        if q is not None and not q.spec.dynamic
-    ]
-    if not statics:
+    if not static_quantizers(model):
         return 0
-    from ..ptq import calibrate
-
     n = min(num_samples, len(dataset))
     loader = DataLoader(
         torch.utils.data.Subset(dataset, range(n)), batch_size=batch_size, collate_fn=collator
     )
-    report = calibrate(model, scheme, loader)
+    report = calibrate_activations(model, loader)
     log.info("lazy activation-scale init on %d batches (%d tokens)", report.num_batches, report.num_tokens)
     return report.num_batches
 
@@ -346,7 +339,6 @@ def train_end2end(
             )
         lazy_init_activation_scales(
             model,
-            scheme if scheme is not None else cfg.quant_scheme(),
             train_dataset,
             collator,
             num_samples=qc.lazy_init_samples,

@@ -59,6 +59,7 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
     from qatlib.models import load_model
     from qatlib.moe import LinearizedMoeExperts
     from qatlib.quant import QuantScheme
+    from qatlib.trainers.params import Learnable, param_groups, select_trainable
 
     out = Path(spec["out"])
     scheme = QuantScheme.from_dict(spec["scheme"])
@@ -101,7 +102,10 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
 
     for p in model.parameters():
         p.requires_grad_(id(p) in _quant_ids(model))
-    opt = z.make_optimizer(model, scale_lr=spec["lr"], eps=spec["eps"])
+    # every scale trains (weight, input, k/v outputs), in the trainers' own groups
+    every_scale = Learnable(act_scale=True, weight_scale=True, kv_scale=True)
+    groups = param_groups(select_trainable(model, every_scale), lr=spec["lr"])
+    opt = torch.optim.AdamW(groups, lr=spec["lr"], eps=spec["eps"])
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
     engine.train()
     losses = []

@@ -1,0 +1,226 @@
+"""The files of a PTQ / QAT checkpoint (docs/design.md) and how they are found and written.
+
+A checkpoint is a directory, or its nested ``final_quant_checkpoint/`` (`resolve_dir`), holding
+``quant_scheme.json`` (the `QuantScheme`, plus metadata) and ``*.safetensors`` with the scale keys
+of `qatlib.checkpoint.keys`; a QAT checkpoint is also an HF model folder (``model.safetensors`` or
+shards + index). Every file name of that contract is defined here and nowhere else, and every
+output directory is written through `AtomicDir`: complete, or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..quant.spec import QuantScheme
+
+SCHEME_FILE = "quant_scheme.json"
+SCALES_FILE = "scales.safetensors"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+KV_SCALES_FILE = "kv_cache_scales.safetensors"
+RUN_METADATA_FILE = "run_metadata.json"
+TRAIN_LOG_FILE = "train_log.jsonl"
+SCALE_LOAD_FILE = "scale_load.json"
+NESTED_DIR = "final_quant_checkpoint"
+# Safetensors files beside a model's weights that hold no weight.
+NON_WEIGHT_FILES = (SCALES_FILE, KV_SCALES_FILE)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete, or does not fit (the message names the file)."""
+
+
+class CheckpointNotFound(CheckpointError, FileNotFoundError):
+    """No checkpoint at the given path."""
+
+
+# --------------------------------------------------------------------------- reading
+def resolve_dir(path: str | os.PathLike, *, safetensors_fallback: bool = False) -> Path:
+    """The directory holding ``quant_scheme.json``: ``path`` itself or its nested
+    ``final_quant_checkpoint/``. With ``safetensors_fallback`` (analysis of any model folder) a
+    directory holding only ``*.safetensors`` is accepted when neither has the scheme file."""
+    p = Path(path)
+    candidates = (p, p / NESTED_DIR)
+    for d in candidates:
+        if (d / SCHEME_FILE).is_file():
+            return d
+    if safetensors_fallback:
+        for d in candidates:
+            if d.is_dir() and any(d.glob("*.safetensors")):
+                return d
+    if not p.exists():
+        raise CheckpointNotFound(f"checkpoint {p} does not exist (not a PTQ/QAT checkpoint)")
+    also = " or *.safetensors" if safetensors_fallback else ""
+    raise CheckpointNotFound(f"no {SCHEME_FILE}{also} in {p} or {p / NESTED_DIR}: not a PTQ/QAT checkpoint")
+
+
+def read_scheme_record(path: str | os.PathLike) -> dict[str, Any]:
+    """The whole ``quant_scheme.json`` of a checkpoint (scheme + ``qatlib_version``, ``calibration``,
+    ``weights`` when PTQ wrote it)."""
+    f = resolve_dir(path) / SCHEME_FILE
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{f}: not a quant scheme ({e})") from None
+
+
+def read_scheme(path: str | os.PathLike) -> QuantScheme:
+    """The `QuantScheme` a checkpoint was made with (extra metadata keys are ignored)."""
+    record = read_scheme_record(path)
+    try:
+        return QuantScheme.from_dict(record)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{resolve_dir(path) / SCHEME_FILE}: not a quant scheme ({e})") from None
+
+
+def check_scheme(path: str | os.PathLike, scheme: QuantScheme) -> tuple[Path, QuantScheme]:
+    """Resolve the checkpoint directory and refuse one made for a scheme incompatible with
+    ``scheme`` (`QuantScheme.compatible_with`); returns ``(directory, its scheme)``."""
+    d = resolve_dir(path)
+    ckpt_scheme = read_scheme(d)
+    problems = scheme.compatible_with(ckpt_scheme)
+    if problems:
+        raise CheckpointError(
+            f"PTQ checkpoint {d} was made for scheme {ckpt_scheme.name!r}, incompatible with the configured "
+            f"{scheme.name!r}: " + "; ".join(problems)
+        )
+    return d, ckpt_scheme
+
+
+def safetensors_files(path: str | os.PathLike) -> list[Path]:
+    """Every ``*.safetensors`` file of a checkpoint directory (`resolve_dir`), sorted: the scales
+    may be in any of them (a PTQ ``scales.safetensors``, shards, or the files of a model folder)."""
+    d = resolve_dir(path)
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"checkpoint {d}: no *.safetensors file")
+    return files
+
+
+def weight_files(path: str | os.PathLike) -> list[Path]:
+    """The safetensors files holding a model's weights: ``path`` itself when it is a file; the
+    files ``model.safetensors.index.json`` names (all must exist); ``model.safetensors``; else every
+    ``*.safetensors`` but the scale files. A folder without any takes those of its nested
+    ``final_quant_checkpoint/``. An empty list when there are none."""
+    d = Path(path)
+    if d.is_file():
+        return [d]
+    index = d / WEIGHTS_INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+        files = list(dict.fromkeys(weight_map.values()))
+        missing = [f for f in files if not (d / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names files that do not exist: {', '.join(missing)}")
+        return [d / f for f in files]
+    if (d / WEIGHTS_FILE).is_file():
+        return [d / WEIGHTS_FILE]
+    files = sorted(f for f in d.glob("*.safetensors") if f.name not in NON_WEIGHT_FILES)
+    if not files and (d / NESTED_DIR).is_dir():
+        return weight_files(d / NESTED_DIR)
+    return files
+
+
+# --------------------------------------------------------------------------- writing
+def name_weight_shards(directory: Path, shards: list[tuple[Path, list[str]]]) -> None:
+    """Give weight shards written in ``directory`` (``(file, its keys)`` in order) their HF names:
+    one shard is ``model.safetensors``; several are ``model-0000i-of-0000n.safetensors`` plus
+    ``model.safetensors.index.json``."""
+    if len(shards) <= 1:
+        if shards:
+            shards[0][0].rename(directory / WEIGHTS_FILE)
+        return
+    n = len(shards)
+    weight_map, total = {}, 0
+    for i, (path, keys) in enumerate(shards):
+        final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        path.rename(directory / final)
+        total += (directory / final).stat().st_size
+        weight_map.update(dict.fromkeys(keys, final))
+    write_json(directory / WEIGHTS_INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+class AtomicDir:
+    """Write a directory completely or not at all: ``with AtomicDir(out) as tmp:`` fills a fresh
+    temporary sibling of ``out``, renamed to ``out`` when the block succeeds.
+
+    An existing non-empty ``out`` is an error (checked before anything is written) unless
+    ``overwrite``; then it is replaced only once the new content is complete. On any exception the
+    temporary directory is removed and ``out`` is left as it was: no partial output, ever. Code
+    whose writing is split around collectives calls `open` / `commit` / `abort` itself.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, *, overwrite: bool = False) -> None:
+        self.out = Path(out_dir)
+        self.overwrite = overwrite
+        self.tmp: Path | None = None
+
+    def check(self) -> None:
+        out = self.out
+        if out.exists() and not out.is_dir():
+            raise FileExistsError(f"output path {out} exists and is not a directory")
+        if out.is_dir() and any(out.iterdir()) and not self.overwrite:
+            raise FileExistsError(f"output directory {out} is not empty (pass overwrite=True to replace it)")
+
+    def open(self) -> Path:
+        self.check()
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        return self.tmp
+
+    def commit(self) -> Path:
+        out = self.out
+        old = None
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+        self.tmp.rename(out)
+        self.tmp = None
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return out
+
+    def abort(self) -> None:
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
+
+    def __enter__(self) -> Path:
+        return self.open()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            try:
+                self.commit()
+            except BaseException:
+                self.abort()
+                raise
+        else:
+            self.abort()
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically (temporary sibling + rename); parents are created."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, p)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return p
+
+
+def write_json(path: str | os.PathLike, obj: Any, *, sort_keys: bool = False) -> Path:
+    """``obj`` as indented JSON (non-JSON values through ``str``), atomically (`write_text`)."""
+    return write_text(path, json.dumps(obj, indent=2, sort_keys=sort_keys, default=str) + "\n")

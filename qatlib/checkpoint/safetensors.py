@@ -1,0 +1,438 @@
+"""Reading safetensors files tensor by tensor, and the plans that map checkpoint keys to
+parameter slices (dense, fused and per-expert MoE layouts).
+
+The reader is hand-written (8-byte header length, JSON header, raw data) and reads with plain file
+reads, no mmap: mapped pages would count in the RSS of the reading process (rank 0 of a ZeRO-3
+load) for the whole shard. A truncated or corrupt file is found from its header, before any
+collective depends on it.
+
+A plan is built from file headers and a `ModelTensors` (names and FULL shapes, no tensors), so it
+knows nothing of how the parameters are stored; the ZeRO-3 loader executes plans on partitioned
+parameters (gathers, rank 0 reads), and `copy_entry` applies one entry to ordinary tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import struct
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..moe import LinearizedMoeExperts, is_fused_experts
+from ..quant.quantizer import role_parameters
+from .layout import CheckpointError
+
+log = logging.getLogger(__name__)
+
+# Checkpoint keys a model never has a parameter for (old checkpoints stored RoPE tables).
+DEFAULT_IGNORED_KEYS = (r".*\.rotary_emb\.inv_freq$",)
+
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+}
+
+
+# =========================================================================== reading
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor of a safetensors file lies (absolute byte offsets)."""
+
+    file: str
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def read_header(path: str | os.PathLike) -> list[TensorInfo]:
+    """The tensors of one file in storage order, after checking the file is complete: a truncated or
+    corrupt file is a `CheckpointError` naming it (found here, before anything depends on it)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+            (n,) = struct.unpack("<Q", raw)
+            if 8 + n > size:
+                raise CheckpointError(f"{path}: truncated safetensors file (header of {n} bytes, file of {size})")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    base = 8 + n
+    out = []
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            b, e = meta["data_offsets"]
+            info = TensorInfo(str(path), key, meta["dtype"], tuple(meta["shape"]), base + b, base + e)
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{path}: corrupt safetensors header entry {key!r} ({err})") from None
+        if info.dtype not in _ST_DTYPES:
+            raise CheckpointError(f"{path}: tensor {key} has unsupported dtype {info.dtype}")
+        if info.end > size:
+            raise CheckpointError(
+                f"{path}: truncated safetensors file: tensor {key} ends at byte {info.end}, the file has {size}"
+            )
+        out.append(info)
+    return sorted(out, key=lambda i: i.start)
+
+
+def read_tensor(fh, info: TensorInfo, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Read one tensor with plain file reads (no mmap: mapped pages would count in the RSS of the
+    reader for the whole shard). With ``out`` (contiguous, same dtype and size) it reads straight
+    into it."""
+    dtype = _ST_DTYPES[info.dtype]
+    nbytes = info.end - info.start
+    if out is None:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+    else:
+        buf = out.view(-1).view(torch.uint8)
+        if buf.numel() != nbytes:
+            raise CheckpointError(f"{info.file}: {info.key} holds {nbytes} bytes, the target {buf.numel()}")
+    fh.seek(info.start)
+    if nbytes and fh.readinto(buf.numpy()) != nbytes:
+        raise CheckpointError(f"{info.file}: short read of {info.key} (file truncated while loading?)")
+    return out if out is not None else buf.view(dtype).reshape(info.shape)
+
+
+# =========================================================================== plans
+@dataclasses.dataclass(frozen=True)
+class Assign:
+    """Copy ``source[src]`` into ``target[dst]`` (``target``: a parameter or buffer name)."""
+
+    target: str
+    dst: tuple | None = None
+    src: tuple | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanEntry:
+    info: TensorInfo
+    assigns: tuple[Assign, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertBlock:
+    """An MoE experts module: fused 3-D tensors (``gate_up_proj [E, 2I, H]``, ``down_proj``) or
+    linearised per-expert ``{e}.gate_proj|up_proj|down_proj`` linears."""
+
+    num_experts: int
+    intermediate_dim: int
+    fused: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelTensors:
+    """What a plan knows of a model: names and full shapes, no tensor."""
+
+    params: dict[str, tuple[int, ...]]  # every parameter, once (tied: under its first name)
+    buffers: dict[str, tuple[int, ...]]  # persistent buffers
+    aliases: dict[str, str]  # another name of a tied parameter -> its first name
+    experts: dict[str, ExpertBlock]  # module name -> experts module
+    optional: frozenset[str]  # quantizer parameters: filled when a checkpoint has them
+
+
+def model_tensors(model: nn.Module, shape_of: Callable[[torch.Tensor], Sequence[int]] = torch.Tensor.size) -> ModelTensors:
+    """The `ModelTensors` of ``model``; ``shape_of`` gives a parameter's full shape (a partitioned
+    parameter's is not its ``shape``)."""
+    params = {n: tuple(shape_of(p)) for n, p in model.named_parameters()}
+    canon = {id(p): n for n, p in model.named_parameters()}
+    aliases = {n: canon[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if canon[id(p)] != n}
+    buffers = {}
+    for mname, m in model.named_modules():
+        for bname, b in m.named_buffers(recurse=False):
+            if b is not None and bname not in m._non_persistent_buffers_set:
+                buffers[f"{mname}.{bname}" if mname else bname] = tuple(b.shape)
+    experts = {}
+    for n, m in model.named_modules():
+        if isinstance(m, LinearizedMoeExperts):
+            experts[n] = ExpertBlock(len(m), m.intermediate_dim, fused=False)
+        elif is_fused_experts(m):
+            experts[n] = ExpertBlock(m.num_experts, m.intermediate_dim, fused=True)
+    optional = frozenset(n for n, _ in role_parameters(model))
+    return ModelTensors(params, buffers, aliases, experts, optional)
+
+
+def format_problems(where: str, problems: dict[str, list[str]], limit: int = 20) -> str:
+    lines = [f"{where}:"]
+    for title, items in problems.items():
+        if items:
+            shown = ", ".join(items[:limit]) + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+            lines.append(f"  {title} ({len(items)}): {shown}")
+    return "\n".join(lines)
+
+
+def _shape_after(shape: Sequence[int], index: tuple | None) -> tuple[int, ...] | None:
+    """Shape of ``tensor[index]`` for a tensor of ``shape`` (None when the index does not fit)."""
+    if not index:
+        return tuple(shape)
+    try:
+        return tuple(torch.empty(tuple(shape), device="meta")[index].shape)
+    except IndexError:
+        return None
+
+
+def _fmt(shape: Sequence[int] | None) -> str:
+    return "(does not fit)" if shape is None else str(list(shape))
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+_FUSED_KEY = re.compile(r"^(?P<prefix>.+)\.(?P<proj>gate_up_proj|down_proj)$")
+_EXPERT_KEY = re.compile(r"^(?P<prefix>.+)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _expert_weight_assigns(key: str, info: TensorInfo, experts: dict[str, ExpertBlock]) -> list[Assign] | str | None:
+    """Assigns of an MoE weight key in the other layout than the model's: a fused key into
+    linearised experts, a per-expert key into fused ones; ``"unexpected"`` for an expert index the
+    model lacks, a message for a mismatched expert count, None when the key is no such key."""
+    m_f, m_e = _FUSED_KEY.match(key), _EXPERT_KEY.match(key)
+    if m_f and (blk := experts.get(m_f["prefix"])) and not blk.fused:
+        p, inter = m_f["prefix"], blk.intermediate_dim
+        if info.shape[:1] != (blk.num_experts,):
+            return f"{key}: checkpoint {list(info.shape)}, model has {blk.num_experts} experts"
+        assigns = []
+        for e in range(blk.num_experts):
+            if m_f["proj"] == "gate_up_proj":
+                assigns += [
+                    Assign(f"{p}.{e}.gate_proj.weight", src=(e, slice(0, inter))),
+                    Assign(f"{p}.{e}.up_proj.weight", src=(e, slice(inter, 2 * inter))),
+                ]
+            else:
+                assigns.append(Assign(f"{p}.{e}.down_proj.weight", src=(e,)))
+        return assigns
+    if m_e and (blk := experts.get(m_e["prefix"])) and blk.fused:
+        p, e, inter = m_e["prefix"], int(m_e["e"]), blk.intermediate_dim
+        if e >= blk.num_experts:
+            return "unexpected"
+        dst = {"gate_proj": (e, slice(0, inter)), "up_proj": (e, slice(inter, 2 * inter)), "down_proj": (e,)}
+        target = f"{p}.down_proj" if m_e["proj"] == "down_proj" else f"{p}.gate_up_proj"
+        return [Assign(target, dst=dst[m_e["proj"]])]
+    return None
+
+
+def weight_plan(
+    files: Sequence[str | os.PathLike], model: ModelTensors, *, where: str, ignore: Sequence[str] = DEFAULT_IGNORED_KEYS
+) -> list[PlanEntry]:
+    """Map every tensor of the weight ``files`` to the parameter slices it fills; any missing,
+    unexpected, duplicate or shape-mismatched key is one `CheckpointError` listing them all.
+    Per-expert and fused MoE keys both fill linearised and fused experts; tied parameters need only
+    one of their names; keys matching ``ignore`` (regexes) are skipped; quantizer parameters
+    (``model.optional``) are filled when present and not required."""
+    shapes = {**model.params, **model.buffers}
+    ignore_re = [re.compile(p) for p in ignore]
+    covered: dict[str, int] = {}
+    seen: dict[tuple, str] = {}
+    missing, unexpected, mismatched, duplicate, tied = [], [], [], [], []
+    reported: set[str] = set()  # targets of mismatched keys: not also listed as missing
+    plan = []
+    for path in files:
+        for info in read_header(path):
+            key = info.key
+            if key in shapes:
+                assigns = [Assign(key)]
+            elif key in model.aliases:
+                tied.append(key)  # the same Parameter as aliases[key]: filled by that key
+                continue
+            elif (moe := _expert_weight_assigns(key, info, model.experts)) is not None:
+                if moe == "unexpected":
+                    unexpected.append(key)
+                    continue
+                if isinstance(moe, str):
+                    mismatched.append(moe)
+                    continue
+                assigns = moe
+            elif any(r.fullmatch(key) for r in ignore_re):
+                continue
+            else:
+                unexpected.append(key)
+                continue
+            ok = True
+            for a in assigns:
+                src_shape = _shape_after(info.shape, a.src)
+                dst_shape = _shape_after(shapes[a.target], a.dst)
+                if src_shape != dst_shape:
+                    mismatched.append(f"{key}: checkpoint {_fmt(src_shape)} vs model {a.target} {_fmt(dst_shape)}")
+                    reported.add(a.target)
+                    ok = False
+                    break
+                piece = (a.target, repr(a.dst))
+                if piece in seen:
+                    duplicate.append(f"{key} (also {seen[piece]})")
+                    ok = False
+                    break
+                seen[piece] = key
+            if ok:
+                for a in assigns:
+                    covered[a.target] = covered.get(a.target, 0) + _numel(_shape_after(shapes[a.target], a.dst))
+                plan.append(PlanEntry(info, tuple(assigns)))
+    for name, shape in shapes.items():
+        if name in reported or (name in model.optional and name not in covered):
+            continue
+        if covered.get(name, 0) != _numel(shape):
+            missing.append(name if name not in covered else f"{name} (partly: {covered[name]}/{_numel(shape)})")
+    problems = {"missing": missing, "unexpected": unexpected, "shape mismatch": mismatched, "duplicate": duplicate}
+    if any(problems.values()):
+        raise CheckpointError(format_problems(f"checkpoint {where} does not match the model", problems))
+    if tied:
+        log.info("skipped %d tied checkpoint keys (%s)", len(tied), ", ".join(tied[:5]))
+    return plan
+
+
+_SCALE_LIKE = re.compile(r".*(_scale|\.scale|_zero_point|\.zero_point|clip_factor_w_max|clip_factor_w_min)$")
+_FUSED_SCALE = re.compile(
+    r"^(?P<prefix>.+)\.(?P<proj>gate_up_proj|down_proj)"
+    r"(?:\.(?P<a>weight_scale|weight_zero_point|input_scale|input_zero_point)"
+    r"|_(?P<b>scale|zero_point|input_scale|input_zero_point|weight_scale|weight_zero_point))$"
+)
+
+
+def _fused_scale_assigns(
+    key: str, shape: tuple[int, ...], qkeys: dict[str, str], experts: dict[str, ExpertBlock]
+) -> list[Assign] | None:
+    """Fan a fused-expert scale key (``mlp.experts.gate_up_proj_scale`` or
+    ``mlp.experts.gate_up_proj.weight_scale``, leading expert dim) out to each linearised expert's
+    quantizer. A gate_up scale whose per-expert slice spans the fused out dim (2I rows) is split
+    into gate / up; a per-tensor one applies to both."""
+    m = _FUSED_SCALE.match(key)
+    blk = experts.get(m["prefix"]) if m else None
+    if blk is None or blk.fused:
+        return None
+    kind = m["a"] or m["b"]
+    kind = {"scale": "weight_scale", "zero_point": "weight_zero_point"}.get(kind, kind)
+    inter = blk.intermediate_dim
+    projs = ("gate_proj", "up_proj") if m["proj"] == "gate_up_proj" else ("down_proj",)
+    split = kind.startswith("weight") and len(projs) == 2 and len(shape) >= 3 and shape[1] == 2 * inter
+    out = []
+    for e in range(blk.num_experts):
+        for i, proj in enumerate(projs):
+            target = qkeys.get(f"{m['prefix']}.{e}.{proj}.{kind}")
+            if target is not None:
+                out.append(Assign(target, src=(e, slice(i * inter, (i + 1) * inter)) if split else (e,)))
+    return out
+
+
+def scale_plan(
+    files: Sequence[str | os.PathLike], model: ModelTensors, qkeys: dict[str, str], *, where: str
+) -> tuple[list[PlanEntry], dict]:
+    """Map the scale keys of ``files`` (``qkeys``: checkpoint key -> quantizer parameter) to the
+    quantizer parameters; fused-expert keys fan out to every expert. A scale whose shape differs
+    from its quantizer's is an error (only a 1-element scalar fills a ``[1]`` scale), as is a
+    parameter filled twice. Returns the plan and a report: hits, misses (parameters without a key),
+    unused scale-like keys, other (ignored) keys."""
+    plan, seen = [], {}
+    mismatched, duplicate, unused = [], [], []
+    ignored = 0
+    for path in files:
+        for info in read_header(path):
+            key = info.key
+            if key in qkeys:
+                assigns = [Assign(qkeys[key])]
+            else:
+                assigns = _fused_scale_assigns(key, info.shape, qkeys, model.experts)
+                if assigns is None:
+                    if _SCALE_LIKE.fullmatch(key):
+                        unused.append(key)
+                    else:
+                        ignored += 1  # weights of a full checkpoint
+                    continue
+            ok = True
+            for a in assigns:
+                src_shape, dst_shape = _shape_after(info.shape, a.src), model.params[a.target]
+                if src_shape != dst_shape and not (
+                    src_shape is not None and _numel(src_shape) == 1 and dst_shape == (1,)
+                ):
+                    mismatched.append(f"{key}: checkpoint {_fmt(src_shape)} vs {a.target} {_fmt(dst_shape)}")
+                    ok = False
+                    break
+                if a.target in seen:
+                    duplicate.append(f"{key} (also {seen[a.target]})")
+                    ok = False
+                    break
+                seen[a.target] = key
+            if ok and assigns:
+                plan.append(PlanEntry(info, tuple(assigns)))
+    problems = {"shape mismatch": mismatched, "duplicate": duplicate}
+    if any(problems.values()):
+        raise CheckpointError(format_problems(f"PTQ checkpoint {where} does not fit the prepared model", problems))
+    misses = sorted(set(qkeys.values()) - set(seen))
+    report = {
+        "ptq_dir": str(where),
+        "files": [Path(p).name for p in files],
+        "hits": len(seen),
+        "misses": len(misses),
+        "unused_keys": len(unused),
+        "ignored_keys": ignored,
+        "missed_params": misses,
+        "unused_key_names": unused,
+    }
+    return plan, report
+
+
+# =========================================================================== applying
+def chunks(entries: list[PlanEntry], chunk_bytes: int) -> Iterator[list[PlanEntry]]:
+    """Consecutive entries of one file, up to ``chunk_bytes`` of source data (at least one entry)."""
+    cur: list[PlanEntry] = []
+    size = 0
+    for e in entries:
+        n = e.info.end - e.info.start
+        if cur and (e.info.file != cur[0].info.file or size + n > chunk_bytes):
+            yield cur
+            cur, size = [], 0
+        cur.append(e)
+        size += n
+    if cur:
+        yield cur
+
+
+def copy_entry(fh, e: PlanEntry, dest_of: Callable[[str], torch.Tensor], cast: Callable | None = None) -> None:
+    """Read ``e``'s tensor from the open file ``fh`` into its targets (``dest_of(name)``: the tensor
+    to write); a whole-tensor, same-dtype CPU target is read into directly."""
+    a0 = e.assigns[0]
+    if len(e.assigns) == 1 and a0.dst is None and a0.src is None and cast is None:
+        d = dest_of(a0.target)
+        if d.is_contiguous() and d.dtype == _ST_DTYPES[e.info.dtype] and d.device.type == "cpu":
+            read_tensor(fh, e.info, out=d)
+            return
+    t = read_tensor(fh, e.info)
+    for a in e.assigns:
+        d = dest_of(a.target)
+        view = d[a.dst] if a.dst else d
+        src = t[a.src] if a.src else t
+        if cast is not None:
+            src = cast(src)
+        if src.shape != view.shape:  # only a 1-element scalar <-> [1] (validated in the plan)
+            src = src.reshape(view.shape)
+        view.copy_(src)

@@ -1,0 +1,257 @@
+"""qatlib.checkpoint: the key table in both directions, where a checkpoint's files are, atomic
+writes, and the safetensors reader / plans (which know names and shapes, no model)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import build_model, tiny_qwen3_config, tiny_qwen3_moe_config
+from safetensors.torch import load_file, save_file
+
+from qatlib.checkpoint import keys
+from qatlib.checkpoint import safetensors as st
+from qatlib.checkpoint.layout import (
+    NESTED_DIR,
+    SCHEME_FILE,
+    AtomicDir,
+    CheckpointError,
+    check_scheme,
+    resolve_dir,
+    weight_files,
+    write_json,
+)
+from qatlib.quant import Granularity, PrepareOptions, QuantScheme, QuantSpec, prepare, quant_linears
+
+# Every kind of stored quantizer parameter: asymmetric weights and inputs (zero points), static
+# q / k / v outputs (q: output keys, k / v: cache keys).
+SCHEME = QuantScheme(
+    "all_keys",
+    weight=QuantSpec("int4", Granularity.GROUP, group_size=16, symmetric=False),
+    input=QuantSpec("int8", symmetric=False),
+    q=QuantSpec("fp8"),
+    k=QuantSpec("int8", symmetric=False),
+    v=QuantSpec("fp8", Granularity.HEAD),
+)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("lwc", [False, True], ids=["plain", "lwc"])
+def test_parse_key_inverts_scale_keys(moe, lwc):
+    model = build_model(tiny_qwen3_moe_config() if moe else tiny_qwen3_config())
+    prepare(model, SCHEME, options=PrepareOptions(lwc_init=1.0 if lwc else None))
+    table = keys.scale_keys(model)
+    params = {n for n, _ in model.named_parameters() if "_quantizer." in n}
+    assert set(table) == params  # every stored quantizer parameter has a key
+    assert len(set(table.values())) == len(table)  # and no two share one
+    kinds = set()
+    for name, key in table.items():
+        parsed = keys.parse_key(key)
+        if parsed is None:  # LWC clip factors: stored under their own name
+            assert key == name and name.rsplit(".", 1)[1] in keys.LWC_PARAMS
+            kinds.add("lwc")
+            continue
+        assert name == f"{parsed.layer}.{parsed.role}_quantizer.{parsed.kind}", key
+        assert keys.key_of(parsed.layer, parsed.role, parsed.kind, keys.kv_role(parsed.layer, model)) == key
+        kinds.add(("cache" if "_cache." in key else parsed.role, parsed.kind))
+    want = {("input", "scale"), ("input", "zero_point"), ("output", "scale"), ("cache", "scale"), ("cache", "zero_point")}
+    want |= {"lwc"} if lwc else {("weight", "scale"), ("weight", "zero_point")}
+    assert kinds == want
+    assert "model.layers.1.self_attn.k_cache.zero_point" in table.values()
+    assert "model.layers.0.self_attn.q_proj.output_scale" in table.values()
+    if moe:
+        assert "model.layers.1.mlp.experts.3.down_proj.input_scale" in table.values()
+
+
+def test_scale_state_dict_uses_the_same_keys():
+    model = prepare(build_model(tiny_qwen3_config()), SCHEME, options=PrepareOptions(lwc_init=1.0))
+    sd = keys.scale_state_dict(model)
+    table = keys.scale_keys(model)
+    stored = {k for k in table.values() if keys.parse_key(k) is not None}
+    # LWC: no stored weight scale, but the derived (clipped) one is saved under the weight keys
+    derived = {keys.key_of(n, "weight", kind) for n, _ in quant_linears(model) for kind in keys.SCALE_KINDS}
+    assert set(sd) == stored | derived
+    ql = model.model.layers[0].self_attn.k_proj
+    assert torch.equal(sd["model.layers.0.self_attn.k_cache.scale"], ql.output_quantizer.scale.detach())
+    s, _ = ql.weight_quantizer.qparams(ql.weight)
+    assert torch.equal(sd["model.layers.0.self_attn.k_proj.weight_scale"], s.detach().float())
+
+
+def test_parse_key_edge_cases():
+    assert keys.parse_key("k_cache.scale") == ("k_proj", "output", "scale")
+    assert keys.parse_key("a.b.v_cache.zero_point") == ("a.b.v_proj", "output", "zero_point")
+    assert keys.parse_key("a.weight") is None and keys.parse_key("a.k_cache.bias") is None
+    assert keys.key_of("k_proj", "output", "scale", "k") == "k_cache.scale"
+    assert keys.kv_role("x.k_proj") == "k" and keys.kv_role("x.q_proj") is None
+
+
+def test_kv_role_is_structural_with_a_model():
+    from torch import nn
+
+    model = nn.Module()
+    model.mlp = nn.Module()
+    model.mlp.k_proj = nn.Linear(2, 2)  # named like a key projection, but no attention module
+    assert keys.kv_role("mlp.k_proj") == "k"
+    assert keys.kv_role("mlp.k_proj", model) is None
+    attn = build_model(tiny_qwen3_config())
+    assert keys.kv_role("model.layers.0.self_attn.v_proj", attn) == "v"
+
+
+# --------------------------------------------------------------------------- layout
+def _ckpt(d, scheme=SCHEME, tensors=None, name="scales.safetensors"):
+    d.mkdir(parents=True, exist_ok=True)
+    (d / SCHEME_FILE).write_text(json.dumps(scheme.to_dict()))
+    save_file(tensors or {"a.weight_scale": torch.ones(1)}, str(d / name))
+    return d
+
+
+def test_resolve_dir_top_nested_fallback_and_errors(tmp_path):
+    top = _ckpt(tmp_path / "top")
+    assert resolve_dir(top) == top
+    nested = _ckpt(tmp_path / "n" / NESTED_DIR)
+    assert resolve_dir(tmp_path / "n") == nested
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    save_file({"x.weight": torch.ones(2)}, str(bare / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="no quant_scheme.json in"):
+        resolve_dir(bare)
+    assert resolve_dir(bare, safetensors_fallback=True) == bare
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_dir(tmp_path / "missing")
+
+
+def test_check_scheme_refuses_another_format(tmp_path):
+    d = _ckpt(tmp_path / "c")
+    assert check_scheme(d, SCHEME) == (d, SCHEME)
+    other = QuantScheme("fp8", weight=QuantSpec("fp8"))
+    with pytest.raises(CheckpointError, match="incompatible with the configured 'fp8'"):
+        check_scheme(d, other)
+    (d / SCHEME_FILE).write_text("{not json")
+    with pytest.raises(CheckpointError, match="not a quant scheme"):
+        check_scheme(d, SCHEME)
+
+
+def test_weight_files(tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    assert weight_files(d) == []
+    save_file({"w": torch.ones(1)}, str(d / "scales.safetensors"))
+    assert weight_files(d) == []  # a scale file holds no weight
+    save_file({"w": torch.ones(1)}, str(d / "shard-b.safetensors"))
+    save_file({"w": torch.ones(1)}, str(d / "shard-a.safetensors"))
+    assert [p.name for p in weight_files(d)] == ["shard-a.safetensors", "shard-b.safetensors"]
+    save_file({"w": torch.ones(1)}, str(d / "model.safetensors"))
+    assert [p.name for p in weight_files(d)] == ["model.safetensors"]
+    index = {"weight_map": {"a": "shard-b.safetensors", "b": "shard-a.safetensors", "c": "shard-b.safetensors"}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert [p.name for p in weight_files(d)] == ["shard-b.safetensors", "shard-a.safetensors"]
+    index["weight_map"]["d"] = "gone.safetensors"
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="gone.safetensors"):
+        weight_files(d)
+    outer = tmp_path / "outer"
+    inner = outer / NESTED_DIR
+    inner.mkdir(parents=True)
+    save_file({"w": torch.ones(1)}, str(inner / "model.safetensors"))
+    assert weight_files(outer) == [inner / "model.safetensors"]
+    assert weight_files(inner / "model.safetensors") == [inner / "model.safetensors"]
+
+
+def test_atomic_dir_is_all_or_nothing(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="boom"), AtomicDir(out) as tmp:
+        (tmp / "half.txt").write_text("x")
+        raise RuntimeError("boom")
+    assert sorted(tmp_path.iterdir()) == []  # neither the output nor a temporary directory
+    with AtomicDir(out) as tmp:
+        (tmp / "a.txt").write_text("1")
+    assert [p.name for p in out.iterdir()] == ["a.txt"]
+    with pytest.raises(FileExistsError, match="not empty"), AtomicDir(out):
+        pass
+    with pytest.raises(RuntimeError), AtomicDir(out, overwrite=True) as tmp:
+        (tmp / "b.txt").write_text("2")
+        raise RuntimeError
+    assert [p.name for p in out.iterdir()] == ["a.txt"]  # a failed overwrite keeps the old content
+    with AtomicDir(out, overwrite=True) as tmp:
+        (tmp / "b.txt").write_text("2")
+    assert [p.name for p in out.iterdir()] == ["b.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_write_json_replaces_atomically(tmp_path, monkeypatch):
+    p = write_json(tmp_path / "sub" / "x.json", {"b": 1, "a": torch.float32}, sort_keys=True)
+    assert p.read_text() == '{\n  "a": "torch.float32",\n  "b": 1\n}\n'
+
+    def fail(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        write_json(p, {"c": 2})
+    assert json.loads(p.read_text()) == {"a": "torch.float32", "b": 1}
+    assert sorted(q.name for q in p.parent.iterdir()) == ["x.json"]
+
+
+# --------------------------------------------------------------------------- safetensors
+def test_reader_matches_safetensors_and_finds_truncation(tmp_path):
+    tensors = {
+        "f": torch.randn(3, 5),
+        "b": torch.randn(4).to(torch.bfloat16),
+        "i": torch.arange(6, dtype=torch.int8).reshape(2, 3),
+        "e": torch.zeros(0, 2),
+    }
+    path = tmp_path / "t.safetensors"
+    save_file(tensors, str(path))
+    infos = st.read_header(path)
+    assert [i.start for i in infos] == sorted(i.start for i in infos)
+    with open(path, "rb") as fh:
+        got = {i.key: st.read_tensor(fh, i) for i in infos}
+        out = torch.empty(3, 5)
+        st.read_tensor(fh, next(i for i in infos if i.key == "f"), out=out)
+    ref = load_file(str(path))
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+    assert torch.equal(out, ref["f"])
+    os.truncate(path, path.stat().st_size - 4)
+    with pytest.raises(CheckpointError, match="truncated safetensors file"):
+        st.read_header(path)
+
+
+def test_weight_plan_from_shapes_alone(tmp_path):
+    """A fused-expert checkpoint planned into linearised experts from a `ModelTensors` (no model):
+    every slice lands once, and bad checkpoints are one error listing every problem."""
+    E, inter, hidden = 2, 3, 4
+    model = st.ModelTensors(
+        params={
+            **{f"mlp.experts.{e}.{p}.weight": (inter, hidden) for e in range(E) for p in ("gate_proj", "up_proj")},
+            **{f"mlp.experts.{e}.down_proj.weight": (hidden, inter) for e in range(E)},
+            "mlp.experts.0.up_proj.weight_quantizer.scale": (inter, 1),
+        },
+        buffers={},
+        aliases={},
+        experts={"mlp.experts": st.ExpertBlock(E, inter, fused=False)},
+        optional=frozenset({"mlp.experts.0.up_proj.weight_quantizer.scale"}),
+    )
+    gate_up, down = torch.randn(E, 2 * inter, hidden), torch.randn(E, hidden, inter)
+    f = tmp_path / "fused.safetensors"
+    save_file({"mlp.experts.gate_up_proj": gate_up, "mlp.experts.down_proj": down, "model.rotary_emb.inv_freq": torch.ones(2)}, str(f))
+    plan = st.weight_plan([f], model, where="fused")
+    dest = {n: torch.full(s, float("nan")) for n, s in model.params.items()}
+    with open(f, "rb") as fh:
+        for e in plan:
+            st.copy_entry(fh, e, dest.__getitem__)
+    for e in range(E):
+        assert torch.equal(dest[f"mlp.experts.{e}.gate_proj.weight"], gate_up[e, :inter])
+        assert torch.equal(dest[f"mlp.experts.{e}.up_proj.weight"], gate_up[e, inter:])
+        assert torch.equal(dest[f"mlp.experts.{e}.down_proj.weight"], down[e])
+    bad = tmp_path / "bad.safetensors"
+    save_file({"mlp.experts.gate_up_proj": gate_up[:, :, :2].contiguous(), "extra.weight": torch.ones(1)}, str(bad))
+    with pytest.raises(CheckpointError) as err:
+        st.weight_plan([bad], model, where="bad")
+    msg = str(err.value)
+    assert "unexpected (1): extra.weight" in msg and "shape mismatch (1)" in msg
+    # the mismatched target (expert 0's gate) is not listed again as missing; the quantizer scale
+    # (optional) is not missing at all
+    assert "missing (5): mlp.experts.0.up_proj.weight, mlp.experts.1.gate_proj.weight, " in msg
+    assert "mlp.experts.0.gate_proj.weight (" not in msg and "weight_quantizer" not in msg
