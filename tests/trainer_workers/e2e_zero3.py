@@ -4,7 +4,7 @@
 Usage: torchrun --standalone --nproc_per_node=2 e2e_zero3.py SPEC.json
 
 SPEC: {"out", "model", "ptq", "ds_config", "scheme", "data" (list of {"input_ids", "labels"}),
-"steps", "lr", optional "save_steps", "crash_at" (raise after that optimizer step, on every rank:
+"steps", "lr", optional "eps" (Adam's), "save_steps", "crash_at" (raise after that optimizer step, on every rank:
 a killed run; its state at that moment is first saved to ``{out}/at_kill``), "save_every_step" (the
 consolidated save after each optimizer step k in ``{out}/steps/k``) and "resume_from" (a checkpoint
 directory)}. Rank 0 writes ``{out}/result.json`` (log history, teacher forwards, trainable counts) and
@@ -61,6 +61,7 @@ def main() -> None:
         per_device_train_batch_size=1,
         gradient_accumulation_steps=spec.get("ga", 1),
         learning_rate=spec["lr"],
+        adam_epsilon=spec.get("eps", 1e-8),
         lr_scheduler_type="constant",
         logging_steps=1,
         save_strategy="steps" if spec.get("save_steps") else "no",
