@@ -4,9 +4,11 @@
 Usage: torchrun --standalone --nproc_per_node=2 e2e_zero3.py SPEC.json
 
 SPEC: {"out", "model", "ptq", "ds_config", "scheme", "data" (list of {"input_ids", "labels"}),
-"steps", "lr", optional "save_steps", "crash_at" (raise after that optimizer step, on every rank:
-a killed run) and "resume_from" (a checkpoint directory)}. Rank 0 writes ``{out}/result.json`` (log history,
-teacher forwards, trainable counts) and the consolidated save ``{out}/saved``.
+"steps", "lr", optional "eps" (Adam's), "save_steps", "crash_at" (raise after that optimizer step, on every rank:
+a killed run; its state at that moment is first saved to ``{out}/at_kill``), "save_every_step" (the
+consolidated save after each optimizer step k in ``{out}/steps/k``) and "resume_from" (a checkpoint
+directory)}. Rank 0 writes ``{out}/result.json`` (log history, teacher forwards, trainable counts) and
+the consolidated save ``{out}/saved``.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def main() -> None:
         per_device_train_batch_size=1,
         gradient_accumulation_steps=spec.get("ga", 1),
         learning_rate=spec["lr"],
+        adam_epsilon=spec.get("eps", 1e-8),
         lr_scheduler_type="constant",
         logging_steps=1,
         save_strategy="steps" if spec.get("save_steps") else "no",
@@ -73,8 +76,13 @@ def main() -> None:
     )
 
     class Crash(TrainerCallback):
+        """Per-step saves (collective: every rank runs on_step_end) and the kill."""
+
         def on_step_end(self, args, state, control, **kw):
+            if spec.get("save_every_step"):
+                z.save_consolidated(model, out / "steps" / str(state.global_step), scheme=scheme)
             if state.global_step == spec.get("crash_at"):
+                z.save_consolidated(model, out / "at_kill", scheme=scheme)
                 raise SystemExit(f"killed at step {state.global_step}")
 
     trainer = QATTrainer(
