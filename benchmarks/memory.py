@@ -154,7 +154,9 @@ class _RssSampler:
         self.peak = max(self.peak, self.current())
 
 
-def _worker(vocab: int, tokens: int, loss_type: str, chunk_size: int | None, dtype: str, chunked: bool) -> dict:
+def _worker(
+    vocab: int, tokens: int, loss_type: str, chunk_size: int | None, dtype: str, chunked: bool
+) -> dict:
     """Runs in a fresh process: growth of the resident set during one loss forward + backward."""
     import torch
 

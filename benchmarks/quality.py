@@ -744,7 +744,13 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
             _guarded(errors, "ablation lwc", versus_main, "lwc", "learned scales (no LWC)", "LWC", lwc=True)
         if s.norm:
             _guarded(
-                errors, "ablation norm", versus_main, "norm", "scales only", "scales + RMSNorm weights", norm=True
+                errors,
+                "ablation norm",
+                versus_main,
+                "norm",
+                "scales only",
+                "scales + RMSNorm weights",
+                norm=True,
             )
         if s.blockwise:
             _guarded(errors, "ablation blockwise", blockwise_ablation)

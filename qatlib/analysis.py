@@ -85,7 +85,9 @@ def iter_weights(ckpt_dir: str | os.PathLike, layers: Iterable[str]) -> Iterable
 def weight_bytes(ckpt_dir: str | os.PathLike, layers: Iterable[str]) -> int:
     """Bytes of the ``<layer>.weight`` tensors `iter_weights` would read (headers only, no data)."""
     wanted = {f"{layer}.weight" for layer in layers}
-    return sum(i.end - i.start for path in weight_files(ckpt_dir) for i in st.read_header(path) if i.key in wanted)
+    return sum(
+        i.end - i.start for path in weight_files(ckpt_dir) for i in st.read_header(path) if i.key in wanted
+    )
 
 
 # =========================================================================== statistics

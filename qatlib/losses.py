@@ -85,10 +85,13 @@ def parse_loss_type(loss_type: str, loss_topk: int | None = None) -> LossType:
     if m.group(1) is not None:
         if loss_topk is not None:
             raise LossTypeError(
-                "loss_topk", f"loss_topk only applies to kl_top / r_kl_top losses, not loss_type {loss_type!r}"
+                "loss_topk",
+                f"loss_topk only applies to kl_top / r_kl_top losses, not loss_type {loss_type!r}",
             )
         return LossType(m.group(1), None)
-    if loss_topk is not None and (isinstance(loss_topk, bool) or not isinstance(loss_topk, int) or loss_topk <= 0):
+    if loss_topk is not None and (
+        isinstance(loss_topk, bool) or not isinstance(loss_topk, int) or loss_topk <= 0
+    ):
         raise LossTypeError("loss_topk", f"loss_topk must be a positive int; got {loss_topk!r}")
     k = loss_topk if loss_topk is not None else (int(m.group(3)) if m.group(3) else None)
     if k is None:

@@ -96,10 +96,14 @@ def load_model(
 
 def _check_zero3(zero3: Zero3Context, torch_dtype, device_map) -> None:
     if device_map not in (None, "None", "none", "cpu"):
-        raise ValueError(f"device_map={device_map!r} cannot be combined with ZeRO-3 (DeepSpeed places the shards)")
+        raise ValueError(
+            f"device_map={device_map!r} cannot be combined with ZeRO-3 (DeepSpeed places the shards)"
+        )
     dtype = resolve_dtype(torch_dtype)
     if dtype != "auto" and dtype != zero3.dtype:
-        raise ValueError(f"model dtype {dtype} differs from the ZeRO-3 context's {zero3.dtype} (set at init_zero3)")
+        raise ValueError(
+            f"model dtype {dtype} differs from the ZeRO-3 context's {zero3.dtype} (set at init_zero3)"
+        )
 
 
 def load_prepared(

@@ -50,7 +50,9 @@ def _check_layout(name: str, module: nn.Module) -> None:
     if gu != (e, 2 * i, h) or dn != (e, h, i):
         problems.append(f"gate_up_proj {gu} / down_proj {dn} instead of {(e, 2 * i, h)} / {(e, h, i)}")
     if problems:
-        raise NotImplementedError(f"cannot linearise the fused experts {name} ({type(module).__name__}): {'; '.join(problems)}")
+        raise NotImplementedError(
+            f"cannot linearise the fused experts {name} ({type(module).__name__}): {'; '.join(problems)}"
+        )
 
 
 class ExpertMLP(nn.Module):
@@ -75,13 +77,17 @@ class LinearizedMoeExperts(nn.ModuleList):
     same order, or they deadlock. A zero-token expert call costs one empty matmul.
     """
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, act_fn: Callable, dtype: torch.dtype | None = None):
+    def __init__(
+        self, num_experts: int, hidden: int, inter: int, act_fn: Callable, dtype: torch.dtype | None = None
+    ):
         super().__init__([ExpertMLP(hidden, inter, act_fn, dtype) for _ in range(num_experts)])
         self.num_experts = num_experts
         self.hidden_dim = hidden
         self.intermediate_dim = inter
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
         for e, expert in enumerate(self):
             token_idx, k_pos = torch.where(top_k_index == e)
@@ -109,7 +115,9 @@ def linearize_moe_experts(
     for name, fused in targets:
         dtype = fused.gate_up_proj.dtype
         with init_context():
-            lin = LinearizedMoeExperts(fused.num_experts, fused.hidden_dim, fused.intermediate_dim, fused.act_fn, dtype)
+            lin = LinearizedMoeExperts(
+                fused.num_experts, fused.hidden_dim, fused.intermediate_dim, fused.act_fn, dtype
+            )
         if copy_weights:
             inter = fused.intermediate_dim
             with torch.no_grad():

@@ -61,9 +61,7 @@ def calibrate(
                 raise ValueError(f"calibrate: weight of {name} is not readable (ZeRO-3 shard or meta)")
             wq.init_from(ql.weight)
             report.weight_quantizers += 1
-    calibrate_activations(
-        model, batches, quantize_weights=quantize_weights_during_calibration, report=report
-    )
+    calibrate_activations(model, batches, quantize_weights=quantize_weights_during_calibration, report=report)
     log.info(
         "calibrated %d weight and %d static activation quantizers on %d batches (%d tokens)",
         report.weight_quantizers,

@@ -193,5 +193,10 @@ def load_saved_model(
             model_dir,
         )
     else:
-        log.info("resumed weights (%d tensors) and scales (%d) from %s", report["weights"], report["hits"], model_dir)
+        log.info(
+            "resumed weights (%d tensors) and scales (%d) from %s",
+            report["weights"],
+            report["hits"],
+            model_dir,
+        )
     return report

@@ -42,11 +42,9 @@ class ConfigError(ValueError):
         self.issues: list[tuple[str, str]] = list(issues)
 
 
-
 def format_issues(issues: Iterable[tuple[str, str]], source: str | None) -> str:
     prefix = f"{source}: " if source else ""
     return "\n".join(f"{prefix}{path}: {msg}" if path else f"{prefix}{msg}" for path, msg in issues)
-
 
 
 class _Loader(yaml.SafeLoader):

@@ -737,7 +737,9 @@ def save_consolidated(
                 pending[full] = t.contiguous()
                 pending_bytes += t.numel() * t.element_size()
             if isinstance(m, QuantLinear) and m.weight_quantizer is not None and m.weight_quantizer.uses_lwc:
-                with torch.no_grad():  # the LWC-derived scale, what a PTQ checkpoint / export calls weight_scale
+                with (
+                    torch.no_grad()
+                ):  # the LWC-derived scale, what a PTQ checkpoint / export calls weight_scale
                     s, zp = m.weight_quantizer.qparams(m.weight.detach().float())
                 scales[key_of(name, "weight", "scale")] = s.detach().float().cpu().contiguous()
                 if zp is not None:

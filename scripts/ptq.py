@@ -71,9 +71,7 @@ def main(argv=None) -> int:
             batches = tqdm(loader, desc="PTQ calibration", disable=args.no_progress, mininterval=2.0)
         else:
             print(f"{scheme.name}: no static activation scale, weight scales need no calibration data")
-        report = calibrate(
-            model, scheme, batches, ignore=cfg.ignore_layers, options=cfg.prepare_options()
-        )
+        report = calibrate(model, scheme, batches, ignore=cfg.ignore_layers, options=cfg.prepare_options())
         save_ptq_checkpoint(
             model, scheme, cfg.global_.save_path, calibration=report, tokenizer=tok, overwrite=args.overwrite
         )

@@ -28,9 +28,17 @@ VOCAB = 512
 def tiny_qwen3_config(**kw):
     from transformers import Qwen3Config
 
-    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                tie_word_embeddings=False)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     base.update(kw)
     return Qwen3Config(**base)
 
@@ -38,9 +46,19 @@ def tiny_qwen3_config(**kw):
 def tiny_qwen3_moe_config(**kw):
     from transformers import Qwen3MoeConfig
 
-    base = dict(vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
-                num_experts_per_tok=2, max_position_embeddings=256, tie_word_embeddings=False)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     base.update(kw)
     return Qwen3MoeConfig(**base)
 

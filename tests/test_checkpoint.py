@@ -56,7 +56,13 @@ def test_parse_key_inverts_scale_keys(moe, lwc):
         assert name == f"{parsed.layer}.{parsed.role}_quantizer.{parsed.kind}", key
         assert keys.key_of(parsed.layer, parsed.role, parsed.kind, keys.kv_role(parsed.layer, model)) == key
         kinds.add(("cache" if "_cache." in key else parsed.role, parsed.kind))
-    want = {("input", "scale"), ("input", "zero_point"), ("output", "scale"), ("cache", "scale"), ("cache", "zero_point")}
+    want = {
+        ("input", "scale"),
+        ("input", "zero_point"),
+        ("output", "scale"),
+        ("cache", "scale"),
+        ("cache", "zero_point"),
+    }
     want |= {"lwc"} if lwc else {("weight", "scale"), ("weight", "zero_point")}
     assert kinds == want
     assert "model.layers.1.self_attn.k_cache.zero_point" in table.values()
@@ -144,7 +150,9 @@ def test_weight_files(tmp_path):
     assert [p.name for p in weight_files(d)] == ["shard-a.safetensors", "shard-b.safetensors"]
     save_file({"w": torch.ones(1)}, str(d / "model.safetensors"))
     assert [p.name for p in weight_files(d)] == ["model.safetensors"]
-    index = {"weight_map": {"a": "shard-b.safetensors", "b": "shard-a.safetensors", "c": "shard-b.safetensors"}}
+    index = {
+        "weight_map": {"a": "shard-b.safetensors", "b": "shard-a.safetensors", "c": "shard-b.safetensors"}
+    }
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
     assert [p.name for p in weight_files(d)] == ["shard-b.safetensors", "shard-a.safetensors"]
     index["weight_map"]["d"] = "gone.safetensors"
@@ -224,7 +232,11 @@ def test_weight_plan_from_shapes_alone(tmp_path):
     E, inter, hidden = 2, 3, 4
     model = st.ModelTensors(
         params={
-            **{f"mlp.experts.{e}.{p}.weight": (inter, hidden) for e in range(E) for p in ("gate_proj", "up_proj")},
+            **{
+                f"mlp.experts.{e}.{p}.weight": (inter, hidden)
+                for e in range(E)
+                for p in ("gate_proj", "up_proj")
+            },
             **{f"mlp.experts.{e}.down_proj.weight": (hidden, inter) for e in range(E)},
             "mlp.experts.0.up_proj.weight_quantizer.scale": (inter, 1),
         },
@@ -235,7 +247,14 @@ def test_weight_plan_from_shapes_alone(tmp_path):
     )
     gate_up, down = torch.randn(E, 2 * inter, hidden), torch.randn(E, hidden, inter)
     f = tmp_path / "fused.safetensors"
-    save_file({"mlp.experts.gate_up_proj": gate_up, "mlp.experts.down_proj": down, "model.rotary_emb.inv_freq": torch.ones(2)}, str(f))
+    save_file(
+        {
+            "mlp.experts.gate_up_proj": gate_up,
+            "mlp.experts.down_proj": down,
+            "model.rotary_emb.inv_freq": torch.ones(2),
+        },
+        str(f),
+    )
     plan = st.weight_plan([f], model, where="fused")
     dest = {n: torch.full(s, float("nan")) for n, s in model.params.items()}
     with open(f, "rb") as fh:
@@ -246,7 +265,9 @@ def test_weight_plan_from_shapes_alone(tmp_path):
         assert torch.equal(dest[f"mlp.experts.{e}.up_proj.weight"], gate_up[e, inter:])
         assert torch.equal(dest[f"mlp.experts.{e}.down_proj.weight"], down[e])
     bad = tmp_path / "bad.safetensors"
-    save_file({"mlp.experts.gate_up_proj": gate_up[:, :, :2].contiguous(), "extra.weight": torch.ones(1)}, str(bad))
+    save_file(
+        {"mlp.experts.gate_up_proj": gate_up[:, :, :2].contiguous(), "extra.weight": torch.ones(1)}, str(bad)
+    )
     with pytest.raises(CheckpointError) as err:
         st.weight_plan([bad], model, where="bad")
     msg = str(err.value)

@@ -345,7 +345,13 @@ def test_runtime_objects_built_from_yaml() -> None:
     """learnable() / blockwise() / prepare_options() carry the YAML's values into the library objects."""
     cfg = load_config(DATA / "qwen3-4b_int4_weight_only_blockwise.yaml")
     assert cfg.blockwise() == BlockwiseSettings(
-        epochs=10, batch_size=2, train_size=4096, val_size=64, training_seqlen=2048, quant_lr=1e-4, weight_lr=1e-4
+        epochs=10,
+        batch_size=2,
+        train_size=4096,
+        val_size=64,
+        training_seqlen=2048,
+        quant_lr=1e-4,
+        weight_lr=1e-4,
     )
     assert cfg.learnable() == Learnable()  # no learnable section: the defaults (weight scales)
     cfg = load_config(DATA / "qwen3-4b_w4a8_fp8_end2end_qkv_fp8attn.yaml")
@@ -359,7 +365,9 @@ def test_runtime_objects_built_from_yaml() -> None:
             "compression.QAT.block_wise_config": {"epochs": 3, "wd": 0.1, "min_lr_factor": 5},
         },
     )
-    assert cfg.learnable() == Learnable(act_scale=False, weight_scale=False, kv_scale=True, norm=True, lwc=True)
+    assert cfg.learnable() == Learnable(
+        act_scale=False, weight_scale=False, kv_scale=True, norm=True, lwc=True
+    )
     bw = cfg.blockwise()
     assert (bw.epochs, bw.wd, bw.min_lr_factor, bw.quant_lr) == (3, 0.1, 5.0, BlockwiseSettings.quant_lr)
     opts = cfg.prepare_options()
@@ -466,7 +474,13 @@ def test_json_schema(tmp_path: Path) -> None:
     jsonschema.validate(yaml.load(ZERO3_YAML, Loader=yaml.SafeLoader), schema)
     # the loss vocabulary in the schema is losses.py's
     assert schema["$defs"]["QATConfig"]["properties"]["loss_type"]["pattern"] == LOSS_PATTERN
-    for loss, ok in (("cakld", True), ("kl_top_5", True), ("r_kl_top", True), ("kl_top_0", False), ("klx", False)):
+    for loss, ok in (
+        ("cakld", True),
+        ("kl_top_5", True),
+        ("r_kl_top", True),
+        ("kl_top_0", False),
+        ("klx", False),
+    ):
         data = load_yaml(DATA / "qwen3-4b_int4_weight_only_end2end.yaml")
         data["compression"]["QAT"]["loss_type"] = loss
         if ok:

@@ -605,7 +605,10 @@ def test_kv_quantizers_act_on_post_rope_states(impl):
         q = _rope(attn.q_norm(attn.q_proj(hs).view(b, t, nh, d)).transpose(1, 2), cos[:, None], sin[:, None])
         k = _rope(attn.k_norm(kp.view(b, t, nkv, d)).transpose(1, 2), cos[:, None], sin[:, None])
         v = vp.view(b, t, nkv, d).transpose(1, 2)
-        kq = torch.clamp(torch.round(k / k_scale[None, :, None, None]), -128, 127) * k_scale[None, :, None, None]
+        kq = (
+            torch.clamp(torch.round(k / k_scale[None, :, None, None]), -128, 127)
+            * k_scale[None, :, None, None]
+        )
         vq = (v / v_scale).clamp(-448, 448).to(FP8).float() * v_scale
         ctx = torch.zeros(b, t, nh, d)
         plain = torch.zeros(b, t, nh, d)
@@ -780,7 +783,9 @@ def test_compile_fake_quant_flag_reaches_every_quantizer(tmp_path):
     cfg = load_config(cfg_path)
     opts = cfg.prepare_options()
     assert opts.compile_fake_quant is True
-    model = prepare(build_model(tiny_qwen3_config()), cfg.quant_scheme(), ignore=cfg.ignore_layers, options=opts)
+    model = prepare(
+        build_model(tiny_qwen3_config()), cfg.quant_scheme(), ignore=cfg.ignore_layers, options=opts
+    )
     flags = [q.compile_fake_quant for _, q in quantizers(model)]
     assert flags and all(flags)
     default = load_config(cfg_path, ["compression.QAT.plugin_config.quant_config.compile_fake_quant=false"])

@@ -626,7 +626,14 @@ def test_blockwise_cli_trains_and_saves_a_qat_checkpoint(tmp_path, tiny_tokenize
     )
     (tmp_path / "exp.yaml").write_text(yaml.safe_dump(raw))
     script = Path(__file__).resolve().parents[1] / "scripts" / "qat.py"
-    cmd = [sys.executable, str(script), "-c", str(tmp_path / "exp.yaml"), "--save-path", str(tmp_path / "qat")]
+    cmd = [
+        sys.executable,
+        str(script),
+        "-c",
+        str(tmp_path / "exp.yaml"),
+        "--save-path",
+        str(tmp_path / "qat"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = read_log(tmp_path / "qat" / TRAIN_LOG_FILE)
@@ -768,7 +775,8 @@ def _assert_trained(spec: dict, got: dict[str, torch.Tensor]) -> None:
     [
         False,
         pytest.param(
-            True, marks=pytest.mark.skipif(not _have_cxx(), reason="torch.compile (inductor) needs a C++ compiler")
+            True,
+            marks=pytest.mark.skipif(not _have_cxx(), reason="torch.compile (inductor) needs a C++ compiler"),
         ),
     ],
     ids=["eager", "compiled"],

@@ -194,8 +194,15 @@ def test_blockwise_qat_runs_in_one_process_without_torchrun(tmp_path):
         tmp_path, lambda s: s.replace("training_mode: end2end", "training_mode: blockwise")
     )
     _, out = snakemake(
-        ["-n", "-p", "results/tiny-test/qat", "--configfile", str(REPO / TEST_CONFIG), "--config",
-         f"experiments_dir={exps}"],
+        [
+            "-n",
+            "-p",
+            "results/tiny-test/qat",
+            "--configfile",
+            str(REPO / TEST_CONFIG),
+            "--config",
+            f"experiments_dir={exps}",
+        ],
         workdir=tmp_path / "wd",
     )
     shell = next(line for line in out.splitlines() if "scripts/qat.py -c" in line)
@@ -338,7 +345,15 @@ def test_end_to_end_on_the_test_config(tmp_path):
             edit_yaml(path, new, old)
         return dry_jobs(out)
 
-    qat_and_after = {"zero3_qat", "convert_export", "evaluate[qat]", "evaluate[export]", "sqnr", "report", "all"}
+    qat_and_after = {
+        "zero3_qat",
+        "convert_export",
+        "evaluate[qat]",
+        "evaluate[export]",
+        "sqnr",
+        "report",
+        "all",
+    }
     yml = repo / ".test/config/experiments/tiny-test.yaml"
     # 4. a QAT hyper-parameter: QAT and what follows; not corpus, base model, PTQ, bf16/ptq evals
     assert reruns(yml, "learning_rate: 1.0e-4", "learning_rate: 2.0e-4") == qat_and_after
@@ -390,7 +405,12 @@ def test_end_to_end_on_the_test_config(tmp_path):
 def test_report_script_names_a_missing_shared_timing_before_writing(tmp_path):
     exp = tmp_path / "exp"
     exp.mkdir()
-    cmd = [sys.executable, str(REPO / "scripts/report.py"), "-c", str(REPO / "config/experiments/tiny-qwen3-moe.yaml")]
+    cmd = [
+        sys.executable,
+        str(REPO / "scripts/report.py"),
+        "-c",
+        str(REPO / "config/experiments/tiny-qwen3-moe.yaml"),
+    ]
     cmd += ["--exp-dir", str(exp), "--shared-timings", str(tmp_path / "no_corpus.json")]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 2 and "--shared-timings" in proc.stderr and "no_corpus.json" in proc.stderr

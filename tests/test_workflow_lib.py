@@ -54,14 +54,19 @@ def test_importing_the_workflow_lib_imports_no_torch_pydantic_or_qatlib_config()
 
 def test_the_snakefile_imports_only_qatlib_yamlio():
     files = [REPO / "Snakefile", *sorted((REPO / "workflow/rules").glob("*.smk"))]
-    imported = {m for f in files for m in re.findall(r"^\s*(?:from|import) (qatlib[\w.]*)", f.read_text(), re.M)}
+    imported = {
+        m for f in files for m in re.findall(r"^\s*(?:from|import) (qatlib[\w.]*)", f.read_text(), re.M)
+    }
     assert imported == {"qatlib.yamlio"}
 
 
 def test_override_items_are_the_scripts_set_pairs():
     items = xp.override_items(
-        {"compression": {"QAT": {"hf_args": {"learning_rate": "1e-4", "bf16": "true"}}},
-         "evaluation": {"ppl": ["1", "x"], "limit": 3}, "model": {}}
+        {
+            "compression": {"QAT": {"hf_args": {"learning_rate": "1e-4", "bf16": "true"}}},
+            "evaluation": {"ppl": ["1", "x"], "limit": 3},
+            "model": {},
+        }
     )
     assert items == [
         ("compression.QAT.hf_args.learning_rate", 1e-4),
@@ -127,24 +132,46 @@ def test_each_stage_config_changes_only_with_the_sections_it_reads(tmp_path):
         raw = experiments(tmp_path / "b", edit=edit).get("tiny-test")
         return {s for s in xp.STAGE_SECTIONS if xp.stage_config(raw, s) != xp.stage_config(base, s)}
 
-    assert changed(lambda s: s.replace("learning_rate: 1.0e-4", "learning_rate: 2.0e-4")) == {"zero3_qat", "report"}
-    # training-only keys inside sections PTQ, export and evaluation read
-    assert changed(lambda s: s.replace("          norm: false", "          norm: true")) == {"zero3_qat", "report"}
-    assert changed(lambda s: s.replace("  num_samples: 40 ", "  num_samples: 32 ")) == {
-        "ptq_calibrate", "zero3_qat", "report"
+    assert changed(lambda s: s.replace("learning_rate: 1.0e-4", "learning_rate: 2.0e-4")) == {
+        "zero3_qat",
+        "report",
     }
-    assert changed(lambda s: s.replace("  limit: 40 ", "  limit: 30 ")) == {"evaluate", "evaluate_quant", "report"}
-    assert changed(lambda s: s.replace("group_size: 32", "group_size: 16")) == set(xp.STAGE_SECTIONS) - {"evaluate"}
+    # training-only keys inside sections PTQ, export and evaluation read
+    assert changed(lambda s: s.replace("          norm: false", "          norm: true")) == {
+        "zero3_qat",
+        "report",
+    }
+    assert changed(lambda s: s.replace("  num_samples: 40 ", "  num_samples: 32 ")) == {
+        "ptq_calibrate",
+        "zero3_qat",
+        "report",
+    }
+    assert changed(lambda s: s.replace("  limit: 40 ", "  limit: 30 ")) == {
+        "evaluate",
+        "evaluate_quant",
+        "report",
+    }
+    assert changed(lambda s: s.replace("group_size: 32", "group_size: 16")) == set(xp.STAGE_SECTIONS) - {
+        "evaluate"
+    }
 
 
 def test_a_stage_gets_only_the_overrides_it_reads(tmp_path):
-    ov = {"compression": {"QAT": {"hf_args": {"learning_rate": 2e-4},
-                                  "plugin_config": {"quant_config": {"learnable": {"norm": True}}}}},
-          "dataset": {"num_samples": 8}}
+    ov = {
+        "compression": {
+            "QAT": {
+                "hf_args": {"learning_rate": 2e-4},
+                "plugin_config": {"quant_config": {"learnable": {"norm": True}}},
+            }
+        },
+        "dataset": {"num_samples": 8},
+    }
     exps = experiments(tmp_path, ov)
     assert exps.stage_overrides("tiny-test", "ptq_calibrate") == {"dataset.num_samples": 8}
     assert set(exps.stage_overrides("tiny-test", "zero3_qat")) == {
-        LR, "compression.QAT.plugin_config.quant_config.learnable.norm", "dataset.num_samples"
+        LR,
+        "compression.QAT.plugin_config.quant_config.learnable.norm",
+        "dataset.num_samples",
     }
     assert exps.stage_overrides("tiny-test", "evaluate") == {}
     assert exps.stage_overrides("tiny-qwen3", "zero3_qat") == {}
@@ -162,7 +189,10 @@ def test_paths_are_products_local_files_or_hub_ids(tmp_path):
     assert exps.model_path("tiny-test") == "res/base/tiny-test"
     assert exps.eval_inputs("tiny-test") == ["res/corpus/test.txt", "res/corpus/tasks/qat_local_mc"]
     assert exps.products("tiny-test") == [
-        "res/corpus/train.txt", "res/base/tiny-test", "res/corpus/test.txt", "res/corpus/tasks/qat_local_mc"
+        "res/corpus/train.txt",
+        "res/base/tiny-test",
+        "res/corpus/test.txt",
+        "res/corpus/tasks/qat_local_mc",
     ]
     sets = exps.cli_sets("tiny-test", "evaluate", "evaluation.ppl", "evaluation.tasks")
     assert '--set=evaluation.ppl=["res/corpus/test.txt"]' in shlex.split(sets)
@@ -205,26 +235,52 @@ def write(root: Path, files: dict[str, str]) -> None:
 
 
 def test_import_walk_follows_relative_lazy_and_parent_package_imports(tmp_path):
-    write(tmp_path, {
-        "scripts/run.py": "import json\nimport _helper\n\ndef main():\n    _helper.used()\n"
-                          "    from pkg.a.b import thing\n    from pkg import c\n",
-        "scripts/_helper.py": "import os\n\ndef used():\n    return inner()\n\ndef inner():\n"
-                              "    import pkg.d\n\ndef unused():\n    import pkg.e\n",
-        "pkg/__init__.py": "", "pkg/a/__init__.py": "", "pkg/a/template.html": "<html>",
-        "pkg/a/b.py": "from . import sib\nfrom ..deep.x import y\n\ndef f():\n    from .. import late\n",
-        "pkg/a/sib.py": "", "pkg/deep/__init__.py": "", "pkg/deep/x.py": "import torch\n",
-        "pkg/late.py": "", "pkg/c.py": "", "pkg/d.py": "", "pkg/e.py": "", "pkg/never.py": "",
-    })
-    got = {str(f.relative_to(tmp_path)) for f in imported_files(tmp_path / "scripts/run.py", tmp_path, ("pkg",))}
+    write(
+        tmp_path,
+        {
+            "scripts/run.py": "import json\nimport _helper\n\ndef main():\n    _helper.used()\n"
+            "    from pkg.a.b import thing\n    from pkg import c\n",
+            "scripts/_helper.py": "import os\n\ndef used():\n    return inner()\n\ndef inner():\n"
+            "    import pkg.d\n\ndef unused():\n    import pkg.e\n",
+            "pkg/__init__.py": "",
+            "pkg/a/__init__.py": "",
+            "pkg/a/template.html": "<html>",
+            "pkg/a/b.py": "from . import sib\nfrom ..deep.x import y\n\ndef f():\n    from .. import late\n",
+            "pkg/a/sib.py": "",
+            "pkg/deep/__init__.py": "",
+            "pkg/deep/x.py": "import torch\n",
+            "pkg/late.py": "",
+            "pkg/c.py": "",
+            "pkg/d.py": "",
+            "pkg/e.py": "",
+            "pkg/never.py": "",
+        },
+    )
+    got = {
+        str(f.relative_to(tmp_path)) for f in imported_files(tmp_path / "scripts/run.py", tmp_path, ("pkg",))
+    }
     assert got == {
-        "scripts/_helper.py", "pkg/__init__.py", "pkg/a/__init__.py", "pkg/a/template.html", "pkg/a/b.py",
-        "pkg/a/sib.py", "pkg/deep/__init__.py", "pkg/deep/x.py", "pkg/late.py", "pkg/c.py", "pkg/d.py",
+        "scripts/_helper.py",
+        "pkg/__init__.py",
+        "pkg/a/__init__.py",
+        "pkg/a/template.html",
+        "pkg/a/b.py",
+        "pkg/a/sib.py",
+        "pkg/deep/__init__.py",
+        "pkg/deep/x.py",
+        "pkg/late.py",
+        "pkg/c.py",
+        "pkg/d.py",
     }
 
 
 def stage_scripts() -> list[str]:
     """The scripts the rules run: every `code("x.py")` in workflow/rules."""
-    names = {m for f in (REPO / "workflow/rules").glob("*.smk") for m in re.findall(r'code\("(\w+\.py)"\)', f.read_text())}
+    names = {
+        m
+        for f in (REPO / "workflow/rules").glob("*.smk")
+        for m in re.findall(r'code\("(\w+\.py)"\)', f.read_text())
+    }
     assert len(names) >= 9
     return sorted(names)
 
@@ -290,13 +346,18 @@ def test_code_inputs_cover_what_python_really_imports():
         closures[script] = [f for f in files if f.startswith("qatlib/")]
     proc = subprocess.run(
         [sys.executable, "-c", _REAL_IMPORTS, str(REPO), json.dumps(closures)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     real = json.loads(proc.stdout.splitlines()[-1])
     for script, closure in closures.items():
         assert len(real[script]["direct"]) > 1, script  # the script's own imports were loaded
-        assert set(real[script]["direct"]) <= set(closure), (script, set(real[script]["direct"]) - set(closure))
+        assert set(real[script]["direct"]) <= set(closure), (
+            script,
+            set(real[script]["direct"]) - set(closure),
+        )
         assert set(real[script]["all"]) <= set(closure), (script, set(real[script]["all"]) - set(closure))
 
 

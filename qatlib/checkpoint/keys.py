@@ -152,7 +152,9 @@ def load_scales(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
                 if key in out:
                     if torch.equal(out[key], t):
                         continue
-                    raise CheckpointError(f"{d}: scale key {key} differs between {origin[key]} and {path.name}")
+                    raise CheckpointError(
+                        f"{d}: scale key {key} differs between {origin[key]} and {path.name}"
+                    )
                 out[key] = t
                 origin[key] = path.name
     return out

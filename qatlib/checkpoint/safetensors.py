@@ -78,7 +78,9 @@ def read_header(path: str | os.PathLike) -> list[TensorInfo]:
                 raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
             (n,) = struct.unpack("<Q", raw)
             if 8 + n > size:
-                raise CheckpointError(f"{path}: truncated safetensors file (header of {n} bytes, file of {size})")
+                raise CheckpointError(
+                    f"{path}: truncated safetensors file (header of {n} bytes, file of {size})"
+                )
             header = json.loads(f.read(n))
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e})") from None
@@ -159,12 +161,16 @@ class ModelTensors:
     optional: frozenset[str]  # quantizer parameters: filled when a checkpoint has them
 
 
-def model_tensors(model: nn.Module, shape_of: Callable[[torch.Tensor], Sequence[int]] = torch.Tensor.size) -> ModelTensors:
+def model_tensors(
+    model: nn.Module, shape_of: Callable[[torch.Tensor], Sequence[int]] = torch.Tensor.size
+) -> ModelTensors:
     """The `ModelTensors` of ``model``; ``shape_of`` gives a parameter's full shape (a partitioned
     parameter's is not its ``shape``)."""
     params = {n: tuple(shape_of(p)) for n, p in model.named_parameters()}
     canon = {id(p): n for n, p in model.named_parameters()}
-    aliases = {n: canon[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if canon[id(p)] != n}
+    aliases = {
+        n: canon[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if canon[id(p)] != n
+    }
     buffers = {}
     for mname, m in model.named_modules():
         for bname, b in m.named_buffers(recurse=False):
@@ -184,7 +190,9 @@ def format_problems(where: str, problems: dict[str, list[str]], limit: int = 20)
     lines = [f"{where}:"]
     for title, items in problems.items():
         if items:
-            shown = ", ".join(items[:limit]) + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+            shown = ", ".join(items[:limit]) + (
+                f", ... ({len(items) - limit} more)" if len(items) > limit else ""
+            )
             lines.append(f"  {title} ({len(items)}): {shown}")
     return "\n".join(lines)
 
@@ -214,7 +222,9 @@ _FUSED_KEY = re.compile(r"^(?P<prefix>.+)\.(?P<proj>gate_up_proj|down_proj)$")
 _EXPERT_KEY = re.compile(r"^(?P<prefix>.+)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
-def _expert_weight_assigns(key: str, info: TensorInfo, experts: dict[str, ExpertBlock]) -> list[Assign] | str | None:
+def _expert_weight_assigns(
+    key: str, info: TensorInfo, experts: dict[str, ExpertBlock]
+) -> list[Assign] | str | None:
     """Assigns of an MoE weight key in the other layout than the model's: a fused key into
     linearised experts, a per-expert key into fused ones; ``"unexpected"`` for an expert index the
     model lacks, a message for a mismatched expert count, None when the key is no such key."""
@@ -244,7 +254,11 @@ def _expert_weight_assigns(key: str, info: TensorInfo, experts: dict[str, Expert
 
 
 def weight_plan(
-    files: Sequence[str | os.PathLike], model: ModelTensors, *, where: str, ignore: Sequence[str] = DEFAULT_IGNORED_KEYS
+    files: Sequence[str | os.PathLike],
+    model: ModelTensors,
+    *,
+    where: str,
+    ignore: Sequence[str] = DEFAULT_IGNORED_KEYS,
 ) -> list[PlanEntry]:
     """Map every tensor of the weight ``files`` to the parameter slices it fills; any missing,
     unexpected, duplicate or shape-mismatched key is one `CheckpointError` listing them all.
@@ -284,7 +298,9 @@ def weight_plan(
                 src_shape = _shape_after(info.shape, a.src)
                 dst_shape = _shape_after(shapes[a.target], a.dst)
                 if src_shape != dst_shape:
-                    mismatched.append(f"{key}: checkpoint {_fmt(src_shape)} vs model {a.target} {_fmt(dst_shape)}")
+                    mismatched.append(
+                        f"{key}: checkpoint {_fmt(src_shape)} vs model {a.target} {_fmt(dst_shape)}"
+                    )
                     reported.add(a.target)
                     ok = False
                     break
@@ -296,14 +312,23 @@ def weight_plan(
                 seen[piece] = key
             if ok:
                 for a in assigns:
-                    covered[a.target] = covered.get(a.target, 0) + _numel(_shape_after(shapes[a.target], a.dst))
+                    covered[a.target] = covered.get(a.target, 0) + _numel(
+                        _shape_after(shapes[a.target], a.dst)
+                    )
                 plan.append(PlanEntry(info, tuple(assigns)))
     for name, shape in shapes.items():
         if name in reported or (name in model.optional and name not in covered):
             continue
         if covered.get(name, 0) != _numel(shape):
-            missing.append(name if name not in covered else f"{name} (partly: {covered[name]}/{_numel(shape)})")
-    problems = {"missing": missing, "unexpected": unexpected, "shape mismatch": mismatched, "duplicate": duplicate}
+            missing.append(
+                name if name not in covered else f"{name} (partly: {covered[name]}/{_numel(shape)})"
+            )
+    problems = {
+        "missing": missing,
+        "unexpected": unexpected,
+        "shape mismatch": mismatched,
+        "duplicate": duplicate,
+    }
     if any(problems.values()):
         raise CheckpointError(format_problems(f"checkpoint {where} does not match the model", problems))
     if tied:
@@ -386,7 +411,9 @@ def scale_plan(
                 plan.append(PlanEntry(info, tuple(assigns)))
     problems = {"shape mismatch": mismatched, "duplicate": duplicate}
     if any(problems.values()):
-        raise CheckpointError(format_problems(f"PTQ checkpoint {where} does not fit the prepared model", problems))
+        raise CheckpointError(
+            format_problems(f"PTQ checkpoint {where} does not fit the prepared model", problems)
+        )
     misses = sorted(set(qkeys.values()) - set(seen))
     report = {
         "ptq_dir": str(where),
@@ -417,7 +444,9 @@ def chunks(entries: list[PlanEntry], chunk_bytes: int) -> Iterator[list[PlanEntr
         yield cur
 
 
-def copy_entry(fh, e: PlanEntry, dest_of: Callable[[str], torch.Tensor], cast: Callable | None = None) -> None:
+def copy_entry(
+    fh, e: PlanEntry, dest_of: Callable[[str], torch.Tensor], cast: Callable | None = None
+) -> None:
     """Read ``e``'s tensor from the open file ``fh`` into its targets (``dest_of(name)``: the tensor
     to write); a whole-tensor, same-dtype CPU target is read into directly."""
     a0 = e.assigns[0]

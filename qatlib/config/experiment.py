@@ -147,7 +147,9 @@ class ExperimentConfig(Section):
             issues.append((v.path, v.message))
 
         try:
-            self._ds_config, self._ds_path = _resolve_deepspeed(qat.hf_args.get("deepspeed"), self._config_dir)
+            self._ds_config, self._ds_path = _resolve_deepspeed(
+                qat.hf_args.get("deepspeed"), self._config_dir
+            )
             if self._ds_config is not None:
                 _check_deepspeed(self._ds_config, self._ds_path)
         except Violation as v:

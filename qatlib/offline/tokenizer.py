@@ -25,7 +25,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096, out_dir: str | Path | None = None) -> PreTrainedTokenizerFast:
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = 4096, out_dir: str | Path | None = None
+) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE on ``texts``; save it to ``out_dir`` when given."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -49,7 +49,9 @@ def fp8_eager_attention_forward(
     **kwargs,
 ):
     """transformers' eager attention + FP8 cast of the attention probabilities."""
-    return _eager(module, query, key, value, attention_mask, scaling, dropout, getattr(module, FP8_ATTN_FLAG, True))
+    return _eager(
+        module, query, key, value, attention_mask, scaling, dropout, getattr(module, FP8_ATTN_FLAG, True)
+    )
 
 
 def _eager(module, query, key, value, attention_mask, scaling, dropout, fp8: bool):
@@ -82,7 +84,9 @@ def enable_fp8_attention(model: nn.Module) -> None:
         raise ValueError("fp8_attn needs a transformers model with a config")
     impl = getattr(cfg, "_attn_implementation", None)
     if impl not in (None, "eager", FP8_ATTN_IMPL):
-        raise ValueError(f"fp8_attn simulates eager attention; the model uses {impl!r} (set model.attn_implementation: eager)")
+        raise ValueError(
+            f"fp8_attn simulates eager attention; the model uses {impl!r} (set model.attn_implementation: eager)"
+        )
     for m in model.modules():
         if all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj")):
             setattr(m, FP8_ATTN_FLAG, True)

@@ -33,7 +33,9 @@ def _grouped(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     if g is Granularity.GROUP:
         k = x.shape[-1]
         if k % spec.group_size:
-            raise ValueError(f"group_size {spec.group_size} does not divide the last dim {k} of a {tuple(x.shape)} tensor")
+            raise ValueError(
+                f"group_size {spec.group_size} does not divide the last dim {k} of a {tuple(x.shape)} tensor"
+            )
         return x.reshape(*x.shape[:-1], k // spec.group_size, spec.group_size)
     if g is Granularity.HEAD:
         h = spec.num_heads
@@ -141,7 +143,9 @@ def _fp8_cast_ste(x: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- core ops
-def _codes_fp32(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor:
+def _codes_fp32(
+    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, spec: QuantSpec
+) -> torch.Tensor:
     """Codes as fp32 (differentiable through STE), in the grouped view.
 
     The clamp is a plain ``torch.clamp``: zero gradient (to x, scale and zero point alike) where it
@@ -156,7 +160,9 @@ def _codes_fp32(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor |
     return torch.clamp(q, spec.qmin, spec.qmax)
 
 
-def _clipped_mask(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor:
+def _clipped_mask(
+    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, spec: QuantSpec
+) -> torch.Tensor:
     """Elements (grouped view) where the clamp of `_codes_fp32` is active."""
     with torch.no_grad():
         xg = _grouped(x.float(), spec)
@@ -170,7 +176,9 @@ def _clipped_mask(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor
         return (q < spec.qmin) | (q > spec.qmax)
 
 
-def _dequant_fp32(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor:
+def _dequant_fp32(
+    q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, spec: QuantSpec
+) -> torch.Tensor:
     s = _expand(scale.float(), spec)
     if zero_point is not None and not spec.is_fp8:
         q = q - _round_ste(_expand(zero_point.float(), spec))

@@ -86,7 +86,9 @@ class QuantLinear(nn.Module):
         return self.weight if wq is None else wq(self.weight)
 
     @torch.no_grad()
-    def codes(self, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def codes(
+        self, weight: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(codes, scale, zero_point)`` of the weight (or of ``weight``) exactly as training
         quantizes it (LWC: the clipped scale of that weight; zero points rounded): what `convert`
         stores and what export compresses."""
@@ -103,7 +105,9 @@ class QuantLinear(nn.Module):
         return _linear(self, x, self.fake_quant_weight())
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )
 
 
 class QDQLinear(nn.Module):
@@ -137,7 +141,9 @@ class QDQLinear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         if self.weight_spec is None:
             return self.weight
-        return F.dequantize(self.weight, self.weight_scale, self.weight_zero_point, self.weight_spec, self.dtype)
+        return F.dequantize(
+            self.weight, self.weight_scale, self.weight_zero_point, self.weight_spec, self.dtype
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(self, x, self.dequantized_weight())
@@ -187,14 +193,18 @@ def is_router(parent: nn.Module | None, child_name: str) -> bool:
 def attention_role(parent: nn.Module | None, child_name: str) -> str | None:
     """'q' / 'k' / 'v' for the projections of an attention module (found by structure: a
     ``q_proj`` / ``k_proj`` / ``v_proj`` child of a module that has all three)."""
-    if child_name in ("q_proj", "k_proj", "v_proj") and parent is not None and all(
-        hasattr(parent, a) for a in ("q_proj", "k_proj", "v_proj")
+    if (
+        child_name in ("q_proj", "k_proj", "v_proj")
+        and parent is not None
+        and all(hasattr(parent, a) for a in ("q_proj", "k_proj", "v_proj"))
     ):
         return child_name[0]
     return None
 
 
-def _output_spec(scheme: QuantScheme, role: str | None, parent: nn.Module, linear: nn.Linear) -> QuantSpec | None:
+def _output_spec(
+    scheme: QuantScheme, role: str | None, parent: nn.Module, linear: nn.Linear
+) -> QuantSpec | None:
     if role is None:
         return None
     spec = getattr(scheme, role)
@@ -245,10 +255,14 @@ def prepare(
             todo.append((module, child_name, child, full))
     w = scheme.weight
     if w is not None and w.granularity is Granularity.GROUP:
-        bad = [f"{full} (in_features={c.in_features})" for _, _, c, full in todo if c.in_features % w.group_size]
+        bad = [
+            f"{full} (in_features={c.in_features})" for _, _, c, full in todo if c.in_features % w.group_size
+        ]
         if bad:
-            raise ValueError(f"group_size {w.group_size} does not divide in_features of: {', '.join(bad[:10])}"
-                             + (f" and {len(bad) - 10} more" if len(bad) > 10 else ""))
+            raise ValueError(
+                f"group_size {w.group_size} does not divide in_features of: {', '.join(bad[:10])}"
+                + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+            )
     in_attention = False
     for parent, child_name, child, _ in todo:
         out_spec = _output_spec(scheme, attention_role(parent, child_name), parent, child)
@@ -339,7 +353,9 @@ def convert(model: nn.Module) -> nn.Module:
         raise ValueError("convert: the model has no QuantLinear layers (was it prepared?)")
     for name, ql in todo:
         if not weight_readable(ql.weight):
-            raise ValueError(f"convert: weight of {name} is not readable (ZeRO-3 shard or meta); gather it first")
+            raise ValueError(
+                f"convert: weight of {name} is not readable (ZeRO-3 shard or meta); gather it first"
+            )
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, QDQLinear(ql))

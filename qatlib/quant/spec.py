@@ -66,16 +66,20 @@ class QuantSpec:
             gran = Granularity(self.granularity)
         except ValueError:
             choices = ", ".join(g.value for g in Granularity)
-            raise SpecError("granularity", f"granularity must be one of {choices}; got {self.granularity!r}") from None
+            raise SpecError(
+                "granularity", f"granularity must be one of {choices}; got {self.granularity!r}"
+            ) from None
         object.__setattr__(self, "granularity", gran)
         if gran is Granularity.GROUP:
             if self.group_size is None or self.group_size <= 0:
                 raise SpecError(
-                    "group_size", f"per-group quantization needs a positive group_size; got {self.group_size!r}"
+                    "group_size",
+                    f"per-group quantization needs a positive group_size; got {self.group_size!r}",
                 )
         elif self.group_size not in (None, -1, 0):
             raise SpecError(
-                "group_size", f"group_size={self.group_size} is only valid with per-group granularity, not {gran.value}"
+                "group_size",
+                f"group_size={self.group_size} is only valid with per-group granularity, not {gran.value}",
             )
         else:
             object.__setattr__(self, "group_size", None)
@@ -87,7 +91,9 @@ class QuantSpec:
         if gran is Granularity.HEAD and self.num_heads is not None and self.num_heads <= 0:
             raise SpecError("num_heads", f"per-head quantization needs num_heads > 0; got {self.num_heads}")
         if self.fp8_recast and self.is_fp8:
-            raise SpecError("fp8_recast", "fp8_recast applies to integer weight formats (W4A8-FP8), not to fp8 itself")
+            raise SpecError(
+                "fp8_recast", "fp8_recast applies to integer weight formats (W4A8-FP8), not to fp8 itself"
+            )
 
     # -- derived properties -------------------------------------------------
     @property
@@ -161,7 +167,7 @@ class QuantScheme:
             raise SpecError(
                 "granularity",
                 f"input activations cannot be quantized {self.input.granularity.value}; "
-                "use per-tensor (static or dynamic) or per-token"
+                "use per-tensor (static or dynamic) or per-token",
             )
         for role in ("q", "k", "v"):
             spec = getattr(self, role)
@@ -218,7 +224,9 @@ PRESETS: dict[str, QuantScheme] = {
         weight=QuantSpec("int4", Granularity.GROUP, group_size=128, fp8_recast=True),
         input=_fp8_tensor(),
     ),
-    "int4_weight_only": QuantScheme("int4_weight_only", weight=QuantSpec("int4", Granularity.GROUP, group_size=128)),
+    "int4_weight_only": QuantScheme(
+        "int4_weight_only", weight=QuantSpec("int4", Granularity.GROUP, group_size=128)
+    ),
     "int8": QuantScheme(
         "int8",
         weight=QuantSpec("int8", Granularity.CHANNEL),
@@ -227,7 +235,10 @@ PRESETS: dict[str, QuantScheme] = {
 }
 PRESETS["w8a8"] = PRESETS["int8"].replace(name="w8a8")
 for _b in range(2, 9):
-    PRESETS.setdefault(f"int{_b}_weight_only", QuantScheme(f"int{_b}_weight_only", weight=QuantSpec(f"int{_b}", Granularity.GROUP, group_size=128)))
+    PRESETS.setdefault(
+        f"int{_b}_weight_only",
+        QuantScheme(f"int{_b}_weight_only", weight=QuantSpec(f"int{_b}", Granularity.GROUP, group_size=128)),
+    )
 
 
 def preset(name: str) -> QuantScheme:

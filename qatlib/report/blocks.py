@@ -122,6 +122,5 @@ def json_tables(data: Any, caption: str) -> list[dict]:
     return [table(["value"], [[fmt(data)]], caption, 1)]
 
 
-
 def pre(text: str) -> dict:
     return {"kind": "pre", "text": text}

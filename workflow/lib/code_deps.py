@@ -67,12 +67,24 @@ def _used_part(tree: ast.Module, used: set[str]) -> list[ast.stmt]:
 
 def _names_used_of(tree: ast.Module, module: str) -> set[str]:
     """Top-level names of sibling ``module`` the script uses (``module.x`` or ``from module import x``)."""
-    aliases = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
-               if a.name == module}
-    used = {n.attr for n in ast.walk(tree)
-            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in aliases}
-    used |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == module
-             and not n.level for a in n.names}
+    aliases = {
+        a.asname or a.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import)
+        for a in n.names
+        if a.name == module
+    }
+    used = {
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in aliases
+    }
+    used |= {
+        a.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module == module and not n.level
+        for a in n.names
+    }
     return used
 
 
@@ -102,8 +114,13 @@ def imported_files(script: Path, root: Path, packages: tuple[str, ...] = ("qatli
                     todo.append((f, sub, _used_part(tree, _names_used_of(script_tree, sub))))
                 else:
                     todo.append((f, sub, tree.body))
-    data = {p for f in found if f.name == "__init__.py" for p in f.parent.iterdir()
-            if p.is_file() and p.suffix not in (".py", ".pyc")}
+    data = {
+        p
+        for f in found
+        if f.name == "__init__.py"
+        for p in f.parent.iterdir()
+        if p.is_file() and p.suffix not in (".py", ".pyc")
+    }
     return sorted(found | data)
 
 

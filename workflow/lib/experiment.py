@@ -73,7 +73,9 @@ TRAINING_ONLY = [
     "compression.QAT.plugin_config.quant_config.lazy_init_samples",
     "compression.QAT.plugin_config.quant_config.lwc.lwc_lr",
 ]
-STAGE_EXCLUDE = {stage: TRAINING_ONLY for stage in ("ptq_calibrate", "convert_export", "evaluate_quant", "sqnr")}
+STAGE_EXCLUDE = {
+    stage: TRAINING_ONLY for stage in ("ptq_calibrate", "convert_export", "evaluate_quant", "sqnr")
+}
 
 # `results/x` in a YAML names a workflow product; these suffixes mark a local data file.
 PRODUCT_PREFIX = "results/"
