@@ -2,8 +2,7 @@
 
 Reads checkpoints through `qatlib.checkpoint` (docs/design.md): `load_scales` gives the scale keys
 (``L.weight_scale``, ``L.input_scale``, ``<attn>.k_cache.scale``, ...) of a PTQ / QAT checkpoint,
-`iter_weights` its weights one at a time. `load_scales`, `load_scheme`, `parse_key` and
-`NESTED_DIR` are `qatlib.checkpoint`'s, importable from here for the report and the notebooks.
+`iter_weights` its weights one at a time.
 
 Every ``*_rows`` function returns a list of flat dicts (one per layer or key): CSV-friendly
 (`write_csv`) and easy to turn into a DataFrame. Used by the report (`qatlib.report`) and by
@@ -26,9 +25,8 @@ import torch
 from safetensors import safe_open
 
 from .checkpoint import safetensors as st
-from .checkpoint.keys import ScaleKey, load_scales, parse_key  # noqa: F401 - re-exported (see above)
-from .checkpoint.layout import NESTED_DIR, weight_files, write_text  # noqa: F401 - NESTED_DIR: re-exported
-from .checkpoint.layout import read_scheme as load_scheme  # noqa: F401 - re-exported
+from .checkpoint.keys import load_scales, parse_key
+from .checkpoint.layout import read_scheme, weight_files, write_text
 from .quant.functional import fake_quantize
 from .quant.spec import QuantScheme, QuantSpec
 
@@ -295,7 +293,7 @@ class SqnrError(RuntimeError):
 
 def _sqnr_scales(ckpt: Path, what: str) -> tuple[QuantScheme, dict[str, torch.Tensor], list[str]]:
     try:
-        scheme, scales = load_scheme(ckpt), load_scales(ckpt)
+        scheme, scales = read_scheme(ckpt), load_scales(ckpt)
     except (FileNotFoundError, ValueError) as e:
         raise SqnrError(f"{what} checkpoint {ckpt}: {e}") from e
     layers = sorted({p.layer for k in scales if (p := parse_key(k)) and p.role == "weight"})

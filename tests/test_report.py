@@ -21,6 +21,8 @@ import torch
 from safetensors.torch import save_file
 
 from qatlib import analysis
+from qatlib.checkpoint.keys import load_scales, parse_key
+from qatlib.checkpoint.layout import read_scheme
 from qatlib.quant import compute_qparams
 from qatlib.quant.spec import Granularity, QuantScheme, QuantSpec
 from qatlib.report import ReportError, build_report
@@ -256,10 +258,10 @@ def test_layer_type(name, expected):
 
 
 def test_parse_key():
-    assert analysis.parse_key("a.b.k_cache.scale") == ("a.b.k_proj", "output", "scale")
-    assert analysis.parse_key("a.q_proj.weight_zero_point") == ("a.q_proj", "weight", "zero_point")
-    assert analysis.parse_key("a.q_proj.weight") is None
-    assert analysis.parse_key("a.q_proj.weight_quantizer.clip_factor_w_max") is None
+    assert parse_key("a.b.k_cache.scale") == ("a.b.k_proj", "output", "scale")
+    assert parse_key("a.q_proj.weight_zero_point") == ("a.q_proj", "weight", "zero_point")
+    assert parse_key("a.q_proj.weight") is None
+    assert parse_key("a.q_proj.weight_quantizer.clip_factor_w_max") is None
 
 
 def test_load_scales_nested_sharded_and_skips_weights(tmp_path):
@@ -278,17 +280,17 @@ def test_load_scales_nested_sharded_and_skips_weights(tmp_path):
         },
         str(d / "scales-00002-of-00002.safetensors"),
     )
-    loaded = analysis.load_scales(tmp_path / "ckpt")
+    loaded = load_scales(tmp_path / "ckpt")
     assert sorted(loaded) == keys
     assert all(torch.equal(loaded[k], scales[k]) for k in keys)
-    assert analysis.load_scheme(tmp_path / "ckpt") == SCHEME
+    assert read_scheme(tmp_path / "ckpt") == SCHEME
     save_file({keys[0]: scales[keys[0]]}, str(d / "dup.safetensors"))  # same values: fine
-    assert sorted(analysis.load_scales(tmp_path / "ckpt")) == keys
+    assert sorted(load_scales(tmp_path / "ckpt")) == keys
     save_file({keys[0]: scales[keys[0]] * 2}, str(d / "dup.safetensors"))
     with pytest.raises(ValueError, match="differs between"):
-        analysis.load_scales(tmp_path / "ckpt")
+        load_scales(tmp_path / "ckpt")
     with pytest.raises(FileNotFoundError, match="not a PTQ/QAT checkpoint"):
-        analysis.load_scales(tmp_path / "nothing")
+        load_scales(tmp_path / "nothing")
 
 
 def test_scale_stats_and_changes():
@@ -545,13 +547,6 @@ def test_broken_optional_input_does_not_break_the_report(minimal_exp):
     html, _ = build(minimal_exp)
     assert "Training could not be rendered" in html and "train_log.jsonl:2" in html
     assert "50.0%" in html
-
-
-def test_qat_log_fallback_name(minimal_exp):
-    (minimal_exp / "qat").mkdir()
-    (minimal_exp / "qat" / "qat_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train_log()))
-    html, _ = build(minimal_exp)
-    assert "10 logging steps (qat_log.jsonl)" in html
 
 
 @pytest.mark.parametrize("variant", ["bf16", "ptq", "qat"])

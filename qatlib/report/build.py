@@ -6,10 +6,10 @@ experiment directory:
 
 - ``eval/{bf16,ptq,qat}.json`` (required) and ``eval/export.json`` (optional):
   ``{"variant", "ppl": {dataset: {ppl, ...}}, "tasks": {task: {acc, acc_norm, ...}}, "wall_s"}``;
-- ``qat/train_log.jsonl`` (or the trainer's ``qat/qat_log.jsonl``): one JSON object per logging
+- ``qat/train_log.jsonl``: one JSON object per logging
   step (``step``, ``lm_loss``, ``kd/<type>``, ``kd/forward_kl``, ``kd/backward_kl``,
   ``total_loss``, ``learning_rate``);
-- ``ptq/`` and ``qat/`` checkpoints (scales, `qatlib.analysis.load_scales`);
+- ``ptq/`` and ``qat/`` checkpoints (scales, `qatlib.checkpoint.keys.load_scales`);
 - ``analysis/sqnr.csv`` (``layer, layer_type, ptq_db, qat_db``), else SQNR computed from the
   checkpoint weights (`qatlib.analysis.checkpoint_sqnr`) when they are small enough;
 - ``qat/scale_load.json``, ``qat/run_metadata.json``, ``timings/*.json``, the experiment YAML,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import analysis
+from ..checkpoint.layout import NESTED_DIR, TRAIN_LOG_FILE
 
 VARIANTS = ("bf16", "ptq", "qat", "export")
 REQUIRED_VARIANTS = ("bf16", "ptq", "qat")
@@ -29,7 +30,6 @@ STAGES = (
     "bench",
     "report",
 )
-LOG_FILES = ("train_log.jsonl", "qat_log.jsonl")
 SQNR_CSV = Path("analysis") / "sqnr.csv"
 
 
@@ -55,7 +55,7 @@ def first_file(dirs: Iterable[Path], names: Iterable[str]) -> Path | None:
 
 def qat_file(exp: Path, *names: str) -> Path | None:
     """The first of ``names`` in ``qat/`` or its nested checkpoint folder."""
-    return first_file([exp / "qat", exp / "qat" / analysis.NESTED_DIR], names)
+    return first_file([exp / "qat", exp / "qat" / NESTED_DIR], names)
 
 
 def require_files(paths: Sequence[str | os.PathLike], what: str) -> None:
@@ -88,7 +88,7 @@ def load_eval(exp_dir: str | os.PathLike) -> dict[str, dict]:
 
 # =========================================================================== training
 def find_train_log(exp_dir: str | os.PathLike) -> Path | None:
-    return qat_file(Path(exp_dir), *LOG_FILES)
+    return qat_file(Path(exp_dir), TRAIN_LOG_FILE)
 
 
 def read_train_log(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import analysis
+from ..checkpoint.keys import load_scales
+from ..checkpoint.layout import TRAIN_LOG_FILE
 from . import inputs
 from .blocks import cell, fmt, h3, img, json_tables, nbytes, para, pre, seconds, table, unavailable
 from .metrics import MIN_ABS_GAP, MIN_REL_GAP, DvcOutputs, loss_keys, sqnr_metrics
@@ -86,8 +88,7 @@ def training_section(exp: Path, out: DvcOutputs) -> dict:
     sec = {"id": "training", "title": "Training", "blocks": []}
     path = inputs.find_train_log(exp)
     if path is None:
-        logs = " or ".join(inputs.LOG_FILES)
-        sec["unavailable"] = f"Training curves not available: no {logs} in {exp / 'qat'}."
+        sec["unavailable"] = f"Training curves not available: no {TRAIN_LOG_FILE} in {exp / 'qat'}."
         return sec
     rows = [r for r in inputs.read_train_log(path) if "step" in r]
     keys = loss_keys(rows)
@@ -123,7 +124,7 @@ def scales_section(exp: Path, out: DvcOutputs) -> dict:
     loaded = {}
     for v in ("ptq", "qat"):
         try:
-            loaded[v] = analysis.load_scales(exp / v)
+            loaded[v] = load_scales(exp / v)
         except FileNotFoundError as e:
             sec["blocks"].append(unavailable(f"{VARIANT_LABELS[v]} scales not available: {e}"))
     if not loaded:

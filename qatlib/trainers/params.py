@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..quant import quant_linears
+from ..quant.linear import attention_role
 from ..quant.quantizer import PARAM_ROLES, ROLE_LWC, ROLE_SCALE, Quantizer
 
 NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
@@ -80,12 +81,10 @@ def is_norm(module: nn.Module) -> bool:
 
 
 def _is_kv_projection(model: nn.Module, name: str) -> bool:
-    """A ``k_proj`` / ``v_proj`` child of a module that also has ``q_proj`` (an attention module)."""
+    """A k / v projection of an attention module (`qatlib.quant.linear.attention_role`)."""
     parent_name, _, child = name.rpartition(".")
-    if child not in ("k_proj", "v_proj"):
-        return False
     parent = model.get_submodule(parent_name) if parent_name else model
-    return all(hasattr(parent, a) for a in ("q_proj", "k_proj", "v_proj"))
+    return attention_role(parent, child) in ("k", "v")
 
 
 def _role_params(q: Quantizer | None, prefix: str, role: str) -> Iterator[tuple[str, nn.Parameter]]:
