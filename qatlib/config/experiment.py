@@ -92,7 +92,7 @@ def _auto_adamw(opt: Any) -> bool:
     if not isinstance(opt, dict) or str(opt.get("type", "")).lower() not in ("adamw", "adam"):
         return False
     params = opt.get("params", {})
-    return isinstance(params, dict) and all(v == "auto" for v in params.values())
+    return isinstance(params, dict) and "lr" in params and all(v == "auto" for v in params.values())
 
 
 def _check_deepspeed(ds: dict[str, Any], path: Path | None) -> dict[str, Any]:
