@@ -148,9 +148,15 @@ def _template_ids(tokenizer, messages: Sequence[dict[str, str]], add_generation_
 
 
 def sft_sample(
-    messages: Sequence[dict[str, str]], tokenizer, max_seq_length: int, stats: DataStats | None = None
+    messages: Sequence[dict[str, str]],
+    tokenizer,
+    max_seq_length: int,
+    stats: DataStats | None = None,
+    *,
+    prompt_loss: bool = False,
 ):
-    """Tokenize a conversation supervising only its last assistant reply.
+    """Tokenize a conversation supervising only its last assistant reply (with ``prompt_loss``:
+    every token, upstream's ``dataset.is_sft_data: false``).
 
     Returns ``{"input_ids", "labels"}`` or None when truncation leaves no reply token. Raises
     ValueError when there is no assistant reply."""
@@ -176,7 +182,7 @@ def sft_sample(
             stats.truncated += 1
     if prompt_len >= len(ids):
         return None
-    labels = [IGNORE_INDEX] * prompt_len + ids[prompt_len:]
+    labels = list(ids) if prompt_loss else [IGNORE_INDEX] * prompt_len + ids[prompt_len:]
     return {"input_ids": ids, "labels": labels}
 
 
@@ -267,8 +273,10 @@ def load_training_data(
     *,
     hf_cache_dir: str | None = None,
     split: str = "train",
+    prompt_loss: bool = False,
 ) -> TokenizedDataset:
-    """Read ``source`` into at most ``num_samples`` token samples (see the module docstring)."""
+    """Read ``source`` into at most ``num_samples`` token samples (see the module docstring);
+    ``prompt_loss`` supervises conversations' prompts too (`sft_sample`)."""
     if max_seq_length <= 1:
         raise ValueError(f"max_seq_length must be > 1; got {max_seq_length}")
     stats = DataStats(str(source))
@@ -289,7 +297,7 @@ def load_training_data(
             continue
         kinds.add("chat")
         try:
-            sample = sft_sample(parsed, tokenizer, max_seq_length, stats)
+            sample = sft_sample(parsed, tokenizer, max_seq_length, stats, prompt_loss=prompt_loss)
         except ValueError as e:
             raise DataError(f"{where}: {e}") from None
         if sample is None:
@@ -319,14 +327,18 @@ def load_training_data(
 def training_data_from_config(cfg, tokenizer) -> TokenizedDataset:
     """The training set an experiment config names: ``compression.QAT.hf_dataset`` (with
     ``hf_cache_dir``) when set, else ``dataset.data_path``; ``dataset.max_seq_length`` and
-    ``dataset.num_samples`` apply to both."""
+    ``dataset.num_samples`` apply to both; ``dataset.is_sft_data: false`` (upstream's "not SFT
+    data") supervises every token of a conversation, not only the last reply."""
     ds = cfg.dataset
     max_len = ds.max_seq_length if ds is not None else 2048
     num = ds.num_samples if ds is not None else None
     source = cfg.qat.hf_dataset or (ds.data_path if ds is not None else None)
     if not source:
         raise ValueError("no training data: set dataset.data_path or compression.QAT.hf_dataset")
-    return load_training_data(source, tokenizer, max_len, num, hf_cache_dir=cfg.qat.hf_cache_dir)
+    prompt_loss = ds is not None and ds.is_sft_data is False
+    return load_training_data(
+        source, tokenizer, max_len, num, hf_cache_dir=cfg.qat.hf_cache_dir, prompt_loss=prompt_loss
+    )
 
 
 # --------------------------------------------------------------------------- batching

@@ -3,10 +3,12 @@
     python scripts/ptq.py -c config/experiments/tiny-qwen3-moe.yaml \
         --model-path results/base/tiny-qwen3-moe --save-path results/tiny-qwen3-moe/ptq
 
-Weight scales are set from the weights (round-to-nearest); static activation scales (input,
-q / k / v outputs) are calibrated on the experiment's ``dataset`` (``num_samples`` samples of
-``max_seq_length`` tokens, ``batch_size`` per forward; ``compression.QAT.hf_dataset`` wins over
-``dataset.data_path``). Weight-only and dynamic-activation schemes read no data.
+Weight scales are set from the weights (round-to-nearest), or by GPTQ for upstream's
+``int4_gptq`` (layer by layer; the updated weights are saved with the scales); static activation
+scales (input, q / k / v outputs) are calibrated on the experiment's ``dataset`` (``num_samples``
+samples of ``max_seq_length`` tokens, ``batch_size`` per forward; ``compression.QAT.hf_dataset``
+wins over ``dataset.data_path``). Round-to-nearest weight-only and dynamic-activation schemes
+read no data.
 """
 
 from __future__ import annotations
@@ -47,14 +49,15 @@ def main(argv=None) -> int:
         static_act = [
             r for r in ("input", "q", "k", "v") if (sp := getattr(scheme, r)) is not None and not sp.dynamic
         ]
+        gptq = cfg.ptq_algorithm == "gptq"
         batches = []
-        if static_act:
+        if static_act or gptq:
             ds_cfg = cfg.dataset
             source = cfg.qat.hf_dataset or (ds_cfg.data_path if ds_cfg else None)
             if not source:
                 raise SystemExit(
-                    f"error: {args.config}: {scheme.name} has static activation scales ({', '.join(static_act)}): "
-                    "PTQ needs calibration data (dataset.data_path or compression.QAT.hf_dataset)"
+                    f"error: {args.config}: {scheme.name} ({cfg.ptq_algorithm}) needs calibration data "
+                    "(dataset.data_path or compression.QAT.hf_dataset)"
                 )
             data = load_training_data(
                 source,
@@ -71,9 +74,22 @@ def main(argv=None) -> int:
             batches = tqdm(loader, desc="PTQ calibration", disable=args.no_progress, mininterval=2.0)
         else:
             print(f"{scheme.name}: no static activation scale, weight scales need no calibration data")
-        report = calibrate(model, scheme, batches, ignore=cfg.ignore_layers, options=cfg.prepare_options())
+        if gptq:
+            from qatlib.gptq import gptq as run_gptq
+
+            report = run_gptq(model, scheme, batches, ignore=cfg.ignore_layers, options=cfg.prepare_options())
+        else:
+            report = calibrate(
+                model, scheme, batches, ignore=cfg.ignore_layers, options=cfg.prepare_options()
+            )
         save_ptq_checkpoint(
-            model, scheme, cfg.global_.save_path, calibration=report, tokenizer=tok, overwrite=args.overwrite
+            model,
+            scheme,
+            cfg.global_.save_path,
+            calibration=report,
+            save_weights=gptq,
+            tokenizer=tok,
+            overwrite=args.overwrite,
         )
         record.update(scheme=scheme.name, batches=report.num_batches, tokens=report.num_tokens)
         print(f"PTQ checkpoint ({scheme.name}): {cfg.global_.save_path}")

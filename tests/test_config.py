@@ -815,7 +815,7 @@ def test_bad_config(tmp_path: Path, w4a8_raw: dict[str, Any], case: str, edit: A
     (tmp_path / "ds3.json").write_text(json.dumps(DS_ZERO3))
     (tmp_path / "broken.json").write_text("{not json")
     (tmp_path / "ds3_optimizer.json").write_text(
-        json.dumps({**DS_ZERO3, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
+        json.dumps({**DS_ZERO3, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
     )
     if isinstance(edit, str):
         text = edit

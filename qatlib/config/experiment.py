@@ -10,11 +10,12 @@ validated YAML, never a second copy of its fields.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, PrivateAttr, ValidationInfo, model_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from qatlib.losses import LossConfig
 from qatlib.quant.linear import PrepareOptions
@@ -23,8 +24,9 @@ from qatlib.trainers.blockwise import BlockwiseSettings
 from qatlib.trainers.params import Learnable
 from qatlib.yamlio import ConfigError, format_issues
 
+from . import upstream
 from .errors import Violation, issues_error
-from .scheme import build_quant_scheme
+from .scheme import build_quant_scheme, resolve_name
 from .sections import (
     CompressionConfig,
     DatasetConfig,
@@ -38,6 +40,8 @@ from .sections import (
 
 __all__ = ["ExperimentConfig"]
 
+log = logging.getLogger(__name__)
+
 # --------------------------------------------------------------------------------------------
 # DeepSpeed
 # --------------------------------------------------------------------------------------------
@@ -49,7 +53,9 @@ def _resolve_deepspeed(value: Any, config_dir: Path | None) -> tuple[dict[str, A
     """Load ``hf_args.deepspeed``: an inline mapping or a JSON file.
 
     A relative path is tried against the CWD first (what HF Trainer itself does at run time),
-    then against the YAML's folder (so a config next to its ds_config works from anywhere).
+    then against the YAML's folder (so a config next to its ds_config works from anywhere), then
+    against the folders above it: upstream's configs write the path from the root of their
+    repository (``deepspeed: configs/qwen3/qat/.../ds_config_zero3.json``).
     """
     if value is None:
         return None, None
@@ -61,7 +67,9 @@ def _resolve_deepspeed(value: Any, config_dir: Path | None) -> tuple[dict[str, A
         )
     raw = Path(value).expanduser()
     candidates = (
-        [raw] if raw.is_absolute() else [Path.cwd() / raw] + ([config_dir / raw] if config_dir else [])
+        [raw]
+        if raw.is_absolute()
+        else [Path.cwd() / raw] + ([d / raw for d in (config_dir, *config_dir.parents)] if config_dir else [])
     )
     for cand in candidates:
         if cand.is_file():
@@ -72,17 +80,33 @@ def _resolve_deepspeed(value: Any, config_dir: Path | None) -> tuple[dict[str, A
             if not isinstance(data, dict):
                 raise Violation(_DS_PATH, f"DeepSpeed config {str(cand)!r} is not a JSON object")
             return data, cand.resolve()
-    looked = ", ".join(str(c) for c in candidates)
+    looked = ", ".join(str(c) for c in candidates[:3]) + (
+        " and the folders above" if len(candidates) > 3 else ""
+    )
     raise Violation(_DS_PATH, f"DeepSpeed config file {str(value)!r} not found (looked in: {looked})")
 
 
-def _check_deepspeed(ds: dict[str, Any], path: Path | None) -> None:
-    """Refuse an ``optimizer`` block (a ``scheduler`` block is allowed).
+def _auto_adamw(opt: Any) -> bool:
+    """Upstream's own block: ``{"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}``,
+    i.e. AdamW with the Trainer's learning_rate / weight_decay: what qatlib's optimizer is."""
+    if not isinstance(opt, dict) or str(opt.get("type", "")).lower() not in ("adamw", "adam"):
+        return False
+    params = opt.get("params", {})
+    return isinstance(params, dict) and "lr" in params and all(v == "auto" for v in params.values())
+
+
+def _check_deepspeed(ds: dict[str, Any], path: Path | None) -> dict[str, Any]:
+    """Refuse an ``optimizer`` block (a ``scheduler`` block is allowed); returns the config to use.
 
     qatlib owns the optimizer (torch AdamW with separate scale / LWC / norm groups). With an
     ``optimizer`` block transformers builds DeepSpeed's optimizer from it instead, silently losing
-    the groups (and on CPU compiles ``fused_adam``, ~100 s).
+    the groups (and on CPU compiles ``fused_adam``, ~100 s). Upstream's ds_config_zero3.json has
+    an all-``auto`` AdamW block: that is AdamW at hf_args' learning_rate / weight_decay, which
+    qatlib's optimizer already is, so that block is dropped (logged) instead of refused.
     """
+    if "optimizer" in ds and _auto_adamw(ds["optimizer"]):
+        log.info("DeepSpeed config %s: its all-'auto' AdamW block is qatlib's own optimizer; dropped", path)
+        return {k: v for k, v in ds.items() if k != "optimizer"}
     if "optimizer" in ds:
         opt = ds["optimizer"]
         kind = opt.get("type", "?") if isinstance(opt, dict) else "?"
@@ -93,6 +117,7 @@ def _check_deepspeed(ds: dict[str, Any], path: Path | None) -> None:
             "separate scale / LWC learning rates) and transformers would replace it and lose those groups; "
             "remove the block and set the learning rates in the experiment config",
         )
+    return ds
 
 
 def _zero_stage(ds: dict[str, Any] | None) -> int | None:
@@ -128,6 +153,20 @@ class ExperimentConfig(Section):
     _scheme: QuantScheme | None = PrivateAttr(None)
     _ds_config: dict[str, Any] | None = PrivateAttr(None)
     _ds_path: Path | None = PrivateAttr(None)
+    _ds_dropped_optimizer: bool = PrivateAttr(False)
+
+    # upstream feature key (SpinQuant rotations): refused when present
+    transform: dict[str, Any] | None = None
+
+    @field_validator("transform")
+    @classmethod
+    def _no_transform(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v:
+            name = v.get("name", "?")
+            raise upstream.unsupported(
+                f"transform ({name}: weight rotations)", "remove the transform section"
+            )
+        return v
 
     @model_validator(mode="after")
     def _cross_section_rules(self, info: ValidationInfo) -> ExperimentConfig:
@@ -151,7 +190,9 @@ class ExperimentConfig(Section):
                 qat.hf_args.get("deepspeed"), self._config_dir
             )
             if self._ds_config is not None:
-                _check_deepspeed(self._ds_config, self._ds_path)
+                checked = _check_deepspeed(self._ds_config, self._ds_path)
+                self._ds_dropped_optimizer = checked is not self._ds_config
+                self._ds_config = checked
         except Violation as v:
             issues.append((v.path, v.message))
 
@@ -209,6 +250,20 @@ class ExperimentConfig(Section):
                     (f"{QC}.lwc.enable_lwc", "weight clipping needs weight quantization (use_weight_quant)")
                 )
 
+        if scheme is not None and self.quantization.low_memory and self.ptq_algorithm == "rtn":
+            static = [r for r in ("input", "q", "k", "v") if (sp := getattr(scheme, r)) and not sp.dynamic]
+            if static:
+                issues.append(
+                    (
+                        "compression.quantization.low_memory",
+                        upstream.unsupported_message(
+                            "low_memory (layer-by-layer calibration) for round-to-nearest PTQ with static "
+                            f"activation scales ({', '.join(static)})",
+                            "qatlib calibrates the whole model, placed by device_map (accelerate offloads what "
+                            "does not fit); remove the key. (Weight-only / dynamic formats and int4_gptq honour it.)",
+                        ),
+                    )
+                )
         if qat.training_mode == "blockwise" and self.loss_config().kd_enabled:
             issues.append(
                 (
@@ -298,6 +353,7 @@ class ExperimentConfig(Section):
             act_init_value=qc.activation_scale_init_value,
             lwc_init=qc.lwc.lwc_init_value if qc.lwc.enable_lwc else None,
             compile_fake_quant=qc.compile_fake_quant,
+            strict_ignore=self.quantization.strict_ignore_layers,
         )
 
     def loss_config(self) -> LossConfig:
@@ -331,6 +387,25 @@ class ExperimentConfig(Section):
         args = dict(self.qat.hf_args)
         args["output_dir"] = self.global_.save_path
         args.setdefault("seed", self.global_.seed)
-        if self._ds_path is not None:
+        if self._ds_dropped_optimizer:
+            args["deepspeed"] = dict(self._ds_config or {})  # the file minus its optimizer block
+        elif self._ds_path is not None:
             args["deepspeed"] = str(self._ds_path)
         return args
+
+    # -- upstream keys -------------------------------------------------------------------------
+    @property
+    def ptq_algorithm(self) -> str:
+        """How PTQ sets the weights: ``rtn`` (round-to-nearest) or ``gptq`` (upstream ``int4_gptq``)."""
+        name = self.quantization.name
+        algo = resolve_name(name) if name is not None else None
+        return algo.ptq if isinstance(algo, upstream.Algorithm) else "rtn"
+
+    @property
+    def export_format(self) -> str:
+        """The export's checkpoint format (upstream ``quantization.save_name``)."""
+        return self.quantization.save_name
+
+    @property
+    def strict_ignore_layers(self) -> bool:
+        return self.quantization.strict_ignore_layers

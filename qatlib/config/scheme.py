@@ -14,6 +14,7 @@ from typing import Any
 
 from qatlib.quant.spec import PRESETS, Granularity, QuantScheme, QuantSpec, SpecError
 
+from . import upstream
 from .errors import Violation
 from .sections import (
     CompressionConfig,
@@ -23,7 +24,13 @@ from .sections import (
     norm_group_size,
 )
 
-__all__ = ["build_quant_scheme"]
+__all__ = ["build_quant_scheme", "resolve_name"]
+
+
+def resolve_name(name: str) -> upstream.Algorithm | str | None:
+    """``quantization.name`` -> its `upstream.Algorithm`, a refusal message, or None (unknown)."""
+    return upstream.resolve_algorithm(name, PRESETS)
+
 
 _ROLES = ("weight", "input", "q", "k", "v")
 
@@ -150,12 +157,15 @@ def build_quant_scheme(comp: CompressionConfig) -> QuantScheme:
 
     b = _SchemeBuilder()
     if q.name is not None:
-        if q.name not in PRESETS:
+        algo = resolve_name(q.name)
+        if isinstance(algo, str):
+            raise Violation(f"{QP}.name", algo)
+        if algo is None:
+            known = sorted({*PRESETS, *upstream.ALGORITHMS})
             raise Violation(
-                f"{QP}.name",
-                f"unknown quantization name {q.name!r}; choose one of {', '.join(sorted(PRESETS))}",
+                f"{QP}.name", f"unknown quantization name {q.name!r}; choose one of {', '.join(known)}"
             )
-        base = PRESETS[q.name]
+        base = PRESETS[algo.preset]
         name, fp8_attn = base.name, base.fp8_attn
         for role in _ROLES:
             b.set(role, getattr(base, role), f"{QP}.name", {})
@@ -168,9 +178,19 @@ def build_quant_scheme(comp: CompressionConfig) -> QuantScheme:
         b.set("weight", QuantSpec(f"int{bits}"), where, {"qtype": where})
         b.set("input", QuantSpec(f"int{bits}"), where, {"qtype": where})
 
-    # 1) quantization.quant_method granularities and quantization.group_size
+    for key in ("weight", "activation"):
+        if getattr(qm, key) == "per-block":
+            raise Violation(
+                f"{QP}.quant_method.{key}",
+                upstream.unsupported_message("per-block granularity (block-scaled NVFP4 / FP8)"),
+            )
+
+    # 1) quantization.quant_method granularities, zero_point and quantization.group_size
     w_changes: dict[str, Any] = {}
     w_paths: dict[str, str] = {}
+    if qm.zero_point is not None:
+        w_changes["symmetric"] = not qm.zero_point
+        w_paths["symmetric"] = f"{QP}.quant_method.zero_point"
     if qm.weight is not None:
         w_changes["granularity"] = qm.weight
         w_paths["granularity"] = f"{QP}.quant_method.weight"
@@ -202,11 +222,17 @@ def build_quant_scheme(comp: CompressionConfig) -> QuantScheme:
             b.set(role, QuantSpec(changes["qtype"]), block, {})
         b.apply(role, block, changes, paths, fallback_group_size=level_gs)
 
-    # 3) q / k / v projection outputs
+    # 3) q / k / v projection outputs (upstream's use_qkv_quant switches them)
     for role in ("q", "k", "v"):
         o_cfg: OutputQuantConfig | None = getattr(qc, role)
         if o_cfg is not None:
             b.new(role, f"{QC}.{role}", o_cfg)
+    if qc.use_qkv_quant and all(b.specs[r] is None for r in ("q", "k", "v")):
+        # upstream quietly quantizes nothing here
+        raise Violation(
+            f"{QC}.use_qkv_quant", "is true but no q / k / v quantization is set (quant_config.q/k/v)"
+        )
+    qkv_on = qc.use_qkv_quant is not False
 
     # 4) each role on its own, so a QuantScheme-level error names the key that set it
     for role in _ROLES:
@@ -225,9 +251,9 @@ def build_quant_scheme(comp: CompressionConfig) -> QuantScheme:
         name=name,
         weight=weight,
         input=inp,
-        q=b.specs["q"],
-        k=b.specs["k"],
-        v=b.specs["v"],
+        q=b.specs["q"] if qkv_on else None,
+        k=b.specs["k"] if qkv_on else None,
+        v=b.specs["v"] if qkv_on else None,
         fp8_attn=fp8_attn or qc.fp8_attn,
     )
     if all(getattr(scheme, r) is None for r in _ROLES):

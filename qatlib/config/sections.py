@@ -16,13 +16,14 @@ import difflib
 from functools import lru_cache
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from qatlib.losses import LOSS_PATTERN, LossConfig, LossTypeError, parse_loss_type
 from qatlib.quant.spec import QTYPES, Granularity
 from qatlib.trainers.blockwise import BlockwiseSettings
 from qatlib.trainers.params import Learnable
 
+from . import upstream
 from .errors import issues_error
 
 # --------------------------------------------------------------------------------------------
@@ -31,6 +32,9 @@ from .errors import issues_error
 
 QType = Literal[QTYPES]  # int2 .. int8, fp8 (spec.py is the single source)
 GranularityName = Literal[tuple(g.value for g in Granularity)]
+# upstream's quant_method also names per-block (NVFP4 / block-wise FP8): accepted by the parser so
+# the scheme builder refuses it as an upstream feature, not as a typo
+UpstreamGranularity = Literal[(*(g.value for g in Granularity), "per-block")]
 TorchDtype = Literal["auto", "fp16", "bf16", "fp32", "float16", "bfloat16", "float32"]
 _DTYPE_CANONICAL = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
@@ -48,6 +52,19 @@ def _group_size_value(v: int | None) -> int | None:
 
 def norm_group_size(v: int | None) -> int | None:
     return None if v is None or v == -1 else v
+
+
+def _feature_off(tables: dict[str, tuple[Any, str]]):
+    """A field validator refusing an upstream feature key (`qatlib.config.upstream`) unless it is
+    at its off value."""
+
+    def check(cls, v: Any, info: ValidationInfo) -> Any:
+        off, feature = tables[info.field_name]
+        if v != off:
+            raise upstream.unsupported(feature, f"remove the key (got {v!r})")
+        return v
+
+    return field_validator(*tables)(check)
 
 
 def _empty_to_none(v: Any) -> Any:
@@ -104,11 +121,15 @@ class QuantMethodConfig(Section):
     ``group_size`` is accepted here too because upstream's shipped configs put it here.
     """
 
-    weight: GranularityName | None = None
-    activation: GranularityName | None = None
+    weight: UpstreamGranularity | None = None
+    activation: UpstreamGranularity | None = None
     group_size: int | None = None
+    # upstream (AWQ's): true = asymmetric weights with a zero point; null = the preset's symmetry
+    zero_point: bool | None = None
+    mse_range: bool = False  # upstream AWQ feature: refused when true
 
     _gs = field_validator("group_size")(_group_size_value)
+    _features = _feature_off(upstream.QUANT_METHOD_FEATURES)
 
 
 class QuantizationConfig(Section):
@@ -125,8 +146,33 @@ class QuantizationConfig(Section):
     quant_method: QuantMethodConfig | None = None
     group_size: int | None = None
     ignore_layers: list[str] = Field(default_factory=list)
+    # qatlib: an ignore_layers entry that matches no module of the model is an error (default: a warning)
+    strict_ignore_layers: bool = False
+    # upstream: the checkpoint format of the export (config.json quantization_config.quant_method)
+    save_name: str = "compressed-tensors"
+    # upstream: calibrate layer by layer; honoured where a sequential path exists (see scripts/ptq.py)
+    low_memory: bool = False
+    # upstream feature keys qatlib has no feature for (refused unless at their off value)
+    quant_helpers: list[str] = Field(default_factory=list)
+    smooth_alpha: float = 0.5
+    cpu_convert: bool = False
+    modules_to_quantize: list[str] = Field(default_factory=list)
+    quant_analyse: bool = False
+    quant_vit: bool = False
+    quant_talker: bool = False
 
     _gs = field_validator("group_size")(_group_size_value)
+    _features = _feature_off(upstream.QUANTIZATION_FEATURES)
+
+    @field_validator("save_name")
+    @classmethod
+    def _save_name(cls, v: str) -> str:
+        if v != "compressed-tensors":
+            raise upstream.unsupported(
+                f"save_name {v!r} (a checkpoint format other than compressed-tensors)",
+                "qatlib exports compressed-tensors, which vLLM and SGLang load; set save_name: compressed-tensors",
+            )
+        return v
 
 
 class TensorQuantOverride(Section):
@@ -186,6 +232,8 @@ class QuantConfig(Section):
 
     use_weight_quant: bool = True
     use_activation_quant: bool = True
+    # upstream: false turns the q / k / v quantizers off; null (absent): on iff q / k / v are set
+    use_qkv_quant: bool | None = None
     lazy_init_samples: int = Field(10, gt=0)
     weight_scale_init_value: float = Field(1.0, gt=0)
     activation_scale_init_value: float = Field(1.0, gt=0)
@@ -285,6 +333,16 @@ class QATConfig(Section):
             return {}
         known = hf_training_arg_names()
         issues = []
+        v = dict(v)
+        if "warmup_ratio" in v and "warmup_ratio" not in known:
+            # transformers 5 dropped warmup_ratio: a float warmup_steps in [0, 1) is the ratio
+            ratio = v.pop("warmup_ratio")
+            if "warmup_steps" in v:
+                issues.append(("warmup_ratio", "and warmup_steps are both set; keep one"))
+            elif isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 <= ratio < 1:
+                issues.append(("warmup_ratio", f"must be a number in [0, 1); got {ratio!r}"))
+            else:
+                v["warmup_steps"] = float(ratio)
         for key in v:
             if key == "output_dir":
                 issues.append((key, "is set from global.save_path; set that instead"))
@@ -345,6 +403,9 @@ class CompressionConfig(Section):
     name: Literal["QAT", "PTQ"]
     quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
     qat: QATConfig = Field(default_factory=QATConfig, alias="QAT")
+    quant_analyse: bool = False  # upstream feature key (refused when true)
+
+    _features = _feature_off(upstream.COMPRESSION_FEATURES)
 
 
 class DatasetConfig(Section):
@@ -355,6 +416,9 @@ class DatasetConfig(Section):
     max_seq_length: int = Field(2048, gt=0)
     num_samples: int = Field(256, gt=0)
     batch_size: int = Field(1, gt=0)
+    # upstream: true = supervise the assistant replies only, false = every token of the
+    # conversation; null (absent) = qatlib's default, the last assistant reply only
+    is_sft_data: bool | None = None
 
 
 class GlobalConfig(Section):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager as ContextManager
@@ -17,6 +18,8 @@ from ..moe import linearize_moe_experts
 from . import functional as F
 from .quantizer import Quantizer
 from .spec import Granularity, QuantScheme, QuantSpec
+
+log = logging.getLogger(__name__)
 
 _FP8_ATTN_FLAG = "qatlib_fp8_attn"  # == attention.FP8_ATTN_FLAG (not imported: that pulls in transformers)
 
@@ -184,6 +187,31 @@ def matches_any(name: str, patterns: Sequence[str]) -> bool:
     return False
 
 
+def unmatched_ignores(model: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """The ``ignore_layers`` patterns that match no module of ``model`` (by `matches_any`).
+
+    Such an entry is almost always a mistake (a name from another architecture) that would
+    otherwise quantize the layer the user meant to keep. Modules of every type count, so
+    ``embed_tokens`` (an embedding, never quantized anyway) is a match.
+    """
+    names = [n for n, _ in model.named_modules() if n]
+    return [p for p in patterns if not any(matches_any(n, [p]) for n in names)]
+
+
+def report_unmatched_ignores(model: nn.Module, patterns: Sequence[str], *, strict: bool = False) -> list[str]:
+    """Warn once listing the `unmatched_ignores`; with ``strict`` raise ValueError instead."""
+    bad = unmatched_ignores(model, patterns)
+    if bad:
+        msg = (
+            f"ignore_layers entries that match no module of the model ({type(model).__name__}): "
+            f"{', '.join(map(repr, bad))}"
+        )
+        if strict:
+            raise ValueError(f"{msg} (compression.quantization.strict_ignore_layers is true)")
+        log.warning("%s; they have no effect", msg)
+    return bad
+
+
 def is_router(parent: nn.Module | None, child_name: str) -> bool:
     """A router gate (the ``gate`` linear of a module that also holds ``experts``) is never
     quantized by default: its logits pick experts, and deployment runtimes keep it in high precision."""
@@ -226,6 +254,7 @@ class PrepareOptions:
     clamp_grad: str = "mask"
     init_from_weight: bool = True
     compile_fake_quant: bool = False  # torch.compile the fake-quant ops (F.compiled)
+    strict_ignore: bool = False  # an ignore pattern that matches no module is an error, not a warning
 
 
 def prepare(
@@ -238,12 +267,15 @@ def prepare(
 ) -> nn.Module:
     """Swap every ``nn.Linear`` (except ignored layers and router gates) for a `QuantLinear`, in place.
 
-    Fused MoE experts are linearised first so every expert is quantized. ``init_context`` wraps
+    Fused MoE experts are linearised first so every expert is quantized. ``ignore`` patterns that
+    match no module are reported (`report_unmatched_ignores`: a warning, an error with
+    ``options.strict_ignore``) before anything is swapped. ``init_context`` wraps
     the creation of new parameters (the ZeRO-3 path passes ``deepspeed.zero.Init`` so scales are
     partitioned like everything else). Raises ValueError naming the layers whose in_features a
     per-group size does not divide, before anything is swapped.
     """
     linearize_moe_experts(model, init_context=init_context)
+    report_unmatched_ignores(model, ignore, strict=options.strict_ignore)
     todo = []
     for name, module in model.named_modules():
         for child_name, child in module.named_children():
