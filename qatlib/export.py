@@ -18,6 +18,11 @@
   int weight + int8 input               int-quantized       W8A8 int [W8A8Int8]
   int4 group weight + fp8 input         pack-quantized      W4AFP8, fp8 per-token dynamic
                                                             activations [W4A8Fp8, SM90, g128]
+  nvfp4 weight (+ nvfp4 dynamic input)  nvfp4-pack-quantized  NVFP4A16 / NVFP4 (tensor_group, E4M3
+                                                            scales + ``*_global_scale``)
+                                                            [W4A16Nvfp4 Marlin / W4A4Nvfp4, SM100]
+  mxfp4 weight (+ mxfp4 dynamic input)  mxfp4-pack-quantized  MXFP4A16 / MXFP4 (group 32, uint8
+                                                            E8M0 exponents) [Mxfp4 W4A16 / W4A4]
   k / v output (static fp8)             kv_cache_scheme     ``<attn>.k_scale`` / ``v_scale``
   ====================================  ==================  =====================================
 
@@ -97,10 +102,43 @@ def _strategy(spec: QuantSpec):
     }[spec.granularity]
 
 
+def _ct_fp4_args(spec: QuantSpec):
+    """NVFP4 / MXFP4 as compressed-tensors' own presets write them (``NVFP4``, ``MXFP4``,
+    ``*A16`` in `quant_scheme.py`): NVFP4 ``tensor_group`` with E4M3 scales (activations
+    ``dynamic: local``: group scales at run time, static ``input_global_scale``), MXFP4 ``group``
+    32 with uint8 (E8M0 exponent) scales."""
+    import torch as _t
+    from compressed_tensors.quantization import (
+        DynamicType,
+        QuantizationArgs,
+        QuantizationStrategy,
+        QuantizationType,
+    )
+
+    nv = spec.has_global_scale
+    dtype = _t.float8_e4m3fn if nv else _t.uint8
+    dynamic: Any = False
+    if spec.dynamic:
+        dynamic = DynamicType.LOCAL if nv else True
+    return QuantizationArgs(
+        num_bits=4,
+        type=QuantizationType.FLOAT,
+        strategy=QuantizationStrategy.TENSOR_GROUP if nv else QuantizationStrategy.GROUP,
+        symmetric=True,
+        dynamic=dynamic,
+        group_size=spec.group_size,
+        scale_dtype=dtype,
+        zp_dtype=dtype,
+        **({"observer": "static_minmax"} if nv and spec.dynamic else {}),
+    )
+
+
 def ct_args(spec: QuantSpec):
     """Our `QuantSpec` as compressed-tensors `QuantizationArgs` (same scale convention)."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationType
 
+    if spec.is_fp4:
+        return _ct_fp4_args(spec)
     return QuantizationArgs(
         num_bits=spec.bits,
         type=QuantizationType.FLOAT if spec.is_fp8 else QuantizationType.INT,
@@ -144,7 +182,9 @@ def compressed_tensors_format(scheme: QuantScheme, *, w4a8_activation: str = "ru
     notes: list[str] = []
     wargs = ct_args(w)
     aargs = None if a is None else ct_args(a)
-    if w.is_fp8:
+    if w.is_fp4 or (a is not None and a.is_fp4):
+        fmt = _fp4_format(w, a, notes)
+    elif w.is_fp8:
         fmt = CompressionFormat.float_quantized
         if w.granularity is Granularity.GROUP:
             notes.append(
@@ -231,6 +271,45 @@ def compressed_tensors_format(scheme: QuantScheme, *, w4a8_activation: str = "ru
     return CTFormat(ct_scheme, fmt.value, kv, tuple(changes), tuple(notes))
 
 
+# Runtime facts for the FP4 exports (vLLM 0.33 / SGLang 0.5.23; /work/shared/design/runtime-contract.md).
+NVFP4_NOTES = (
+    "NVFP4 W4A4 runs natively (FP4 tensor cores) only on Blackwell: SM100 (B200/GB200) and SM120 "
+    "(RTX 50xx / RTX PRO) through vLLM's CompressedTensorsW4A4Nvfp4 (CUTLASS / FlashInfer FP4 GEMM); "
+    "on older GPUs vLLM falls back to Marlin W4A16 (weights only, activations stay 16-bit)",
+    "NVFP4 MoE: vLLM's CompressedTensorsW4A4Nvfp4MoEMethod (CUTLASS / FlashInfer / TRT-LLM fused FP4 MoE) on "
+    "SM100; Marlin MoE W4A16 before Blackwell; every expert's w1/w3 must share one weight_global_scale and "
+    "input_global_scale (vLLM takes their max / one per expert), so per-projection global scales differ",
+)
+NVFP4A16_NOTES = (
+    "NVFP4 weight-only (W4A16): vLLM's CompressedTensorsW4A16Fp4 runs it through the Marlin FP4 kernel on "
+    "Ampere / Ada / Hopper (SM80+) and Blackwell, dense and MoE (Marlin MoE)",
+)
+MXFP4_NOTES = (
+    "MXFP4: vLLM's compressed-tensors MXFP4 path (CompressedTensorsW4A16Mxfp4 / W4A4Mxfp4) runs W4A4 "
+    "natively only on Blackwell (SM100, block-scaled FP4 MMA); earlier GPUs use the Marlin MXFP4 W4A16 "
+    "kernel (activations 16-bit); MoE through Marlin / FlashInfer MXFP4 MoE; SGLang 0.5.23 loads "
+    "compressed-tensors MXFP4 only on Blackwell",
+)
+
+
+def _fp4_format(w: QuantSpec, a: QuantSpec | None, notes: list[str]):
+    """The compression format of an FP4 scheme, or `ExportError` for a combination that has no
+    compressed-tensors layout (FP4 weights need FP4 or no activation quantization, and back)."""
+    from compressed_tensors.config import CompressionFormat
+
+    if not w.is_fp4:
+        raise ExportError(f"{a.qtype} activations need {a.qtype} weights, not {w.qtype}")
+    if a is not None and a.qtype != w.qtype:
+        raise ExportError(
+            f"{w.qtype} weights with {a.qtype} activations have no compressed-tensors / vLLM layout"
+        )
+    if w.has_global_scale:
+        notes.extend(NVFP4_NOTES if a is not None else NVFP4A16_NOTES)
+        return CompressionFormat.nvfp4_pack_quantized
+    notes.extend(MXFP4_NOTES)
+    return CompressionFormat.mxfp4_pack_quantized
+
+
 # --------------------------------------------------------------------------- per-module pieces
 def _zp_dtype(args) -> torch.dtype:
     return args.zp_dtype if args.zp_dtype is not None else args.pytorch_dtype()
@@ -259,13 +338,18 @@ def compress_linear(
     codes, scale, zp = ql.codes()
     # Our dequantized weight (no fp8_recast: that is the kernel's business, see `changes`). Fed
     # to the compressor, its re-quantization with the same scales gives back exactly our codes.
-    deq = F.dequantize(codes, scale, zp, spec.replace(fp8_recast=False), torch.float32)
+    gs = ql.weight_global_scale()  # NVFP4: compressed-tensors' `weight_global_scale` (448 * 6 / amax)
+    deq = F.dequantize(codes, scale, zp, spec.replace(fp8_recast=False), torch.float32, global_scale=gs)
     sd: dict[str, torch.Tensor] = {"weight": deq, "weight_scale": scale}
+    if gs is not None:
+        sd["weight_global_scale"] = gs
     wargs = fmt.scheme.weights
     if zp is not None:
         sd["weight_zero_point"] = zp.to(_zp_dtype(wargs))
     aargs = fmt.scheme.input_activations
     iq = ql.input_quantizer
+    if aargs is not None and iq is not None and iq.global_scale is not None:
+        sd["input_global_scale"] = iq.global_scale.detach().float().reshape(1).clone()
     if aargs is not None and not aargs.dynamic:
         if iq is None or iq.scale is None:
             raise ExportError(f"{name}: the export scheme has a static input scale but the layer has none")
@@ -276,7 +360,9 @@ def compress_linear(
             )
     compressor = BaseCompressor.get_value_from_registry(fmt.format)
     out = dict(compressor.compress(sd, fmt.scheme))
-    if verify:
+    if verify and spec.is_fp4:
+        _verify_fp4(out, codes, scale, gs, compressor, name=name or "a QuantLinear")
+    elif verify:
         back = compressor.decompress(dict(out), fmt.scheme)["weight"]
         if back.shape != deq.shape or not torch.equal(back.float(), deq):
             bad = (back.float() - deq).abs().max().item() if back.shape == deq.shape else float("nan")
@@ -287,6 +373,29 @@ def compress_linear(
     if ql.bias is not None:
         out["bias"] = ql.bias.detach()
     return {k: v.detach().cpu().contiguous() for k, v in out.items()}
+
+
+def _verify_fp4(out, codes, scale, gs, compressor, *, name: str) -> None:
+    """The FP4 round trip checked exactly on what is stored: the library's unpacked E2M1 codes,
+    its decompressed group scales and the global scale equal ours. (Its decompressed weight is
+    bf16 by construction, `unpack_fp4_from_uint8`, so comparing that would hide a difference
+    below bf16's resolution.)"""
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+
+    packed = out["weight_packed"]
+    back = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
+    problems = []
+    if not torch.equal(back, codes.float()):
+        problems.append(f"{int((back != codes.float()).sum())} E2M1 codes")
+    if not torch.equal(compressor._decompress_scale(out["weight_scale"], torch.float32), scale):
+        problems.append("group scales (not representable in the scale format)")
+    if gs is not None and not torch.equal(out["weight_global_scale"].float(), gs):
+        problems.append("weight_global_scale")
+    if problems:
+        raise ExportError(
+            f"{name}: compressed-tensors {compressor.__name__} round trip changed the {', '.join(problems)}; "
+            "refusing to write a checkpoint whose weights differ from the trained ones"
+        )
 
 
 def _ct_kv_scale(oq: Quantizer) -> torch.Tensor:

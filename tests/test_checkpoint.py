@@ -77,12 +77,33 @@ def test_scale_state_dict_uses_the_same_keys():
     table = keys.scale_keys(model)
     stored = {k for k in table.values() if keys.parse_key(k) is not None}
     # LWC: no stored weight scale, but the derived (clipped) one is saved under the weight keys
-    derived = {keys.key_of(n, "weight", kind) for n, _ in quant_linears(model) for kind in keys.SCALE_KINDS}
+    derived = {
+        keys.key_of(n, "weight", kind) for n, _ in quant_linears(model) for kind in ("scale", "zero_point")
+    }
     assert set(sd) == stored | derived
     ql = model.model.layers[0].self_attn.k_proj
     assert torch.equal(sd["model.layers.0.self_attn.k_cache.scale"], ql.output_quantizer.scale.detach())
     s, _ = ql.weight_quantizer.qparams(ql.weight)
     assert torch.equal(sd["model.layers.0.self_attn.k_proj.weight_scale"], s.detach().float())
+
+
+def test_scale_state_dict_nvfp4_global_scales():
+    """NVFP4: weight and input global scales are keys of their own, in both directions; with LWC
+    the weight global scale is derived from the weight (no parameter) and still saved."""
+    from qatlib.quant import preset
+
+    for lwc in (None, 1.0):
+        model = prepare(
+            build_model(tiny_qwen3_config()), preset("nvfp4"), options=PrepareOptions(lwc_init=lwc)
+        )
+        sd = keys.scale_state_dict(model)
+        for n, ql in quant_linears(model):
+            for role in ("weight", "input"):
+                key = keys.key_of(n, role, "global_scale")
+                assert keys.parse_key(key) == (n, role, "global_scale") and key in sd
+            assert torch.equal(sd[keys.key_of(n, "weight", "global_scale")], ql.weight_global_scale())
+        table = keys.scale_keys(model)
+        assert {k for k in table.values() if keys.parse_key(k) is not None} <= set(sd)
 
 
 def test_parse_key_edge_cases():

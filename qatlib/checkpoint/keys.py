@@ -8,10 +8,15 @@ key                                          quantizer
 ===========================================  ==============================================
 ``L.weight_scale``, ``L.weight_zero_point``  ``L.weight_quantizer`` (LWC: the clipped scale)
 ``L.input_scale``, ``L.input_zero_point``    ``L.input_quantizer``
+``L.weight_global_scale``                    NVFP4: the weight quantizer's global scale
+``L.input_global_scale``                     NVFP4: the (dynamic) input quantizer's global scale
 ``<attn>.k_cache.scale`` / ``.zero_point``   ``<attn>.k_proj.output_quantizer`` (same for v)
 ``L.output_scale``, ``L.output_zero_point``  any other static output quantizer (q)
 ``L.weight_quantizer.clip_factor_w_max|min``  the LWC clip factors (under their own name)
 ===========================================  ==============================================
+
+The global scales follow compressed-tensors (``448 * 6 / amax``, the effective group scale is
+``weight_scale / weight_global_scale``), so a PTQ checkpoint, a QAT save and the export agree.
 """
 
 from __future__ import annotations
@@ -28,11 +33,13 @@ from torch import nn
 from ..quant.linear import QuantLinear, attention_role, quant_linears, weight_readable
 from .layout import CheckpointError, resolve_dir
 
-SCALE_KINDS = ("scale", "zero_point")
+SCALE_KINDS = ("scale", "zero_point", "global_scale")
 LWC_PARAMS = ("clip_factor_w_max", "clip_factor_w_min")
 
 # ``L.weight_scale``, ``L.input_zero_point``, ``L.output_scale`` ...
-_LINEAR_KEY = re.compile(r"^(?P<layer>.+)\.(?P<role>weight|input|output)_(?P<kind>scale|zero_point)$")
+_LINEAR_KEY = re.compile(
+    r"^(?P<layer>.+)\.(?P<role>weight|input|output)_(?P<kind>global_scale|scale|zero_point)$"
+)
 # ``<attn>.k_cache.scale`` = ``<attn>.k_proj.output_quantizer``
 _CACHE_KEY = re.compile(r"^(?:(?P<attn>.+)\.)?(?P<kv>[kv])_cache\.(?P<kind>scale|zero_point)$")
 
@@ -42,7 +49,7 @@ class ScaleKey(NamedTuple):
 
     layer: str  # module name of the linear (k/v cache keys: the k_proj / v_proj)
     role: str  # "weight" | "input" | "output"
-    kind: str  # "scale" | "zero_point"
+    kind: str  # "scale" | "zero_point" | "global_scale"
 
 
 def kv_role(name: str, model: nn.Module | None = None) -> str | None:
@@ -118,6 +125,7 @@ def scale_state_dict(
             s, z = wq.qparams(ql.weight if wq.uses_lwc else None)
             put(key_of(name, "weight", "scale"), s)
             put(key_of(name, "weight", "zero_point"), None if z is None else torch.round(z))
+            put(key_of(name, "weight", "global_scale"), ql.weight_global_scale())
         kv = kv_role(name, model)
         for attr in ("input_quantizer", "output_quantizer"):
             q = getattr(ql, attr)
@@ -125,6 +133,8 @@ def scale_state_dict(
                 role = attr.removesuffix("_quantizer")
                 put(key_of(name, role, "scale", kv), q.scale)
                 put(key_of(name, role, "zero_point", kv), q.zero_point)
+            if q is not None and q.global_scale is not None:  # NVFP4 input: dynamic groups, static global
+                put(key_of(name, attr.removesuffix("_quantizer"), "global_scale", kv), q.global_scale)
     return out
 
 

@@ -79,13 +79,14 @@ def check_prepared_matches(model: nn.Module, scheme: QuantScheme) -> None:
 
 def static_quantizers(module: nn.Module) -> list[tuple[str, Quantizer]]:
     """The static activation quantizers (input, q/k/v output) of ``module``'s `QuantLinear`
-    layers, named relative to ``module``: the ones calibration sets."""
+    layers, named relative to ``module``: the ones calibration sets. NVFP4 inputs count: their
+    group scales are dynamic, their global input scale is static."""
     out = []
     for name, ql in module.named_modules():
         if isinstance(ql, QuantLinear):
             for role in ("input_quantizer", "output_quantizer"):
                 q = getattr(ql, role)
-                if q is not None and not q.spec.dynamic:
+                if q is not None and (not q.spec.dynamic or q.global_scale is not None):
                     out.append((f"{name}.{role}", q))
     return out
 
@@ -161,6 +162,12 @@ def finish_with_fallback(named: list[tuple[str, Quantizer]], report: Calibration
         sibs = by_key.get(key or "", [])
         if not sibs:
             unresolved.append(name)
+            continue
+        if q.scale is None:  # NVFP4 input: the smallest global scale (largest range) of the siblings
+            with torch.no_grad():
+                q.global_scale.copy_(torch.stack([s.global_scale for s in sibs]).amin(0))
+            q.initialized.fill_(True)
+            report.fallbacks[name] = f"min global scale over {len(sibs)} sibling experts ({key})"
             continue
         lo, hi = zip(*(_range_from_qparams(s.scale, s.zero_point, s.spec) for s in sibs))
         xmin = torch.stack(lo).amin(0)

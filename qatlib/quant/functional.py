@@ -17,9 +17,13 @@ from collections.abc import Callable
 
 import torch
 
-from .spec import FP8_E4M3_MAX, Granularity, QuantSpec
+from .spec import FP4_E2M1_MAX, FP8_E4M3_MAX, Granularity, QuantSpec, ScaleFormat
 
 _FP8 = torch.float8_e4m3fn
+# The smallest E4M3 subnormal: compressed-tensors replaces a zero NVFP4 group scale by it
+# (`_get_dtype_eps`), so an all-zero group still has a positive scale to divide by.
+E4M3_ZERO_SCALE = 0.125
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 # --------------------------------------------------------------------------- views
@@ -87,11 +91,14 @@ def scale_shape(tensor_shape: tuple[int, ...] | torch.Size, spec: QuantSpec) -> 
 
 # --------------------------------------------------------------------------- qparams
 def qparams_from_range(
-    xmin: torch.Tensor, xmax: torch.Tensor, spec: QuantSpec
+    xmin: torch.Tensor, xmax: torch.Tensor, spec: QuantSpec, global_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scale (and zero point) for observed ranges; shared by observers, LWC and dynamic quant."""
+    """Scale (and zero point) for observed ranges; shared by observers, LWC and dynamic quant.
+    FP4 formats: the stored group scale (`fp4_scale_from_amax`; NVFP4 needs ``global_scale``)."""
     xmin = xmin.float()
     xmax = xmax.float()
+    if spec.is_fp4:
+        return fp4_scale_from_amax(torch.maximum(xmin.abs(), xmax.abs()), spec, global_scale), None
     if spec.symmetric:
         absmax = torch.maximum(xmin.abs(), xmax.abs())
         scale = absmax / spec.qmax
@@ -117,12 +124,128 @@ def observe_range(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch
     return xmin, xmax
 
 
-def compute_qparams(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+def compute_qparams(
+    x: torch.Tensor, spec: QuantSpec, global_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 ``(scale, zero_point)`` for ``x`` by absmax (symmetric) or min/max (asymmetric).
 
-    zero_point is None for symmetric formats. Shapes follow docs/design.md.
+    zero_point is None for symmetric formats. Shapes follow docs/design.md. NVFP4 group scales
+    are relative to ``global_scale`` (default: `fp4_global_scale` of ``x`` itself).
     """
-    return qparams_from_range(*observe_range(x, spec), spec)
+    if spec.has_global_scale and global_scale is None:
+        global_scale = fp4_global_scale(x.detach().abs().amax())
+    return qparams_from_range(*observe_range(x, spec), spec, global_scale)
+
+
+# --------------------------------------------------------------------------- FP4 (E2M1) formats
+# Hand-written: torch has no E2M1 cast on CPU (``float4_e2m1fn_x2`` is a packed storage type with
+# no conversion), and compressed-tensors' own helpers are forward-only and in place.
+def round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest E2M1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives), ties to the
+    even mantissa (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4), saturating
+    at +-6: the rounding of compressed-tensors' ``cast_to_fp4`` and of the Blackwell conversion
+    instructions. Not differentiable (see `_fp4_round_ste`)."""
+    a = x.abs()
+    q = torch.where(a > 5.0, 6.0, 4.0)
+    q = torch.where(a < 3.5, 3.0, q)
+    q = torch.where(a <= 2.5, 2.0, q)
+    q = torch.where(a < 1.75, 1.5, q)
+    q = torch.where(a <= 1.25, 1.0, q)
+    q = torch.where(a < 0.75, 0.5, q)
+    q = torch.where(a <= 0.25, 0.0, q)
+    return q * torch.sign(x)
+
+
+def round_e4m3(s: torch.Tensor) -> torch.Tensor:
+    """An NVFP4 group scale rounded to FP8 E4M3 (RNE, saturating at 448); a zero (or underflowed)
+    scale becomes `E4M3_ZERO_SCALE`, as compressed-tensors' `calculate_qparams` does."""
+    r = torch.clamp(s, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(_FP8).float()
+    return torch.where(r == 0, torch.full_like(r, E4M3_ZERO_SCALE), r)
+
+
+def round_e8m0(s: torch.Tensor) -> torch.Tensor:
+    """A learned MX group scale rounded to the nearest power of two in the log domain
+    (``2 ** round(log2 s)``, exponent clamped to E8M0's [-127, 127]). A scale initialised by
+    `mx_scale_from_amax` is a power of two already and stays exactly where it is."""
+    e = torch.round(torch.log2(s.clamp_min(2.0**-127)))
+    return torch.exp2(torch.clamp(e, -127.0, 127.0))
+
+
+def mx_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """The MXFP4 scale of a group with absolute max ``amax``, as compressed-tensors computes it
+    (`generate_mx_scales`): the amax is rounded to a power of two, up when its mantissa is
+    >= 1.75 (a group max that would saturate far past 6 takes the next exponent), then
+    ``scale = 2 ** (floor(log2(p2)) - 2)`` (2 = floor(log2(6)), E2M1's emax), clamped to E8M0.
+    OCP MX v1.0 takes ``floor(log2(amax)) - 2`` without the round-up; the two differ only for
+    mantissas in [1.75, 2), where OCP's choice clips the group max from >= 7 to 6."""
+    a = amax.float().clamp_min(0.0)
+    bits = a.view(torch.int32)
+    # +0.25 in the mantissa's top bits (1 << (23 - 1 - 1)), then keep sign + exponent only
+    p2 = ((bits + (1 << 21)) & torch.tensor(-(1 << 23), dtype=torch.int32)).view(torch.float32)
+    e = torch.floor(torch.log2(p2)) - 2.0
+    e = torch.clamp(torch.nan_to_num(e, nan=-127.0, neginf=-127.0), -127.0, 127.0)
+    return torch.exp2(e)
+
+
+def fp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """NVFP4's per-tensor global scale, compressed-tensors' convention (`generate_gparam`):
+    ``448 * 6 / amax`` (fp32, shape [1]), so that the largest group scale ``gs * amax_g / 6`` lands
+    on E4M3's max; 1.0 where amax is 0 / not finite. The effective group scale is
+    ``e4m3_scale / global_scale``; checkpoints store exactly this value as ``*_global_scale``."""
+    a = torch.clamp(amax.float().reshape(1), min=torch.finfo(torch.float32).tiny)
+    gs = FP8_E4M3_MAX * FP4_E2M1_MAX / a
+    return torch.nan_to_num(gs, nan=1.0, posinf=1.0, neginf=1.0)
+
+
+def fp4_scale_from_amax(
+    amax: torch.Tensor, spec: QuantSpec, global_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The stored group scale for group absolute maxima ``amax``: NVFP4 ``e4m3(gs * amax / 6)``
+    (the FP8-domain value; divide by ``gs`` for the effective scale), MXFP4 `mx_scale_from_amax`.
+    Differentiable in ``amax`` (LWC) through a straight-through rounding."""
+    if spec.scale_format is ScaleFormat.E8M0:
+        value = mx_scale_from_amax(amax.detach())
+        # straight-through: the gradient of a scale proportional to amax around this value
+        ratio = (value / amax.detach().clamp_min(torch.finfo(torch.float32).tiny)).detach()
+        return value + (amax - amax.detach()) * ratio
+    if global_scale is None:
+        raise ValueError(f"{spec.qtype} group scales need the tensor's global scale")
+    return _round_scale_ste(global_scale * (amax / FP4_E2M1_MAX), spec)
+
+
+def _round_scale_ste(scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """``scale`` rounded to the spec's scale format in the forward, identity gradient (the fp32
+    master learns; the forward sees what the checkpoint will store)."""
+    fmt = spec.scale_format
+    if fmt is ScaleFormat.FP32:
+        return scale
+    s = scale.float()
+    r = round_e4m3(s.detach()) if fmt is ScaleFormat.E4M3 else round_e8m0(s.detach())
+    return r + (s - s.detach())
+
+
+def round_scale(scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """``scale`` as the checkpoint stores it (E4M3 / E8M0 values as fp32; int / fp8: unchanged)."""
+    with torch.no_grad():
+        return _round_scale_ste(scale.float(), spec).detach()
+
+
+def _fp4_round_ste(x: torch.Tensor) -> torch.Tensor:
+    return round_e2m1(x.detach()) + _identity_grad(x)
+
+
+def _effective_scale(scale: torch.Tensor, spec: QuantSpec, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """The scale that multiplies the codes, in the grouped view: FP4 group scales rounded to
+    their format and (NVFP4) divided by the global scale, in compressed-tensors' order
+    (``scale / global_scale``, then ``x / that``)."""
+    if not spec.is_fp4:
+        return _expand(scale.float(), spec)
+    s = _round_scale_ste(scale.float(), spec)
+    if spec.has_global_scale:
+        if global_scale is None:
+            raise ValueError(f"{spec.qtype} needs its global scale")
+        s = s / global_scale.float().reshape(())
+    return _expand(s, spec)
 
 
 # --------------------------------------------------------------------------- STE helpers
@@ -144,14 +267,20 @@ def _fp8_cast_ste(x: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- core ops
 def _codes_fp32(
-    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, spec: QuantSpec
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    spec: QuantSpec,
+    global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Codes as fp32 (differentiable through STE), in the grouped view.
 
     The clamp is a plain ``torch.clamp``: zero gradient (to x, scale and zero point alike) where it
     is active, so the scale gradient of a clipped element is ``qmin`` / ``qmax`` (LSQ)."""
     xg = _grouped(x.float(), spec)
-    s = _expand(scale.float(), spec)
+    s = _effective_scale(scale, spec, global_scale)
+    if spec.is_fp4:
+        return _fp4_round_ste(torch.clamp(xg / s, -FP4_E2M1_MAX, FP4_E2M1_MAX))
     if spec.is_fp8:
         return _fp8_cast_ste(torch.clamp(xg / s, -FP8_E4M3_MAX, FP8_E4M3_MAX))
     q = _round_ste(xg / s)
@@ -161,15 +290,19 @@ def _codes_fp32(
 
 
 def _clipped_mask(
-    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, spec: QuantSpec
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    spec: QuantSpec,
+    global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Elements (grouped view) where the clamp of `_codes_fp32` is active."""
     with torch.no_grad():
         xg = _grouped(x.float(), spec)
-        s = _expand(scale.float(), spec)
-        if spec.is_fp8:
+        s = _effective_scale(scale, spec, global_scale)
+        if spec.is_float:
             v = xg / s
-            return (v < -FP8_E4M3_MAX) | (v > FP8_E4M3_MAX)
+            return (v < spec.qmin) | (v > spec.qmax)
         q = torch.round(xg / s)
         if zero_point is not None:
             q = q + torch.round(_expand(zero_point.float(), spec))
@@ -177,10 +310,14 @@ def _clipped_mask(
 
 
 def _dequant_fp32(
-    q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, spec: QuantSpec
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    spec: QuantSpec,
+    global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    s = _expand(scale.float(), spec)
-    if zero_point is not None and not spec.is_fp8:
+    s = _effective_scale(scale, spec, global_scale)
+    if zero_point is not None and not spec.is_float:
         q = q - _round_ste(_expand(zero_point.float(), spec))
     return q * s
 
@@ -192,12 +329,19 @@ def _fp8_recast(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(
-    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, spec: QuantSpec
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    spec: QuantSpec,
+    global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Codes of ``x``: ``torch.int8`` for every int format (values in [qmin, qmax]) or
-    ``torch.float8_e4m3fn`` for fp8. Same shape as ``x``."""
+    """Codes of ``x``: ``torch.int8`` for every int format (values in [qmin, qmax]),
+    ``torch.float8_e4m3fn`` for fp8, the E2M1 values as ``float32`` for nvfp4 / mxfp4 (torch has
+    no unpacked FP4 dtype; compressed-tensors packs them at export). Same shape as ``x``."""
     with torch.no_grad():
-        q = _codes_fp32(x, scale, zero_point, spec).reshape(x.shape)
+        q = _codes_fp32(x, scale, zero_point, spec, global_scale).reshape(x.shape)
+    if spec.is_fp4:
+        return q
     return q.to(_FP8) if spec.is_fp8 else q.to(torch.int8)
 
 
@@ -207,12 +351,14 @@ def dequantize(
     zero_point: torch.Tensor | None,
     spec: QuantSpec,
     dtype: torch.dtype = torch.float32,
+    global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``(q - z) * s`` (fp8: ``q * s``) computed in fp32, returned as ``dtype``.
+    """``(q - z) * s`` (fp8: ``q * s``; fp4: ``q * e4m3/e8m0(s) [/ global_scale]``) computed in
+    fp32, returned as ``dtype``.
 
     ``fp8_recast`` is applied here too, so ``dequantize`` is what the deployed kernel computes."""
     qg = _grouped(q.float(), spec)
-    out = _dequant_fp32(qg, scale, zero_point, spec).reshape(q.shape)
+    out = _dequant_fp32(qg, scale, zero_point, spec, global_scale).reshape(q.shape)
     if spec.fp8_recast:
         out = _fp8_recast(out)
     return out.to(dtype)
@@ -225,8 +371,12 @@ def fake_quantize(
     spec: QuantSpec,
     *,
     clamp_grad: str = "mask",
+    global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Differentiable ``dequantize(quantize(x))``, returned in ``x.dtype``.
+
+    FP4 formats: ``scale`` is the fp32 master of the group scale, rounded to E4M3 / E8M0 here
+    (straight-through); NVFP4 divides it by ``global_scale`` (differentiable too).
 
     Gradients: straight-through for round and the fp8 cast; for the scale and zero point the
     LSQ / LSQ+ gradients fall out of autograd through the STE (inside the range
@@ -238,12 +388,12 @@ def fake_quantize(
     """
     if clamp_grad not in ("mask", "pass"):
         raise ValueError(f"clamp_grad must be 'mask' or 'pass', got {clamp_grad!r}")
-    q = _codes_fp32(x, scale, zero_point, spec)
-    out = _dequant_fp32(q, scale, zero_point, spec)
+    q = _codes_fp32(x, scale, zero_point, spec, global_scale)
+    out = _dequant_fp32(q, scale, zero_point, spec, global_scale)
     if clamp_grad == "pass":
         # identity gradient to x where the clamp is active too; adds exactly 0 to the value and
         # leaves the scale / zero-point (LSQ) gradients as they are.
-        clipped = _clipped_mask(x, scale, zero_point, spec)
+        clipped = _clipped_mask(x, scale, zero_point, spec, global_scale)
         out = torch.where(clipped, out + _identity_grad(_grouped(x.float(), spec)), out)
     out = out.reshape(x.shape)
     if spec.fp8_recast:
@@ -251,18 +401,30 @@ def fake_quantize(
     return out.to(x.dtype)
 
 
-def dynamic_fake_quantize(x: torch.Tensor, spec: QuantSpec, *, clamp_grad: str = "mask") -> torch.Tensor:
+def dynamic_fake_quantize(
+    x: torch.Tensor,
+    spec: QuantSpec,
+    *,
+    clamp_grad: str = "mask",
+    global_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Fake-quantize with qparams computed from ``x`` itself (dynamic activations).
 
     The qparams are detached: gradients flow through the rounding STE only, as at inference the
-    scale is a function of the data, not a parameter.
+    scale is a function of the data, not a parameter. NVFP4 activations: group scales relative to
+    the static ``global_scale`` (the calibrated ``input_global_scale``, learnable), as
+    compressed-tensors / vLLM compute them; without one, the global scale of ``x`` itself.
     """
     if x.numel() == 0:
         # An MoE expert that got no tokens still runs (same collectives on every ZeRO-3 rank):
         # an empty input has no range to reduce and nothing to quantize.
         return x
-    scale, zp = compute_qparams(x, spec)
-    return fake_quantize(x, scale, zp, spec, clamp_grad=clamp_grad)
+    gs = global_scale
+    if spec.has_global_scale and gs is None:
+        gs = fp4_global_scale(x.detach().abs().amax())
+    with torch.no_grad():
+        scale, zp = compute_qparams(x, spec, None if gs is None else gs.detach())
+    return fake_quantize(x, scale, zp, spec, clamp_grad=clamp_grad, global_scale=gs)
 
 
 @functools.cache

@@ -102,7 +102,17 @@ class QuantLinear(nn.Module):
         scale, zp = wq.qparams(w)
         scale = scale.detach().float().clone()
         zp = None if zp is None else torch.round(zp.detach().float()).clone()
-        return F.quantize(w, scale, zp, wq.spec), scale, zp
+        return F.quantize(w, scale, zp, wq.spec, self.weight_global_scale(w)), scale, zp
+
+    @torch.no_grad()
+    def weight_global_scale(self, weight: torch.Tensor | None = None) -> torch.Tensor | None:
+        """NVFP4's per-tensor weight global scale (fp32 [1], compressed-tensors' convention), as
+        `codes` uses it; None for every other format."""
+        wq = self.weight_quantizer
+        if wq is None:
+            return None
+        gs = wq.global_scale_for(self.weight if weight is None else weight)
+        return None if gs is None else gs.detach().float().reshape(1).clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(self, x, self.fake_quant_weight())
@@ -130,12 +140,13 @@ class QDQLinear(nn.Module):
         with torch.no_grad():
             if wq is None:
                 self.register_buffer("weight", w.detach().clone())
-                self.weight_scale = self.weight_zero_point = None
+                self.weight_scale = self.weight_zero_point = self.weight_global_scale = None
             else:
                 codes, scale, zp = ql.codes(w)
                 self.register_buffer("weight", codes)
                 self.register_buffer("weight_scale", scale)
                 self.register_buffer("weight_zero_point", zp)
+                self.register_buffer("weight_global_scale", ql.weight_global_scale(w))
         self.bias = None if ql.bias is None else nn.Parameter(ql.bias.detach().clone(), requires_grad=False)
         self.input_quantizer = ql.input_quantizer
         self.output_quantizer = ql.output_quantizer
@@ -145,7 +156,12 @@ class QDQLinear(nn.Module):
         if self.weight_spec is None:
             return self.weight
         return F.dequantize(
-            self.weight, self.weight_scale, self.weight_zero_point, self.weight_spec, self.dtype
+            self.weight,
+            self.weight_scale,
+            self.weight_zero_point,
+            self.weight_spec,
+            self.dtype,
+            global_scale=self.weight_global_scale,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

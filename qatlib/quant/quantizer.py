@@ -17,6 +17,7 @@ ROLE_LWC = "lwc"
 PARAM_ROLES = {
     "scale": ROLE_SCALE,
     "zero_point": ROLE_SCALE,
+    "global_scale": ROLE_SCALE,
     "clip_factor_w_max": ROLE_LWC,
     "clip_factor_w_min": ROLE_LWC,
 }
@@ -42,6 +43,12 @@ class Quantizer(nn.Module):
 
     The parameters stay fp32 when the model is cast to bf16/fp16 (`_apply` below): a bf16 scale of
     ~1e-3 cannot move by a 1e-5 learning-rate step.
+
+    FP4 formats: ``scale`` is the fp32 master of the group scale, rounded to E4M3 (NVFP4) / E8M0
+    (MXFP4) in every forward (straight-through), so what trains is what the checkpoint stores.
+    NVFP4 adds ``global_scale`` (fp32 [1], compressed-tensors' ``448 * 6 / amax`` convention,
+    learnable): on weights next to the group scales (with LWC: derived from the weight each call),
+    and on dynamic inputs as the static ``input_global_scale`` the group scales are relative to.
     """
 
     def __init__(
@@ -67,6 +74,9 @@ class Quantizer(nn.Module):
         self.zero_point: nn.Parameter | None = None
         self.clip_factor_w_max: nn.Parameter | None = None
         self.clip_factor_w_min: nn.Parameter | None = None
+        self.global_scale: nn.Parameter | None = None
+        if spec.has_global_scale and (spec.dynamic or lwc_init is None):
+            self.global_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
         if spec.dynamic:
             if lwc_init is not None:
                 raise ValueError("LWC needs a static weight quantizer")
@@ -111,11 +121,13 @@ class Quantizer(nn.Module):
 
     # ------------------------------------------------------------------ qparams
     def qparams(self, x: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The (scale, zero_point) used for ``x``: parameters, LWC-derived, or dynamic."""
+        """The (scale, zero_point) used for ``x``: parameters, LWC-derived, or dynamic. FP4 scales
+        are returned rounded to their format (E4M3 / E8M0 values, straight-through), as stored;
+        NVFP4's global scale is `global_scale_for`."""
         if self.spec.dynamic:
             if x is None:
                 raise ValueError("a dynamic quantizer's qparams depend on the input")
-            return F.compute_qparams(x, self.spec)
+            return F.compute_qparams(x, self.spec, self.global_scale_for(x))
         if self.uses_lwc:
             if x is None:
                 raise ValueError("LWC qparams depend on the weight: pass it")
@@ -124,8 +136,22 @@ class Quantizer(nn.Module):
                 xmin * torch.sigmoid(self.clip_factor_w_min),
                 xmax * torch.sigmoid(self.clip_factor_w_max),
                 self.spec,
+                self.global_scale_for(x),
             )
+        if self.spec.is_fp4:
+            return F._round_scale_ste(self.scale, self.spec), None
         return self.scale, self.zero_point
+
+    def global_scale_for(self, x: torch.Tensor | None = None) -> torch.Tensor | None:
+        """NVFP4's global scale for ``x``: the parameter, or (LWC weights, which have none) the
+        `F.fp4_global_scale` of the unclipped weight; None for every other format."""
+        if not self.spec.has_global_scale:
+            return None
+        if self.global_scale is not None:
+            return self.global_scale
+        if x is None:
+            raise ValueError("the LWC global scale depends on the weight: pass it")
+        return F.fp4_global_scale(x.detach().abs().amax())
 
     @torch.no_grad()
     def init_from(self, x: torch.Tensor) -> None:
@@ -133,7 +159,11 @@ class Quantizer(nn.Module):
         if self.spec.dynamic or self.uses_lwc:
             self.initialized.fill_(True)
             return
-        scale, zp = F.compute_qparams(x, self.spec)
+        gs = None
+        if self.global_scale is not None:
+            gs = F.fp4_global_scale(x.detach().abs().amax())
+            self.global_scale.copy_(gs)
+        scale, zp = F.compute_qparams(x, self.spec, gs)
         self.set_qparams(scale, zp)
 
     @torch.no_grad()
@@ -162,6 +192,14 @@ class Quantizer(nn.Module):
         self.calibrating = False
         if self._obs is None:
             raise RuntimeError("calibration saw no data: no forward reached this quantizer")
+        if self.spec.dynamic:
+            # NVFP4 activations: only the global input scale is static (from the observed absmax)
+            amax = torch.maximum(self._obs[0].abs(), self._obs[1].abs()).amax()
+            self._obs = None
+            if self.global_scale is not None:
+                self.global_scale.copy_(F.fp4_global_scale(amax))
+                self.initialized.fill_(True)
+            return
         scale, zp = F.qparams_from_range(*self._obs, self.spec)
         self._obs = None
         if self.scale is not None:
@@ -172,7 +210,10 @@ class Quantizer(nn.Module):
         spec = self.spec
         if x.numel() == 0:
             return
-        xmin, xmax = F.observe_range(x, spec)
+        if spec.dynamic:  # a dynamic quantizer observes only its tensor range (global scale)
+            xmin, xmax = x.detach().float().amin().reshape(1), x.detach().float().amax().reshape(1)
+        else:
+            xmin, xmax = F.observe_range(x, spec)
         if spec.granularity.value in ("per-token",):
             xmin, xmax = xmin.amin().reshape(1), xmax.amax().reshape(1)
         if self._obs is None:
@@ -189,10 +230,10 @@ class Quantizer(nn.Module):
             return x
         if self.spec.dynamic:
             fq = F.compiled(F.dynamic_fake_quantize) if self.compile_fake_quant else F.dynamic_fake_quantize
-            return fq(x, self.spec, clamp_grad=self.clamp_grad)
+            return fq(x, self.spec, clamp_grad=self.clamp_grad, global_scale=self.global_scale)
         scale, zp = self.qparams(x)
         fq = F.compiled(F.fake_quantize) if self.compile_fake_quant else F.fake_quantize
-        return fq(x, scale, zp, self.spec, clamp_grad=self.clamp_grad)
+        return fq(x, scale, zp, self.spec, clamp_grad=self.clamp_grad, global_scale=self.global_scale_for(x))
 
     def extra_repr(self) -> str:
         return self.spec.describe() + (" lwc" if self.uses_lwc else "")

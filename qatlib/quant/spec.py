@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FP8_E4M3_MAX = 448.0
+FP4_E2M1_MAX = 6.0
 
 
 class SpecError(ValueError):
@@ -31,18 +32,47 @@ class Granularity(str, enum.Enum):
     GROUP = "per-group"
     TOKEN = "per-token"
     HEAD = "per-head"
+    # upstream AngelSlim's spelling for the 1-D blocks of the FP4 formats (``configs/qwen3/ptq/nvfp4``):
+    # accepted for nvfp4 / mxfp4 only, where it means per-group of the format's block size.
+    BLOCK = "per-block"
 
 
+class ScaleFormat(str, enum.Enum):
+    """The number format a stored scale is rounded to (in the forward, straight-through)."""
+
+    FP32 = "fp32"
+    E4M3 = "e4m3"  # NVFP4 group scales: FP8 E4M3, times a per-tensor fp32 global scale
+    E8M0 = "e8m0"  # MX group scales: a power of two (8-bit exponent, no mantissa)
+
+
+@dataclass(frozen=True)
+class FP4Format:
+    """An E2M1 (FP4) element format: its group size, group-scale format and whether a per-tensor
+    fp32 global scale sits above the group scales (compressed-tensors ``tensor_group``)."""
+
+    group_size: int
+    scale_format: ScaleFormat
+    global_scale: bool
+
+
+# NVFP4: E2M1 values, one E4M3 scale per 16 elements, one fp32 global scale per tensor.
+# MXFP4 (OCP MX): E2M1 values, one E8M0 scale per 32 elements.
+FP4_FORMATS: dict[str, FP4Format] = {
+    "nvfp4": FP4Format(16, ScaleFormat.E4M3, True),
+    "mxfp4": FP4Format(32, ScaleFormat.E8M0, False),
+}
 INT_QTYPES = tuple(f"int{b}" for b in range(2, 9))
-QTYPES = (*INT_QTYPES, "fp8")
+QTYPES = (*INT_QTYPES, "fp8", *FP4_FORMATS)
 
 
 @dataclass(frozen=True)
 class QuantSpec:
     """How one tensor is quantized.
 
-    qtype: ``int2`` .. ``int8`` (signed codes) or ``fp8`` (E4M3, ±448).
-    granularity: which elements share a scale (see docs/design.md for the scale shapes).
+    qtype: ``int2`` .. ``int8`` (signed codes), ``fp8`` (E4M3, ±448), or an FP4 (E2M1, ±6) format:
+        ``nvfp4`` (E4M3 scale per 16 + fp32 global scale) / ``mxfp4`` (E8M0 scale per 32).
+    granularity: which elements share a scale (see docs/design.md for the scale shapes). FP4
+        formats are per-group of their block size (``per-block`` is accepted as upstream's name).
     group_size: elements per group for ``per-group``.
     symmetric: no zero point; ``fp8`` is always symmetric.
     dynamic: scales computed from each input at run time (``per-token`` is always dynamic).
@@ -69,7 +99,31 @@ class QuantSpec:
             raise SpecError(
                 "granularity", f"granularity must be one of {choices}; got {self.granularity!r}"
             ) from None
+        fp4 = FP4_FORMATS.get(self.qtype)
+        if gran is Granularity.BLOCK:
+            if fp4 is None:
+                raise SpecError(
+                    "granularity",
+                    f"per-block granularity is the FP4 formats' block spelling (nvfp4 / mxfp4), not {self.qtype}; "
+                    "use per-group",
+                )
+            gran = Granularity.GROUP
+            if self.group_size in (None, -1, 0):
+                object.__setattr__(self, "group_size", fp4.group_size)
         object.__setattr__(self, "granularity", gran)
+        if fp4 is not None:
+            if gran is not Granularity.GROUP:
+                raise SpecError(
+                    "granularity", f"{self.qtype} is quantized per-group (per-block), not {gran.value}"
+                )
+            if self.group_size != fp4.group_size:
+                raise SpecError(
+                    "group_size",
+                    f"{self.qtype} has one scale per {fp4.group_size} elements (the format and its kernels fix it); "
+                    f"got group_size={self.group_size}",
+                )
+            if not self.symmetric:
+                raise SpecError("symmetric", f"{self.qtype} is symmetric only (set is_sym/symmetric: true)")
         if gran is Granularity.GROUP:
             if self.group_size is None or self.group_size <= 0:
                 raise SpecError(
@@ -90,9 +144,9 @@ class QuantSpec:
             raise SpecError("symmetric", "fp8 quantization is symmetric only (set is_sym/symmetric: true)")
         if gran is Granularity.HEAD and self.num_heads is not None and self.num_heads <= 0:
             raise SpecError("num_heads", f"per-head quantization needs num_heads > 0; got {self.num_heads}")
-        if self.fp8_recast and self.is_fp8:
+        if self.fp8_recast and self.is_float:
             raise SpecError(
-                "fp8_recast", "fp8_recast applies to integer weight formats (W4A8-FP8), not to fp8 itself"
+                "fp8_recast", f"fp8_recast applies to integer weight formats (W4A8-FP8), not to {self.qtype}"
             )
 
     # -- derived properties -------------------------------------------------
@@ -101,15 +155,49 @@ class QuantSpec:
         return self.qtype == "fp8"
 
     @property
+    def fp4(self) -> FP4Format | None:
+        """The FP4 element format (nvfp4 / mxfp4), None for int and fp8."""
+        return FP4_FORMATS.get(self.qtype)
+
+    @property
+    def is_fp4(self) -> bool:
+        return self.qtype in FP4_FORMATS
+
+    @property
+    def is_float(self) -> bool:
+        return self.is_fp8 or self.is_fp4
+
+    @property
+    def scale_format(self) -> ScaleFormat:
+        return ScaleFormat.FP32 if self.fp4 is None else self.fp4.scale_format
+
+    @property
+    def has_global_scale(self) -> bool:
+        return self.fp4 is not None and self.fp4.global_scale
+
+    @property
     def bits(self) -> int:
+        if self.is_fp4:
+            return 4
         return 8 if self.is_fp8 else int(self.qtype[3:])
 
     @property
+    def bits_per_element(self) -> float:
+        """Storage bits per element including the group scales (16-bit scales for int groups,
+        as the WNA16 kernels store them; 8-bit E4M3 / E8M0 for the FP4 formats)."""
+        if self.granularity is not Granularity.GROUP:
+            return float(self.bits)
+        scale_bits = 16 if self.scale_format is ScaleFormat.FP32 else 8
+        return self.bits + scale_bits / self.group_size
+
+    @property
     def qmin(self) -> float:
-        return -FP8_E4M3_MAX if self.is_fp8 else float(-(2 ** (self.bits - 1)))
+        return -self.qmax if self.is_float else float(-(2 ** (self.bits - 1)))
 
     @property
     def qmax(self) -> float:
+        if self.is_fp4:
+            return FP4_E2M1_MAX
         return FP8_E4M3_MAX if self.is_fp8 else float(2 ** (self.bits - 1) - 1)
 
     @property
@@ -163,7 +251,19 @@ class QuantScheme:
             raise SpecError("granularity", f"weights cannot be quantized {self.weight.granularity.value}")
         if self.weight is not None and self.weight.dynamic:
             raise SpecError("dynamic", "weight quantization is static (dynamic applies to activations)")
-        if self.input is not None and self.input.granularity in (Granularity.CHANNEL, Granularity.GROUP):
+        if self.weight is not None and self.weight.is_fp4 and self.input is not None:
+            if self.input.is_fp4 and self.input.qtype != self.weight.qtype:
+                raise SpecError(
+                    "qtype", f"{self.weight.qtype} weights with {self.input.qtype} activations have no kernel"
+                )
+        if self.input is not None and self.input.is_fp4:
+            if not self.input.dynamic:
+                # the group scales of FP4 activations are computed per token group at run time by
+                # every runtime (vLLM, compressed-tensors); only NVFP4's global scale is static.
+                raise SpecError(
+                    "dynamic", f"{self.input.qtype} activations are dynamic per group (set dynamic: true)"
+                )
+        elif self.input is not None and self.input.granularity in (Granularity.CHANNEL, Granularity.GROUP):
             raise SpecError(
                 "granularity",
                 f"input activations cannot be quantized {self.input.granularity.value}; "
@@ -171,6 +271,8 @@ class QuantScheme:
             )
         for role in ("q", "k", "v"):
             spec = getattr(self, role)
+            if spec is not None and spec.is_fp4:
+                raise SpecError("qtype", f"{role} output cannot be quantized {spec.qtype} (no FP4 KV cache)")
             if spec is not None and spec.granularity in (Granularity.CHANNEL, Granularity.GROUP):
                 raise SpecError("granularity", f"{role} output cannot be quantized {spec.granularity.value}")
 
@@ -215,6 +317,10 @@ def _fp8_tensor(dynamic: bool = False) -> QuantSpec:
     return QuantSpec("fp8", Granularity.TENSOR, dynamic=dynamic)
 
 
+def _fp4(qtype: str, dynamic: bool = False) -> QuantSpec:
+    return QuantSpec(qtype, Granularity.GROUP, group_size=FP4_FORMATS[qtype].group_size, dynamic=dynamic)
+
+
 # Named presets for the upstream algorithm names (compression.quantization.name).
 PRESETS: dict[str, QuantScheme] = {
     "fp8_static": QuantScheme("fp8_static", weight=_fp8_tensor(), input=_fp8_tensor()),
@@ -234,6 +340,12 @@ PRESETS: dict[str, QuantScheme] = {
     ),
 }
 PRESETS["w8a8"] = PRESETS["int8"].replace(name="w8a8")
+# FP4: W4A4 (activations dynamic per group; NVFP4 keeps a static per-tensor global input scale)
+# and NVFP4 weight-only (W4A16: what vLLM runs on pre-Blackwell GPUs through Marlin).
+PRESETS["nvfp4"] = QuantScheme("nvfp4", weight=_fp4("nvfp4"), input=_fp4("nvfp4", dynamic=True))
+PRESETS["nvfp4_weight_only"] = QuantScheme("nvfp4_weight_only", weight=_fp4("nvfp4"))
+PRESETS["mxfp4"] = QuantScheme("mxfp4", weight=_fp4("mxfp4"), input=_fp4("mxfp4", dynamic=True))
+PRESETS["mxfp4_weight_only"] = QuantScheme("mxfp4_weight_only", weight=_fp4("mxfp4"))
 for _b in range(2, 9):
     PRESETS.setdefault(
         f"int{_b}_weight_only",
