@@ -23,11 +23,13 @@ from qatlib.trainers.blockwise import BlockwiseSettings
 from qatlib.trainers.params import Learnable
 from qatlib.yamlio import ConfigError, format_issues
 
+from .deploy import deploy_issues, local_model_is_moe
 from .errors import Violation, issues_error
 from .scheme import build_quant_scheme
 from .sections import (
     CompressionConfig,
     DatasetConfig,
+    DeployConfig,
     EvaluationConfig,
     GlobalConfig,
     ModelConfig,
@@ -122,6 +124,7 @@ class ExperimentConfig(Section):
     dataset: DatasetConfig | None = None
     global_: GlobalConfig = Field(default_factory=GlobalConfig, alias="global")
     evaluation: EvaluationConfig | None = None
+    deploy: DeployConfig = Field(default_factory=DeployConfig)
 
     _source: str | None = PrivateAttr(None)
     _config_dir: Path | None = PrivateAttr(None)
@@ -208,6 +211,8 @@ class ExperimentConfig(Section):
                 issues.append(
                     (f"{QC}.lwc.enable_lwc", "weight clipping needs weight quantization (use_weight_quant)")
                 )
+
+            issues += deploy_issues(self.deploy, scheme, local_model_is_moe(self.model.model_path))
 
         if qat.training_mode == "blockwise" and self.loss_config().kd_enabled:
             issues.append(
