@@ -29,7 +29,16 @@
 - ``fake``: a plain HF checkpoint whose linears hold ``dequantize(quantize(W))`` (no quantization
   library needed to load it; activation quantization is not represented).
 - ``save_kvcache_only``: ``kv_cache_scales.safetensors`` with ``<attn>.k_cache.scale`` /
-  ``<attn>.v_cache.scale``; ``real_and_kvcache``: both.
+  ``<attn>.v_cache.scale``; ``real_and_kvcache``: both, the KV file in the ``qatlib/`` side folder.
+
+An export folder holds only files a runtime should load (vLLM / SGLang load every top-level
+``*.safetensors``): qatlib's own side files (a `fake` export's resume scales, the PTQ-key KV
+scales beside real weights) go to ``qatlib/`` (`qatlib.checkpoint.layout.EXPORT_SIDE_DIR`).
+``config.json``'s ``ignore`` lists resolved module names only: compressed-tensors, vLLM and SGLang
+match ``re:`` entries by prefix (``re.match``), qatlib's ``ignore_layers`` by full match, so a
+pattern copied over would change meaning. An ignore set that quantizes part of a fused group
+(q/k/v, gate/up, a layer's experts; `qatlib.runtime.fusion`) is refused. What the deployed
+arithmetic still changes is recorded in ``qatlib_export.json`` (`qatlib.runtime.differences`).
 
 Everything is validated before anything is written, and written to a temporary directory that is
 renamed into place at the end. The pieces take a model plus an optional iterator of
@@ -52,7 +61,14 @@ from torch import nn
 
 from . import __version__
 from .checkpoint.keys import kv_role, parse_key, scale_state_dict
-from .checkpoint.layout import KV_SCALES_FILE, SCALES_FILE, SCHEME_FILE, AtomicDir, write_json
+from .checkpoint.layout import (
+    EXPORT_KV_SCALES_FILE,
+    FAKE_EXPORT_SCALES_FILE,
+    KV_SCALES_FILE,
+    SCHEME_FILE,
+    AtomicDir,
+    write_json,
+)
 from .quant import QuantLinear, QuantScheme, QuantSpec, quant_linears
 from .quant import functional as F
 from .quant.calibration import prepared_mismatch
@@ -171,8 +187,9 @@ def compressed_tensors_format(scheme: QuantScheme, *, w4a8_activation: str = "ru
         )
     if scheme.q is not None:
         raise ExportError(
-            f"scheme {scheme.name!r} quantizes the q projection output ({scheme.q.describe()}): compressed-tensors / "
-            "vLLM have no query-quantization counterpart; export without scheme.q (k/v map to the KV cache)"
+            f"scheme {scheme.name!r} quantizes the q projection output ({scheme.q.describe()}): qatlib does not export "
+            "query scales (vLLM 0.33 loads a per-tensor <attn>.q_scale only for fp8 attention with FlashAttention 3, "
+            "compressed_tensors.py:1160-1166); export without scheme.q (k/v map to the KV cache)"
         )
     if a is not None and a.granularity is Granularity.HEAD:
         raise ExportError(
@@ -199,7 +216,10 @@ def compressed_tensors_format(scheme: QuantScheme, *, w4a8_activation: str = "ru
     elif a is None:
         fmt = CompressionFormat.pack_quantized
         if w.bits not in (4, 8):
-            notes.append(f"vLLM's WNA16 kernels support 4 and 8 bits, not {w.bits}")
+            notes.append(
+                f"vLLM's mainstream WNA16 kernels (Marlin / Machete) support 4 and 8 bits, not {w.bits} (vLLM 0.33 runs "
+                "it only with the optional Humming kernel); SGLang 0.5.23 refuses it"
+            )
         if w.granularity is Granularity.GROUP and w.group_size not in (32, 64, 128):
             notes.append(f"vLLM's Marlin WNA16 kernels support group sizes 32/64/128, not {w.group_size}")
         if w.granularity is Granularity.TENSOR:
@@ -225,7 +245,12 @@ def compressed_tensors_format(scheme: QuantScheme, *, w4a8_activation: str = "ru
             notes.append(
                 f"vLLM's W4A8-FP8 kernel needs int4 symmetric weights with group size 128, not {w.describe()}"
             )
-        notes.append("vLLM's W4A8-FP8 kernel needs Hopper (SM90) and re-expresses group scales as FP8")
+        notes.append(
+            "vLLM 0.33's W4A8-FP8 kernel needs exactly SM90 (not SM89 / SM100: compressed_tensors.py:648-654), "
+            "K and N % 128 and a bf16 model (cutlass.py:29-55), MoE hidden and per-TP intermediate sizes % 256 "
+            "(compressed_tensors_moe_w4a8_fp8.py:69-73); it re-quantizes the group scales to FP8 per output row "
+            "(quant_utils.py:931-954). SGLang 0.5.23 has no dense W4A8-FP8 scheme: it cannot load this export"
+        )
     else:
         fmt = CompressionFormat.int_quantized
         if not (w.bits == 8 and a.bits == 8):
@@ -263,9 +288,12 @@ def compressed_tensors_format(scheme: QuantScheme, *, w4a8_activation: str = "ru
                 f"KV-cache quantization exports static per-tensor or per-head scales, not {k.describe()}"
             )
         kv = ct_args(k.replace(num_heads=None))
-        if not (k.is_fp8 and k.granularity is Granularity.TENSOR):
+        if not k.is_fp8:
+            notes.append(f"vLLM's / SGLang's compressed-tensors KV cache is fp8, not {k.describe()}")
+        elif k.granularity is Granularity.HEAD:
             notes.append(
-                f"vLLM's compressed-tensors KV cache takes fp8 per-tensor scales, not {k.describe()}"
+                "per-head KV scales: vLLM 0.33 uses them with FlashAttention 3 (flash_attn.py:411-414), other "
+                "backends take the max over heads; SGLang 0.5.23 ignores a per-head kv_cache_scheme (KV stays bf16)"
             )
     ct_scheme = QuantizationScheme(targets=["Linear"], weights=wargs, input_activations=aargs, format=fmt)
     return CTFormat(ct_scheme, fmt.value, kv, tuple(changes), tuple(notes))
@@ -478,14 +506,28 @@ def export_tensors(
             )
             oq = module.output_quantizer
             if fmt.kv_cache is not None and oq is not None and role is not None:
-                # compressed-tensors' own key: ``<attn>.k_scale`` / ``v_scale``
-                state[f"{name.rpartition('.')[0]}.{role}_scale"] = _ct_kv_scale(oq)
+                # compressed-tensors' own key ``<attn>.k_scale`` (vLLM's cache-scale mapper and
+                # SGLang's dense Qwen3 remap it), and the runtimes' parameter name
+                # ``<attn>.attn.k_scale``, which SGLang's Qwen3-MoE loader needs (it never remaps:
+                # sglang 0.5.23 models/qwen3_moe.py:1157-1270) and both vLLM loaders take as is
+                # (vllm 0.33 weight_utils.py:1743 `if name in params_dict`, base_config.py:249
+                # `(?<!\.attn)`). Both hold the same values; the runtime loads one parameter.
+                attn = name.rpartition(".")[0]
+                state[f"{attn}.{role}_scale"] = _ct_kv_scale(oq)
+                state[f"{attn}.attn.{role}_scale"] = state[f"{attn}.{role}_scale"].clone()
     return state, kv_scales
 
 
 def ignore_list(model: nn.Module, extra: Sequence[str] = ()) -> list[str]:
     """Module names compressed-tensors / vLLM must leave unquantized: every plain linear (e.g.
-    ``lm_head``), embedding and MoE router gate, plus ``extra`` entries (names or ``re:`` regexes)."""
+    ``lm_head``), embedding and MoE router gate, by resolved name only.
+
+    ``extra`` (the user's ``ignore_layers``: names or ``re:`` regexes, qatlib's matching) is checked
+    (`check_ignore`), never copied: a runtime reads ``re:`` entries with ``re.match`` (prefix;
+    compressed-tensors utils/match.py `match_name`, vLLM quantization/utils, SGLang CT utils.py),
+    so ``re:model.layers.1`` would unquantize every layer-1 linear there. Every module the
+    patterns select is a plain linear of the model, hence already named here."""
+    check_ignore(model, extra)
     names = []
     mods = dict(model.named_modules())
     for name, m in mods.items():
@@ -494,7 +536,16 @@ def ignore_list(model: nn.Module, extra: Sequence[str] = ()) -> list[str]:
         parent_name, _, child = name.rpartition(".")
         if isinstance(m, (nn.Linear, nn.Embedding)) or is_router(mods.get(parent_name), child):
             names.append(name)
-    return names + [e for e in extra if e not in names]
+    return names
+
+
+def check_ignore(model: nn.Module, patterns: Sequence[str]) -> None:
+    """`ExportError` for an ignore set a runtime would read differently (`qatlib.runtime.ignore`)."""
+    from .runtime.ignore import ignore_problems
+
+    problem = ignore_problems(model, patterns)
+    if problem:
+        raise ExportError(problem)
 
 
 def quantization_config(model: nn.Module, fmt: CTFormat, *, ignore: Sequence[str] = ()):
@@ -598,6 +649,8 @@ def export(
         if save_format in ("real", "real_and_kvcache")
         else None
     )
+    if fmt is not None:
+        check_ignore(model, ignore)
     target = AtomicDir(out_dir, overwrite=overwrite)
     if is_main_process:
         target.check()
@@ -619,6 +672,12 @@ def export(
             "changes": list(fmt.changes),
             "runtime_notes": list(fmt.runtime_notes),
         }
+    if fmt is not None:
+        from .runtime.differences import deployment_differences
+
+        info["deployment"] = deployment_differences(
+            model, scheme, w4a8_activation=w4a8_activation, measure=modules is None
+        )
     if save_format == "fake":
         info["note"] = (
             "weights are dequantize(quantize(W)); activation / KV-cache quantization is not represented"
@@ -647,11 +706,14 @@ def export(
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(tmp))
         if want_kv:
-            save_file(kv, str(tmp / KV_SCALES_FILE), metadata={"format": "pt"})
+            kv_file = tmp / (KV_SCALES_FILE if weights is None else EXPORT_KV_SCALES_FILE)
+            kv_file.parent.mkdir(exist_ok=True)
+            save_file(kv, str(kv_file), metadata={"format": "pt"})
         if resume_scales:
+            (tmp / FAKE_EXPORT_SCALES_FILE).parent.mkdir(exist_ok=True)
             save_file(
                 resume_scales,
-                str(tmp / SCALES_FILE),
+                str(tmp / FAKE_EXPORT_SCALES_FILE),
                 metadata={"format": "pt", "qatlib": "fake-export-scales"},
             )
             write_json(tmp / SCHEME_FILE, scheme.to_dict())

@@ -34,7 +34,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from .checkpoint.layout import SCHEME_FILE, CheckpointError, read_scheme, resolve_dir, weight_files
+from .checkpoint.layout import (
+    SCHEME_FILE,
+    CheckpointError,
+    read_scheme,
+    resolve_dir,
+    scale_files,
+    weight_files,
+)
 from .quant import QuantScheme
 from .quant.quantizer import Quantizer
 
@@ -68,7 +75,7 @@ def classify_resume_dir(path: str | os.PathLike) -> tuple[Literal["hf", "saved"]
         d = resolve_dir(p)
     except CheckpointError:
         d = None
-    if d is not None and any(d.glob("*.safetensors")):
+    if d is not None and scale_files(d):
         return "saved", d
     raise ResumeError(
         f"resume_ckpt_dir {p}: neither an HF Trainer checkpoint ({TRAINER_STATE}, or checkpoint-N folders) nor a "

@@ -22,6 +22,7 @@ from qatlib.quant import (
     Granularity,
     PrepareOptions,
     Quantizer,
+    QuantLinear,
     QuantScheme,
     QuantSpec,
     prepare,
@@ -248,7 +249,10 @@ def test_real_and_kvcache_export(tmp_path, kv):
     assert qc["kv_cache_scheme"]["type"] == "float" and qc["kv_cache_scheme"]["num_bits"] == 8
     assert qc["kv_cache_scheme"]["strategy"] == ("tensor" if kv == "per-tensor" else "attn_head")
     t = _tensors(out / "model.safetensors")
-    kvf = _tensors(out / "kv_cache_scales.safetensors")
+    # only what a runtime loads at the top (vLLM globs every *.safetensors): the PTQ-key KV file
+    # lives in the qatlib/ side folder
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    kvf = _tensors(out / "qatlib" / "kv_cache_scales.safetensors")
     assert len(kvf) == 4
     for li, layer in enumerate(model.model.layers):
         for r in "kv":
@@ -256,6 +260,8 @@ def test_real_and_kvcache_export(tmp_path, kv):
             ct = t[f"model.layers.{li}.self_attn.{r}_scale"]
             assert tuple(ct.shape) == ((1,) if kv == "per-tensor" else (2, 1, 1))
             torch.testing.assert_close(ct.flatten(), mine, rtol=0, atol=0)
+            # also under the runtimes' parameter name (SGLang's Qwen3-MoE loader never remaps)
+            assert torch.equal(t[f"model.layers.{li}.self_attn.attn.{r}_scale"], ct)
             torch.testing.assert_close(
                 kvf[f"model.layers.{li}.self_attn.{r}_cache.scale"], mine, rtol=0, atol=0
             )
@@ -276,6 +282,16 @@ def test_fake_export(tmp_path, moe):
     model, _ = _calibrated(scheme, moe=moe)
     out = export(model, scheme, tmp_path / "fake", "fake")
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    # vLLM loads every top-level *.safetensors of a folder without an index: only the weights there
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    # ... and it stays a resume checkpoint: the scales are found in the side folder
+    from qatlib.checkpoint.keys import load_scales, scale_state_dict
+    from qatlib.resume import classify_resume_dir
+
+    assert classify_resume_dir(out) == ("saved", out)
+    mine = scale_state_dict(model)
+    back = load_scales(out)
+    assert mine.keys() <= back.keys() and all(torch.equal(back[k], mine[k].float()) for k in mine)
     _disable(model, lambda n: n.endswith("input_quantizer"))
     torch.testing.assert_close(_logits(_reload(out)), _logits(model), rtol=0, atol=0)
 
@@ -391,3 +407,93 @@ def test_export_refuses_destroyed_weights(tmp_path, monkeypatch):
     with pytest.raises(ExportError, match="round trip changed the weight"):
         export(model, scheme, tmp_path / "w", "real")
     assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- ignore list / fused groups
+def _ct_ignored(model, ignore):
+    """The Linear modules an ``ignore`` list selects under compressed-tensors' own matcher (0.20.1
+    `is_match`: ``re:`` entries by `re.match`, names exactly; vLLM / SGLang use the same rule)."""
+    from compressed_tensors.utils.match import is_match
+
+    linears = (torch.nn.Linear, QuantLinear)
+    return {n for n, m in model.named_modules() if isinstance(m, linears) and is_match(n, m, ignore)}
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_ignore_patterns_resolved_for_compressed_tensors(tmp_path, moe):
+    """qatlib full-matches ``re:`` patterns: ``re:model\\.layers\\.1`` names the decoder layer, no linear.
+    compressed-tensors reads it by prefix: every layer-1 linear. The export writes resolved names,
+    and compressed-tensors' matcher then selects exactly the linears qatlib left unquantized."""
+    patterns = ["lm_head", "re:model\\.layers\\.1\\.self_attn\\.[qkv]_proj", "re:model\\.layers\\.1"]
+    cfg = tiny_qwen3_moe_config() if moe else tiny_qwen3_config()
+    model = prepare(build_model(cfg), preset("fp8_static"), ignore=patterns)
+    calibrate(model, preset("fp8_static"), _batches())
+    out = export(model, preset("fp8_static"), tmp_path / "e", "real", ignore=patterns)
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    assert not any(e.startswith("re:") for e in ignore)
+    plain = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+    assert {"model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj", "lm_head"} <= plain
+    assert "model.layers.1.self_attn.o_proj" not in plain
+    assert _ct_ignored(model, ignore) == plain
+    # the defect fixed: the raw patterns would make the runtime drop layer 1's trained o_proj (+ MLP)
+    assert "model.layers.1.self_attn.o_proj" in _ct_ignored(model, patterns)
+
+
+@pytest.mark.parametrize(
+    "moe,ignore,named",
+    [
+        (False, ["lm_head", "re:.*\\.q_proj"], "qkv group model.layers.0.self_attn"),
+        (False, ["lm_head", "re:model\\.layers\\.1\\.mlp\\.gate_proj"], "gate_up group model.layers.1.mlp"),
+        (True, ["lm_head", "re:.*experts\\.2\\..*"], "moe_layer group model.layers.0.mlp.experts"),
+    ],
+    ids=["q-only", "gate-only", "one-expert"],
+)
+def test_export_refuses_split_fused_group(tmp_path, moe, ignore, named):
+    cfg = tiny_qwen3_moe_config() if moe else tiny_qwen3_config()
+    model = prepare(build_model(cfg), preset("fp8_static"), ignore=ignore)
+    calibrate(model, preset("fp8_static"), _batches(n=1))
+    with pytest.raises(ExportError, match="splits groups") as e:
+        export(model, preset("fp8_static"), tmp_path / "e", "real", ignore=ignore)
+    assert named in str(e.value)
+    assert not (tmp_path / "e").exists()
+    export(model, preset("fp8_static"), tmp_path / "f", "fake")  # a fake export has no fused kernels
+
+
+def test_export_refuses_ignore_of_quantized_layer(tmp_path):
+    model, scheme = _calibrated(preset("fp8_static"))  # prepared with the default ignore (lm_head)
+    with pytest.raises(ExportError, match="different ignore set"):
+        export(model, scheme, tmp_path / "e", "real", ignore=["re:model\\.layers\\.0\\.mlp\\..*"])
+
+
+def test_export_records_deployment_differences(tmp_path):
+    """qatlib_export.json counts, per runtime, the fused groups whose independently trained scales a
+    runtime collapses; tying them (equal scales) brings the count to zero."""
+    model, scheme = _calibrated(preset("fp8_static"), moe=True)
+    info = json.loads((export(model, scheme, tmp_path / "a", "real") / "qatlib_export.json").read_text())
+    vllm = info["deployment"]["vllm 0.33.0"]
+    assert vllm["loads"] and info["deployment"]["sglang 0.5.23"]["loads"]
+    text = "\n".join(vllm["differences"])
+    # q/k/v of 2 layers + gate/up of 2 x 4 experts: each group's members see the same input, so
+    # their calibrated input scales agree; their weight scales and the experts' input scales do not
+    assert "0 of 10 fused groups have different input scales" in text
+    assert "4 of 4 expert groups (w13 / w2 per layer) have different input scales" in text
+    assert "10 of 10 fused groups have different weight scales" in text
+    with torch.no_grad():  # tie by hand what the runtime collapses: weight scales of every fused group
+        mods = dict(model.named_modules())
+        from qatlib.runtime.fusion import GroupKind, fused_groups
+
+        for g in fused_groups(model):
+            role = "weight" if g.kind in (GroupKind.QKV, GroupKind.GATE_UP) else "input"
+            qs = [getattr(mods[m], f"{role}_quantizer") for m in g.members]
+            top = torch.stack([q.scale.reshape(()) for q in qs]).max()
+            for q in qs:
+                q.scale.fill_(top)
+    info = json.loads((export(model, scheme, tmp_path / "b", "real") / "qatlib_export.json").read_text())
+    text = "\n".join(info["deployment"]["vllm 0.33.0"]["differences"])
+    assert "0 of 10 fused groups have different weight scales" in text
+    assert "0 of 4 expert groups (w13 / w2 per layer) have different input scales" in text
+    # a layout vLLM cannot load on MoE is recorded as such
+    dyn, dscheme = _calibrated(preset("fp8_dynamic"), moe=True)
+    info = json.loads((export(dyn, dscheme, tmp_path / "c", "real") / "qatlib_export.json").read_text())
+    assert not info["deployment"]["vllm 0.33.0"]["loads"]
+    assert "kFp8Dynamic128Sym" in info["deployment"]["vllm 0.33.0"]["refusal"]

@@ -31,7 +31,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ..quant.linear import QuantLinear, attention_role, quant_linears, weight_readable
-from .layout import CheckpointError, resolve_dir
+from .layout import CheckpointError, resolve_dir, scale_files
 
 SCALE_KINDS = ("scale", "zero_point", "global_scale")
 LWC_PARAMS = ("clip_factor_w_max", "clip_factor_w_min")
@@ -148,7 +148,7 @@ def load_scales(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     the checkpoint is ambiguous: error).
     """
     d = resolve_dir(ckpt_dir, safetensors_fallback=True)
-    files = sorted(d.glob("*.safetensors"))
+    files = scale_files(d)
     if not files:
         raise CheckpointError(f"{d}: no *.safetensors file")
     out: dict[str, torch.Tensor] = {}

@@ -29,6 +29,13 @@ SCALE_LOAD_FILE = "scale_load.json"
 NESTED_DIR = "final_quant_checkpoint"
 # Safetensors files beside a model's weights that hold no weight.
 NON_WEIGHT_FILES = (SCALES_FILE, KV_SCALES_FILE)
+# An export folder holds only what a runtime should load: vLLM / SGLang load EVERY top-level
+# ``*.safetensors`` of a folder without an index (vLLM 0.33 model_loader/default_loader.py:228-254),
+# so qatlib's own side files of an export (a `fake` export's resume scales, the KV scales of a
+# `real_and_kvcache` export) live in this subfolder, which no runtime globs.
+EXPORT_SIDE_DIR = "qatlib"
+FAKE_EXPORT_SCALES_FILE = f"{EXPORT_SIDE_DIR}/{SCALES_FILE}"
+EXPORT_KV_SCALES_FILE = f"{EXPORT_SIDE_DIR}/{KV_SCALES_FILE}"
 
 
 class CheckpointError(ValueError):
@@ -92,11 +99,18 @@ def check_scheme(path: str | os.PathLike, scheme: QuantScheme) -> tuple[Path, Qu
     return d, ckpt_scheme
 
 
+def scale_files(d: Path) -> list[Path]:
+    """Every ``*.safetensors`` file of the directory ``d`` and of its `EXPORT_SIDE_DIR` (a `fake`
+    export keeps its scales there), sorted: the scales may be in any of them."""
+    return sorted(d.glob("*.safetensors")) + sorted((d / EXPORT_SIDE_DIR).glob("*.safetensors"))
+
+
 def safetensors_files(path: str | os.PathLike) -> list[Path]:
-    """Every ``*.safetensors`` file of a checkpoint directory (`resolve_dir`), sorted: the scales
-    may be in any of them (a PTQ ``scales.safetensors``, shards, or the files of a model folder)."""
+    """Every scale-holding ``*.safetensors`` file of a checkpoint directory (`resolve_dir`,
+    `scale_files`): a PTQ ``scales.safetensors``, shards, the files of a model folder, a `fake`
+    export's side scales."""
     d = resolve_dir(path)
-    files = sorted(d.glob("*.safetensors"))
+    files = scale_files(d)
     if not files:
         raise CheckpointError(f"checkpoint {d}: no *.safetensors file")
     return files

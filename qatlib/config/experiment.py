@@ -25,11 +25,13 @@ from qatlib.trainers.params import Learnable
 from qatlib.yamlio import ConfigError, format_issues
 
 from . import upstream
+from .deploy import deploy_issues, local_model_is_moe
 from .errors import Violation, issues_error
 from .scheme import build_quant_scheme, resolve_name
 from .sections import (
     CompressionConfig,
     DatasetConfig,
+    DeployConfig,
     EvaluationConfig,
     GlobalConfig,
     ModelConfig,
@@ -147,6 +149,7 @@ class ExperimentConfig(Section):
     dataset: DatasetConfig | None = None
     global_: GlobalConfig = Field(default_factory=GlobalConfig, alias="global")
     evaluation: EvaluationConfig | None = None
+    deploy: DeployConfig = Field(default_factory=DeployConfig)
 
     _source: str | None = PrivateAttr(None)
     _config_dir: Path | None = PrivateAttr(None)
@@ -250,6 +253,8 @@ class ExperimentConfig(Section):
                     (f"{QC}.lwc.enable_lwc", "weight clipping needs weight quantization (use_weight_quant)")
                 )
 
+            issues += deploy_issues(self.deploy, scheme, local_model_is_moe(self.model.model_path))
+
         if scheme is not None and self.quantization.low_memory and self.ptq_algorithm == "rtn":
             static = [r for r in ("input", "q", "k", "v") if (sp := getattr(scheme, r)) and not sp.dynamic]
             if static:
@@ -264,6 +269,7 @@ class ExperimentConfig(Section):
                         ),
                     )
                 )
+
         if qat.training_mode == "blockwise" and self.loss_config().kd_enabled:
             issues.append(
                 (

@@ -431,6 +431,16 @@ class GlobalConfig(Section):
 _NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
+class DeployConfig(Section):
+    """``deploy`` (qatlib): the runtime the export is for. ``target`` (``vllm`` default, ``sglang``,
+    ``none``) makes a format that runtime cannot load a config error at parse time
+    (`qatlib.runtime.facts`); ``capability``: the GPU compute capability it will run on
+    (``"9.0"``), None = not checked."""
+
+    target: Literal["vllm", "sglang", "none"] = "vllm"
+    capability: Annotated[str, Field(pattern=r"^\d+\.\d+$")] | None = None
+
+
 class EvaluationConfig(Section):
     """``evaluation`` (qatlib extension): what to measure after training.
 

@@ -1,0 +1,63 @@
+"""The ``deploy`` rule: a format the deployment target cannot load is a config error, at parse time.
+
+Whether the model is MoE (several refusals are MoE-only) is read from ``model_path/config.json``
+when ``model_path`` is a local folder (cheap, no weights). For a hub id, or a folder the pipeline
+has not made yet, it is not known at parse time: only refusals that hold for dense and MoE alike
+are checked here, and `check_deploy_for_model` repeats the check with ``moe`` known, once the
+model config is loaded and before any weight is (the model loader calls it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from qatlib.quant.spec import QuantScheme
+from qatlib.runtime.facts import TARGETS, layout_of, load_refusal
+from qatlib.yamlio import ConfigError
+
+from .sections import DeployConfig
+
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def config_is_moe(cfg: dict) -> bool:
+    """Does an HF ``config.json`` describe a model with routed experts?"""
+    cfg = cfg.get("text_config", cfg)
+    return any(isinstance(cfg.get(k), int) and cfg[k] > 1 for k in _MOE_KEYS)
+
+
+def local_model_is_moe(model_path: str) -> bool | None:
+    """``config_is_moe`` of a local model folder; None when it is not one (hub id, not built yet)."""
+    f = Path(model_path).expanduser() / "config.json"
+    try:
+        return config_is_moe(json.loads(f.read_text()))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def deploy_issues(deploy: DeployConfig, scheme: QuantScheme, moe: bool | None) -> list[tuple[str, str]]:
+    """``[(key, message)]``: empty when ``deploy.target`` loads ``scheme`` (``moe`` None: unknown)."""
+    if deploy.target == "none" or scheme.weight is None:
+        return []
+    refusal = load_refusal(deploy.target, layout_of(scheme), moe=moe, capability=deploy.capability)
+    if refusal is None:
+        return []
+    kind = {True: "an MoE model", False: "a dense model", None: "any model"}[moe]
+    rt = TARGETS[deploy.target]
+    return [
+        (
+            "deploy.target",
+            f"{rt} cannot load the {scheme.name!r} export of {kind}: {refusal.what} ({refusal.source}); "
+            "change compression.quantization or set deploy.target: none",
+        )
+    ]
+
+
+def check_deploy_for_model(deploy: DeployConfig, scheme: QuantScheme, model_config: dict) -> None:
+    """Raise `ConfigError` once the model's config is known (``config.to_dict()``), before weights load."""
+    issues = deploy_issues(deploy, scheme, config_is_moe(model_config))
+    if issues:
+        from qatlib.yamlio import format_issues
+
+        raise ConfigError(format_issues(issues, None), issues)

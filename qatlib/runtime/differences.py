@@ -1,0 +1,115 @@
+"""The trained-vs-deployed differences of an export, per runtime, measured on the model.
+
+`qatlib.export` writes them to ``qatlib_export.json`` (``deployment``): for every load-time
+transformation a target applies (`qatlib.runtime.facts.transforms`), how many groups / layers of
+THIS model it actually changes (a transformation that meets equal, tied scales changes nothing and
+is reported with a zero count), plus the KV-cache facts. A user reads there whether the model a
+runtime serves is the model that was trained.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..quant.linear import QuantLinear
+from ..quant.spec import Granularity, QuantScheme
+from .facts import DENSE_ONLY, TARGETS, Transform, kv_facts, layout_of, load_refusal, transforms
+from .fusion import GroupKind, fused_groups, has_experts
+
+
+def _static_scale(ql: QuantLinear | None, role: str) -> torch.Tensor | None:
+    q = None if ql is None else getattr(ql, f"{role}_quantizer", None)
+    if q is None or q.scale is None or q.spec.dynamic or q.scale.numel() == 0:
+        return None
+    return q.scale.detach().float().cpu()
+
+
+def _differing(model: nn.Module, kinds: set[GroupKind], role: str) -> tuple[int, int]:
+    """``(groups whose members' scales differ, groups with such scales)`` over ``kinds``."""
+    mods = dict(model.named_modules())
+    n = bad = 0
+    for g in fused_groups(model):
+        if g.kind not in kinds:
+            continue
+        scales = [
+            _static_scale(mods.get(m) if isinstance(mods.get(m), QuantLinear) else None, role)
+            for m in g.members
+        ]
+        if any(s is None or s.numel() != 1 for s in scales):
+            continue
+        n += 1
+        bad += not all(torch.equal(scales[0], s) for s in scales[1:])
+    return bad, n
+
+
+def _expert_names(model: nn.Module) -> set[str]:
+    return {m for g in fused_groups(model) if g.kind is GroupKind.MOE_LAYER for m in g.members}
+
+
+def _measure(model: nn.Module, t: Transform, dtype: torch.dtype) -> str:
+    if t is Transform.WEIGHT_SCALE_MAX:
+        bad, n = _differing(model, {GroupKind.QKV, GroupKind.GATE_UP}, "weight")
+        return f"{bad} of {n} fused groups have different weight scales (their shards are re-rounded)"
+    if t in (Transform.INPUT_SCALE_MAX, Transform.INPUT_SCALE_LAST):
+        bad, n = _differing(model, {GroupKind.QKV, GroupKind.GATE_UP}, "input")
+        return f"{bad} of {n} fused groups have different input scales"
+    if t is Transform.EXPERT_INPUT_SCALE_MAX:
+        bad, n = _differing(model, {GroupKind.EXPERTS_W13, GroupKind.EXPERTS_W2}, "input")
+        return f"{bad} of {n} expert groups (w13 / w2 per layer) have different input scales"
+    if t is Transform.DYNAMIC_PER_TOKEN:
+        experts = _expert_names(model)
+        n = sum(1 for name, m in model.named_modules() if isinstance(m, QuantLinear) and name not in experts)
+        return f"{n} non-expert linears"
+    if t is Transform.SCALE_MODEL_DTYPE:
+        if dtype == torch.float32:
+            return "model dtype float32: no change"
+        changed = total = 0
+        for _, m in model.named_modules():
+            s = _static_scale(m, "weight") if isinstance(m, QuantLinear) else None
+            if s is not None:
+                total += 1
+                changed += not torch.equal(s.to(dtype).float(), s)
+        return f"{changed} of {total} weight-scale tensors change when rounded to {str(dtype).removeprefix('torch.')}"
+    return "every quantized linear"
+
+
+def deployment_differences(
+    model: nn.Module, scheme: QuantScheme, *, w4a8_activation: str = "runtime", measure: bool = True
+) -> dict[str, Any]:
+    """``{"<runtime> <version>": {"loads": bool, "refusal": ..., "differences": [...]}}`` for each
+    target. ``measure=False`` (ZeRO-3 streaming export: the scales are partitioned) lists the
+    transformations without counting what they change."""
+    moe = has_experts(model)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    layout = layout_of(scheme, w4a8_activation=w4a8_activation)
+    out: dict[str, Any] = {}
+    for target, rt in TARGETS.items():
+        refusal = load_refusal(target, layout, moe=moe)
+        entry: dict[str, Any] = {"layout": layout.value, "loads": refusal is None}
+        if refusal is not None:
+            entry["refusal"] = f"{refusal.what} ({refusal.source})"
+        diffs = []
+        for t, fact in transforms(target, layout):
+            if t in DENSE_ONLY and moe and not _has_dense_quantized(model):
+                continue
+            line = f"{t.value} [{fact.source}]"
+            if measure:
+                line += f": {_measure(model, t, dtype)}"
+            diffs.append(line)
+        k = scheme.k
+        if k is not None and k.is_fp8 and not k.dynamic:
+            per_head = k.granularity is Granularity.HEAD
+            diffs += [
+                f"KV cache: {f.what} [{f.source}]" for f in kv_facts(target, per_head=per_head, moe=moe)
+            ]
+        entry["differences"] = diffs
+        out[str(rt)] = entry
+    return out
+
+
+def _has_dense_quantized(model: nn.Module) -> bool:
+    experts = _expert_names(model)
+    return any(isinstance(m, QuantLinear) and n not in experts for n, m in model.named_modules())

@@ -1,0 +1,322 @@
+"""What each deployment runtime does with a qatlib export: which layouts load, and the load-time
+transformations it applies to the trained scales.
+
+Read from the releases named in `TARGETS` (not run; no GPU here): /work/shared/design/runtime-contract.md
+has the full audit. Each fact carries the source file:line of that release. ``vLLM CT`` is
+``vllm/model_executor/layers/quantization/compressed_tensors/``, ``SG CT`` is
+``sglang/srt/layers/quantization/compressed_tensors/``.
+
+A scheme is first classified into an export `Layout` (`layout_of`), the unit both runtimes
+dispatch on; the facts are tables keyed by layout, so adding a runtime version is adding rows.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from ..quant.spec import Granularity, QuantScheme
+
+
+@dataclass(frozen=True)
+class Runtime:
+    name: str
+    version: str
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.version}"
+
+
+VLLM = Runtime("vllm", "0.33.0")
+SGLANG = Runtime("sglang", "0.5.23")
+TARGETS: dict[str, Runtime] = {"vllm": VLLM, "sglang": SGLANG}
+TARGET_NAMES = (*TARGETS, "none")
+
+
+class Layout(enum.Enum):
+    """The export layouts the runtimes tell apart (`qatlib.export.compressed_tensors_format`)."""
+
+    FP8_STATIC_TENSOR = "fp8 weight per-tensor + static per-tensor input"
+    FP8_STATIC_CHANNEL = "fp8 weight per-channel + static per-tensor input"
+    FP8_DYNAMIC_TENSOR = "fp8 weight + dynamic per-tensor input"
+    FP8_DYNAMIC_TOKEN = "fp8 weight + dynamic per-token input"
+    FP8_WEIGHT_ONLY = "fp8 weight only"
+    W4A8 = "int4 weight + fp8 per-token dynamic input (W4A8-FP8)"
+    W4A8_STATIC = "int4 weight + static fp8 input (w4a8_activation: trained)"
+    WNA16 = "int4/int8 weight only, symmetric"
+    WNA16_ASYM = "int4/int8 weight only, asymmetric"
+    WNA16_ODD_BITS = "int2/3/5/6/7 weight only"
+    INT8_DYNAMIC = "int8 weight + int8 dynamic per-token input"
+    INT8_STATIC = "int8 weight + static per-tensor int8 input"
+    OTHER = "other"
+
+
+def layout_of(scheme: QuantScheme, *, w4a8_activation: str = "runtime") -> Layout:
+    """The export layout of ``scheme`` (what `compressed_tensors_format` writes for it)."""
+    w, a = scheme.weight, scheme.input
+    if w is None:
+        return Layout.OTHER
+    if w.is_fp8:
+        if a is None:
+            return Layout.FP8_WEIGHT_ONLY
+        if not a.is_fp8:
+            return Layout.OTHER
+        if a.dynamic:
+            return (
+                Layout.FP8_DYNAMIC_TOKEN if a.granularity is Granularity.TOKEN else Layout.FP8_DYNAMIC_TENSOR
+            )
+        return Layout.FP8_STATIC_CHANNEL if w.granularity is Granularity.CHANNEL else Layout.FP8_STATIC_TENSOR
+    if a is None:
+        if w.bits not in (4, 8):
+            return Layout.WNA16_ODD_BITS
+        return Layout.WNA16 if w.symmetric else Layout.WNA16_ASYM
+    if a.is_fp8:
+        runtime_act = w4a8_activation == "runtime" or (a.granularity is Granularity.TOKEN and a.dynamic)
+        return Layout.W4A8 if runtime_act else Layout.W4A8_STATIC
+    return Layout.INT8_DYNAMIC if a.dynamic else Layout.INT8_STATIC
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One runtime behaviour: ``what`` it does, ``source`` the release file:line it is read from."""
+
+    what: str
+    source: str
+
+
+# --------------------------------------------------------------------------- load refusals
+# (target, layout, moe) -> why the runtime refuses it at load. moe None: dense and MoE alike.
+_REFUSALS: dict[tuple[str, Layout, bool | None], Fact] = {
+    ("vllm", Layout.FP8_STATIC_CHANNEL, True): Fact(
+        "fused MoE fp8 takes (tensor weight, tensor input) or (channel weight, token-dynamic input) only: "
+        "AssertionError at load",
+        "vLLM CT compressed_tensors_moe/compressed_tensors_moe_w8a8_fp8.py:66-76",
+    ),
+    ("sglang", Layout.FP8_STATIC_CHANNEL, True): Fact(
+        "fused MoE fp8 asserts (tensor, tensor) or (channel, token): AssertionError at load",
+        "SG CT schemes/w8a8_fp8_moe.py:56-70",
+    ),
+    ("vllm", Layout.FP8_DYNAMIC_TENSOR, True): Fact(
+        "fused MoE maps a dynamic per-tensor fp8 input to kFp8Dynamic128Sym, which no default MoE backend "
+        "(Triton) implements; use per-token dynamic activations (granularity per-token)",
+        "vLLM CT compressed_tensors_moe/compressed_tensors_moe_w8a8_fp8.py:94-98, experts/triton_moe.py:159-179",
+    ),
+    ("vllm", Layout.FP8_WEIGHT_ONLY, True): Fact(
+        "fp8 weight-only experts: AttributeError reading input_quant None (per-tensor) or 'only pack-quantized' "
+        "ValueError (per-channel)",
+        "vLLM CT compressed_tensors_moe/compressed_tensors_moe.py:90-103,173",
+    ),
+    ("sglang", Layout.FP8_WEIGHT_ONLY, True): Fact(
+        "fp8 weight-only experts: AttributeError in _is_dynamic_token_w4a8(w, None)",
+        "SG CT compressed_tensors.py:431-436,994",
+    ),
+    ("vllm", Layout.INT8_STATIC, True): Fact(
+        "int8 static-input experts: 'Unsupported FusedMoe scheme'",
+        "vLLM CT compressed_tensors_moe.py:198-201",
+    ),
+    ("sglang", Layout.INT8_STATIC, True): Fact(
+        "int8 static-input experts: no fused-MoE scheme", "SG CT compressed_tensors.py:980-996"
+    ),
+    ("sglang", Layout.INT8_DYNAMIC, True): Fact(
+        "int8 W8A8 fused MoE is implemented only for NPU", "SG CT compressed_tensors.py:980-986"
+    ),
+    ("sglang", Layout.WNA16_ASYM, True): Fact(
+        "asymmetric WNA16 experts: zero points are allocated (E, G, 2I/8) in AWQ layout, the export's "
+        "[N/8, G] compressed-tensors zero points hit a shape mismatch",
+        "SG CT schemes/wNa16_moe.py:193-216, moe/fused_moe_triton/layer.py:788-879",
+    ),
+    ("sglang", Layout.WNA16_ODD_BITS, None): Fact(
+        "WNA16 with 2/3/5/6/7 bits: ImportError / ValueError (Marlin is 4/8-bit only)",
+        "SG CT compressed_tensors.py:737-751, schemes/wNa16_moe.py:83-91",
+    ),
+    ("vllm", Layout.W4A8_STATIC, None): Fact(
+        "no compressed-tensors scheme matches int4 weights with a static fp8 input",
+        "vLLM CT compressed_tensors.py:783-950",
+    ),
+    ("sglang", Layout.W4A8_STATIC, None): Fact(
+        "no compressed-tensors scheme matches int4 weights with a static fp8 input",
+        "SG CT compressed_tensors.py:721-862",
+    ),
+    ("sglang", Layout.W4A8, None): Fact(
+        "no dense compressed-tensors W4A8-FP8 scheme (the attention linears fail: 'No compressed-tensors "
+        "compatible scheme')",
+        "SG CT compressed_tensors.py:721-862",
+    ),
+}
+
+# (target, layout) -> the compute capabilities it needs (None: any the runtime supports).
+_CAPABILITY: dict[tuple[str, Layout], tuple[tuple[str, ...], Fact]] = {
+    ("vllm", Layout.W4A8): (
+        ("9.0",),
+        Fact(
+            "the W4A8-FP8 CUTLASS kernel is selected on exactly SM90; elsewhere NotImplementedError",
+            "vLLM CT compressed_tensors.py:648-654,817,947",
+        ),
+    ),
+}
+
+
+def load_refusal(
+    target: str, layout: Layout, *, moe: bool | None, capability: str | None = None
+) -> Fact | None:
+    """Why ``target`` cannot load ``layout`` (None: it loads). ``moe`` None: not known yet (only
+    refusals that hold for dense and MoE alike are reported); ``capability``: ``"9.0"`` style, None
+    = not checked."""
+    if target not in TARGETS:
+        return None
+    for key in ((target, layout, None), (target, layout, moe) if moe is not None else None):
+        if key is not None and key in _REFUSALS:
+            return _REFUSALS[key]
+    need = _CAPABILITY.get((target, layout))
+    if need is not None and capability is not None and capability not in need[0]:
+        fact = need[1]
+        return Fact(f"{fact.what} (deploy.capability is {capability})", fact.source)
+    return None
+
+
+# --------------------------------------------------------------------------- load-time transformations
+class Transform(enum.Enum):
+    """What a runtime does to the checkpoint's scales at load / run time."""
+
+    WEIGHT_SCALE_MAX = "fused shards' per-tensor weight scales -> their max; shards requantized to it"
+    INPUT_SCALE_MAX = "fused shards' static input scales -> their max"
+    INPUT_SCALE_LAST = "fused shards' static input scale -> the last-loaded shard's"
+    EXPERT_INPUT_SCALE_MAX = "every expert's static input scale of one MoE layer -> the max over experts"
+    DYNAMIC_PER_TOKEN = "dynamic per-tensor fp8 input -> quantized per token"
+    SCALE_MODEL_DTYPE = "weight scales stored in the model dtype (bf16 / fp16), not fp32"
+    W4A8_FP8_GROUP_SCALES = (
+        "int4 group scales -> model dtype -> fp8 per output row with an fp32 channel factor"
+    )
+
+
+_FP8_STATIC = (Layout.FP8_STATIC_TENSOR, Layout.FP8_STATIC_CHANNEL)
+# (target, transform) -> (layouts it applies to, moe: None both / True MoE layers / False dense, fact)
+_TRANSFORMS: list[tuple[str, Transform, tuple[Layout, ...], Fact]] = [
+    (
+        "vllm",
+        Transform.WEIGHT_SCALE_MAX,
+        (Layout.FP8_STATIC_TENSOR, Layout.FP8_DYNAMIC_TENSOR),
+        Fact(
+            "requantize_with_max_scale over q/k/v, gate/up and each expert's w1/w3",
+            "fp8_utils.py:1454-1476,1537-1567",
+        ),
+    ),
+    (
+        "vllm",
+        Transform.INPUT_SCALE_MAX,
+        _FP8_STATIC,
+        Fact("input_scale.max() over shards", "vLLM CT schemes/w8a8_fp8.py:185-186"),
+    ),
+    (
+        "vllm",
+        Transform.INPUT_SCALE_LAST,
+        (Layout.INT8_STATIC,),
+        Fact(
+            "input_scale is a BasevLLMParameter(1): each shard overwrites it",
+            "vLLM CT schemes/w8a8_int8.py:86-97, parameter.py:91-107",
+        ),
+    ),
+    (
+        "vllm",
+        Transform.EXPERT_INPUT_SCALE_MAX,
+        _FP8_STATIC,
+        Fact("w13/w2 input scales: max over all experts", "fp8_utils.py:1570-1585"),
+    ),
+    (
+        "vllm",
+        Transform.DYNAMIC_PER_TOKEN,
+        (Layout.FP8_DYNAMIC_TENSOR,),
+        Fact(
+            "dynamic fp8 input always uses kFp8DynamicTokenSym (dense layers)",
+            "vLLM CT schemes/w8a8_fp8.py:45-49",
+        ),
+    ),
+    (
+        "vllm",
+        Transform.SCALE_MODEL_DTYPE,
+        (Layout.WNA16, Layout.WNA16_ASYM, Layout.WNA16_ODD_BITS, Layout.W4A8),
+        Fact(
+            "weight_scale allocated in params_dtype",
+            "vLLM CT schemes/compressed_tensors_wNa16.py:188-196, w4a8_fp8.py:129-136",
+        ),
+    ),
+    (
+        "vllm",
+        Transform.W4A8_FP8_GROUP_SCALES,
+        (Layout.W4A8,),
+        Fact(
+            "convert_packed_uint4b8_to_signed_int4 + group scales to fp8 per row",
+            "quant_utils.py:931-973, kernels/linear/mixed_precision/cutlass.py:66-85",
+        ),
+    ),
+    (
+        "sglang",
+        Transform.WEIGHT_SCALE_MAX,
+        (Layout.FP8_STATIC_TENSOR, Layout.FP8_DYNAMIC_TENSOR),
+        Fact("requantize_with_max_scale over fused shards", "SG CT schemes/w8a8_fp8.py:149"),
+    ),
+    (
+        "sglang",
+        Transform.INPUT_SCALE_MAX,
+        (*_FP8_STATIC, Layout.INT8_STATIC),
+        Fact("PerTensorScaleParameter then max", "SG CT schemes/w8a8_fp8.py:234-235, w8a8_int8.py"),
+    ),
+    (
+        "sglang",
+        Transform.EXPERT_INPUT_SCALE_MAX,
+        _FP8_STATIC,
+        Fact("input max over experts", "SG CT schemes/w8a8_fp8_moe.py:242-260"),
+    ),
+    (
+        "sglang",
+        Transform.DYNAMIC_PER_TOKEN,
+        (Layout.FP8_DYNAMIC_TENSOR,),
+        Fact(
+            "use_per_token_if_dynamic=True (dense layers; MoE keeps per-tensor)",
+            "SG CT schemes/w8a8_fp8.py:258",
+        ),
+    ),
+    (
+        "sglang",
+        Transform.SCALE_MODEL_DTYPE,
+        (Layout.WNA16, Layout.WNA16_ASYM),
+        Fact("weight_scale allocated in params_dtype", "SG CT schemes/wNa16.py:55-58"),
+    ),
+]
+
+# Transforms that only touch dense (non-expert) layers / only MoE experts.
+DENSE_ONLY = frozenset({Transform.DYNAMIC_PER_TOKEN, Transform.INPUT_SCALE_LAST})
+EXPERTS_ONLY = frozenset({Transform.EXPERT_INPUT_SCALE_MAX})
+
+
+def transforms(target: str, layout: Layout) -> list[tuple[Transform, Fact]]:
+    """The load-time transformations ``target`` applies to an export of ``layout``, in order."""
+    return [(t, f) for tg, t, layouts, f in _TRANSFORMS if tg == target and layout in layouts]
+
+
+# --------------------------------------------------------------------------- KV cache
+def kv_facts(target: str, *, per_head: bool, moe: bool) -> list[Fact]:
+    """What ``target`` does with exported fp8 KV scales (empty: used as trained)."""
+    out = []
+    if target == "vllm":
+        out.append(
+            Fact(
+                "queries are quantized to fp8 with q_scale 1.0 under FlashAttention 3 (training does not model it)",
+                "layers/attention/attention.py:470-526",
+            )
+        )
+        if per_head:
+            out.append(
+                Fact(
+                    "per-head k/v scales need FlashAttention >= 3; other backends use the max over heads",
+                    "v1/attention/backends/flash_attn.py:411-414, compressed_tensors.py:1257-1267",
+                )
+            )
+    elif target == "sglang" and per_head:
+        out.append(
+            Fact(
+                "a per-head kv_cache_scheme is ignored with a warning: the KV cache stays bf16, scales dropped",
+                "SG CT compressed_tensors.py:212-224",
+            )
+        )
+    return out
