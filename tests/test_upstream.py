@@ -233,16 +233,25 @@ def test_unmatched_ignore_layers_warn_or_fail_under_strict(caplog):
         )
 
 
-def test_transform_and_nvfp4_refusals_via_parse_config():
+def test_transform_refused_and_upstream_nvfp4_resolves_via_parse_config():
     base = {
         "model": {"model_path": "m"},
         "compression": {"name": "PTQ", "quantization": {"name": "fp8_static"}},
     }
     with pytest.raises(ConfigError, match=r"transform: upstream AngelSlim feature transform \(SpinQuant"):
         parse_config({**base, "transform": {"name": "SpinQuant"}})
-    nv = {**base, "compression": {"name": "PTQ", "quantization": {"name": "nvfp4"}}}
-    with pytest.raises(ConfigError, match=r"nvfp4: not supported yet \(NVFP4: issue #14\)"):
-        parse_config(nv)
+    # upstream's nvfp4 spelling (per-block, group 16) is qatlib's nvfp4 preset
+    q = {
+        "name": "nvfp4",
+        "quant_method": {"weight": "per-block", "activation": "per-block", "group_size": 16},
+    }
+    scheme = parse_config({**base, "compression": {"name": "PTQ", "quantization": q}}).quant_scheme()
+    assert (scheme.weight.qtype, scheme.weight.group_size) == ("nvfp4", 16)
+    assert (scheme.input.qtype, scheme.input.group_size, scheme.input.dynamic) == ("nvfp4", 16, True)
+    # per-block on a non-FP4 format is upstream's block-scaled FP8: refused by name
+    q8 = {"name": "fp8_static", "quant_method": {"weight": "per-block"}}
+    with pytest.raises(ConfigError, match=r"quant_method.weight: upstream AngelSlim feature per-block"):
+        parse_config({**base, "compression": {"name": "PTQ", "quantization": q8}})
 
 
 # --------------------------------------------------------------------------- first stage runs
@@ -299,6 +308,10 @@ def test_first_stage_runs_on_local_model(rel, local_models, ptq_script, tmp_path
         sets["compression.QAT.hf_args.deepspeed"] = str(
             uc.UPSTREAM / "configs/Hy3/qat/fp8_static/learn_scale/ds_config_zero3.json"
         )
+    if rel in uc.VLLM_CANNOT_LOAD:
+        with pytest.raises(ConfigError, match="deploy.target: vllm 0.33.0 cannot load"):
+            load_config(uc.UPSTREAM / rel, sets)
+        sets["deploy.target"] = "none"
     cfg = load_config(uc.UPSTREAM / rel, sets)
     argv = ["-c", str(uc.UPSTREAM / rel), "--save-path", str(tmp_path / "ptq"), "--no-progress"]
     argv += [f"--set={k}={json.dumps(v)}" if v is not None else f"--set={k}=null" for k, v in sets.items()]

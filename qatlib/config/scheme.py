@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qatlib.quant.spec import PRESETS, Granularity, QuantScheme, QuantSpec, SpecError
+from qatlib.quant.spec import FP4_FORMATS, PRESETS, Granularity, QuantScheme, QuantSpec, SpecError
 
 from . import upstream
 from .errors import Violation
@@ -178,8 +178,11 @@ def build_quant_scheme(comp: CompressionConfig) -> QuantScheme:
         b.set("weight", QuantSpec(f"int{bits}"), where, {"qtype": where})
         b.set("input", QuantSpec(f"int{bits}"), where, {"qtype": where})
 
-    for key in ("weight", "activation"):
-        if getattr(qm, key) == "per-block":
+    # per-block is the FP4 formats' block spelling (quant.spec); anywhere else it is upstream's
+    # block-scaled FP8, which qatlib does not run.
+    fp4 = {r: (sp := b.specs.get(r)) is not None and sp.qtype in FP4_FORMATS for r in ("weight", "input")}
+    for key, role in (("weight", "weight"), ("activation", "input")):
+        if getattr(qm, key) == "per-block" and not fp4[role]:
             raise Violation(
                 f"{QP}.quant_method.{key}",
                 upstream.unsupported_message("per-block granularity (block-scaled NVFP4 / FP8)"),

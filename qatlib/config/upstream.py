@@ -51,8 +51,6 @@ ALGORITHMS: dict[str, Algorithm] = {
     "int8_dynamic": Algorithm("int8"),
 }
 
-_NVFP4 = "not supported yet (NVFP4: issue #14)"
-
 # Upstream algorithm names qatlib does not run -> the feature, as the refusal names it.
 _REFUSED_ALGORITHMS: dict[str, str] = {
     "int4_awq": "AWQ (int4_awq: activation-aware weight scaling)",
@@ -70,8 +68,6 @@ def resolve_algorithm(name: str, presets: Any) -> Algorithm | str | None:
         return Algorithm(name)
     if name in ALGORITHMS:
         return ALGORITHMS[name]
-    if name.startswith("nvfp4"):
-        return f"{name}: {_NVFP4}"
     if name in _REFUSED_ALGORITHMS:
         return unsupported_message(_REFUSED_ALGORITHMS[name], "choose a format qatlib runs (see the README)")
     return None
