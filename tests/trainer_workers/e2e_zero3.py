@@ -5,7 +5,7 @@ Usage: torchrun --standalone --nproc_per_node=2 e2e_zero3.py SPEC.json
 
 SPEC: {"out", "model", "ptq", "ds_config", "scheme", "data" (list of {"input_ids", "labels"}),
 "steps", "lr", optional "eps" (Adam's), "save_steps", "crash_at" (raise after that optimizer step, on every rank:
-a killed run; its state at that moment is first saved to ``{out}/at_kill``), "gradient_checkpointing", "save_every_step" (the
+a killed run; its state at that moment is first saved to ``{out}/at_kill``), "gradient_checkpointing" (+ "use_reentrant"), "save_every_step" (the
 consolidated save after each optimizer step k in ``{out}/steps/k``) and "resume_from" (a checkpoint
 directory)}. Rank 0 writes ``{out}/result.json`` (log history, teacher forwards, trainable counts) and
 the consolidated save ``{out}/saved``.
@@ -78,6 +78,7 @@ def main() -> None:
         disable_tqdm=True,
         deepspeed=ds_config,
         gradient_checkpointing=bool(spec.get("gradient_checkpointing", False)),
+        gradient_checkpointing_kwargs={"use_reentrant": bool(spec.get("use_reentrant", False))},
         train_sampling_strategy="sequential",
         seed=0,
     )
