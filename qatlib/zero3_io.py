@@ -74,6 +74,8 @@ from .checkpoint.layout import (
     weight_files,
     write_json,
 )
+from .device import bind as bind_device
+from .device import collective_device
 from .models import resolve_dtype
 from .moe import LinearizedMoeExperts, linearize_moe_experts
 from .quant import PrepareOptions, Quantizer, QuantLinear, QuantScheme, prepare
@@ -136,7 +138,7 @@ class _Comm:
         if not self.active:
             return obj
         box = [obj if self.is_main else None]
-        torch.distributed.broadcast_object_list(box, src=0)
+        torch.distributed.broadcast_object_list(box, src=0, device=collective_device())
         return box[0]
 
     def decide(self, fn: Callable[[], Any]) -> Any:
@@ -286,8 +288,8 @@ def init_zero3(
 
     ``dtype``: model dtype (or its name, `qatlib.models.resolve_dtype`) when the config says ``"auto"``
     (default fp32); a config that pins bf16/fp16 wins, and a contradicting ``dtype`` is an error. ``timeout_s`` bounds every collective, so a rank
-    that dies or diverges ends the run instead of hanging it. ``backend``: default nccl with CUDA,
-    else gloo (DeepSpeed's CPU default would want oneCCL). ``return_freed_memory`` (glibc only) makes
+    that dies or diverges ends the run instead of hanging it. ``backend``: `qatlib.device`'s choice
+    (nccl with CUDA, else gloo); the rank's GPU (``LOCAL_RANK``) is bound first. ``return_freed_memory`` (glibc only) makes
     every host allocation of 1 MiB or more its own mapping, returned to the OS when freed: building
     under ``zero.Init`` allocates each full parameter and frees it after partitioning, and glibc's
     adaptive threshold would otherwise keep those blocks in the heap (measured: +0.27 GiB per rank
@@ -312,7 +314,9 @@ def init_zero3(
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if return_freed_memory:
         _mmap_large_allocations()
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    # Bind this rank's GPU before the first collective (qatlib.device): NCCL's object collectives run
+    # on the current device, which is cuda:0 on every rank until set.
+    backend = backend or bind_device().backend
     timeout = datetime.timedelta(seconds=timeout_s)
     deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
 
@@ -424,7 +428,18 @@ def _execute_plan(
         if comm.active:
             for t in targets:
                 if t in buffers:
-                    torch.distributed.broadcast(buffers[t], src=0)
+                    _broadcast_tensor(buffers[t])
+
+
+def _broadcast_tensor(t: torch.Tensor) -> None:
+    """Rank 0's ``t`` to every rank, through the collective's device (NCCL cannot send a CPU buffer)."""
+    dev = collective_device()
+    if t.device == dev:
+        torch.distributed.broadcast(t, src=0)
+        return
+    tmp = t.to(dev)
+    torch.distributed.broadcast(tmp, src=0)
+    t.copy_(tmp)
 
 
 def _full_shape(p: torch.Tensor) -> tuple[int, ...]:
@@ -811,6 +826,7 @@ def run_metadata(model: nn.Module | None = None) -> dict:
     mine = {
         "rank": get_rank(),
         "peak_rss_bytes": peak_rss_bytes(),
+        "peak_cuda_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else None,
         "param_bytes_held": local,
         "share_min": min(shares) if shares else 1.0,
         "share_max": max(shares) if shares else 1.0,
@@ -834,6 +850,7 @@ def run_metadata(model: nn.Module | None = None) -> dict:
         "param_bytes_total": total,
         "ranks": ranks,
         "peak_rss_bytes_max": max(r["peak_rss_bytes"] for r in ranks),
+        "device": str(collective_device().type),
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "versions": {

@@ -68,7 +68,7 @@ def world_size() -> int:
 
 
 def setup(args: argparse.Namespace) -> None:
-    """Logging (rank-prefixed under torchrun), torch threads, progress bars on/off."""
+    """Logging (rank-prefixed under torchrun), the rank's device, torch threads, progress bars on/off."""
     prefix = f"[rank {rank()}] " if world_size() > 1 else ""
     logging.basicConfig(
         level=logging.INFO if rank() == 0 else logging.WARNING,
@@ -79,6 +79,11 @@ def setup(args: argparse.Namespace) -> None:
     )
     if args.no_progress:
         os.environ["TQDM_DISABLE"] = "1"
+    from qatlib import device
+
+    # this rank's GPU (LOCAL_RANK) is the current device before any model, tensor or collective
+    dev = device.bind()
+    logging.getLogger("qatlib.scripts").info("device %s (backend %s)", dev.device, dev.backend)
     if args.threads:
         import torch
 

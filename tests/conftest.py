@@ -1,5 +1,5 @@
 """Shared fixtures: tiny Qwen3 / Qwen3-MoE models built from configs, an offline tokenizer, and
-the 2-rank torchrun launcher of the ZeRO-3 tests.
+the multi-rank torchrun launcher of the ZeRO-3 tests (device-aware through `qatlib.device`).
 
 Everything is built locally in seconds; nothing touches the hub.
 """
@@ -132,10 +132,28 @@ def single_thread():
         yield
 
 
+def multirank_device(nproc: int = 2) -> str:
+    """The device type the ``nproc`` ranks of a multi-rank test run on (`qatlib.device`'s choice:
+    one GPU per rank on a CUDA machine, else the CPU); skips the test, with the reason, on a CUDA
+    machine with fewer GPUs than ranks (set QATLIB_DEVICE=cpu to run it on the CPU there)."""
+    from qatlib import device
+
+    rd = device.resolve()
+    if rd.is_cuda and torch.cuda.device_count() < nproc:
+        pytest.skip(
+            f"multi-rank test needs {nproc} GPUs (one per rank), this machine has "
+            f"{torch.cuda.device_count()}; QATLIB_DEVICE=cpu runs it on the CPU"
+        )
+    return rd.device.type
+
+
 def torchrun(
-    worker: Path, spec: dict, tmp: Path, timeout: float = 300
+    worker: Path, spec: dict, tmp: Path, timeout: float = 300, nproc: int = 2
 ) -> tuple[subprocess.CompletedProcess, float]:
-    """Run ``worker spec.json`` on 2 CPU ranks (gloo, 1 thread each, offline); (process, seconds)."""
+    """Run ``worker spec.json`` on ``nproc`` ranks (1 thread each, offline); (process, seconds).
+    The ranks take their device from `qatlib.device` (CPU + gloo here; one GPU each + NCCL on a
+    CUDA machine with enough GPUs, else the test is skipped: `multirank_device`)."""
+    multirank_device(nproc)
     spec_path = tmp / f"{Path(worker).stem}_spec.json"
     spec_path.write_text(json.dumps(spec))
     env = {
@@ -146,7 +164,7 @@ def torchrun(
         "TRANSFORMERS_OFFLINE": "1",
         "PYTHONUNBUFFERED": "1",
     }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd += [str(worker), str(spec_path)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)

@@ -751,6 +751,8 @@ def _z3_reference(tmp_path: Path, spec: dict, data: list) -> list[dict[str, torc
                 per_device_train_batch_size=1,
                 gradient_accumulation_steps=2,
                 train_sampling_strategy="sequential",
+                gradient_checkpointing=bool(spec.get("gradient_checkpointing", False)),
+                gradient_checkpointing_kwargs={"use_reentrant": bool(spec.get("use_reentrant", False))},
             ),
             loss_config=LossConfig(loss_type="cakld", lm_loss_weight=1.0, kd_loss_weight=1.0),
             learnable=Learnable(weight_scale=True, act_scale=True),
@@ -758,6 +760,7 @@ def _z3_reference(tmp_path: Path, spec: dict, data: list) -> list[dict[str, torc
             data_collator=PadCollator(0),
             callbacks=[Sync()],
         ).train()
+        assert ref.is_gradient_checkpointing == bool(spec.get("gradient_checkpointing", False))
     return after
 
 
@@ -816,6 +819,53 @@ def test_zero3_two_ranks_lm_plus_cakld_matches_single_process(tmp_path, compile_
         for k in exp:
             torch.testing.assert_close(got[k], exp[k], rtol=1e-5, atol=1e-8, msg=f"step {step}: {k}")
     _assert_trained(spec, final)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_zero3_gradient_checkpointing_frozen_weights_matches_single_process(tmp_path, reentrant):
+    """ZeRO-3 + ``gradient_checkpointing: true`` with every weight frozen (only scales train; what the
+    30B configs run): checkpointed blocks whose inputs do not require grad would give the scales no
+    gradient (the upstream failure; the trainer makes the inputs require grad). On 2 ranks the
+    blocks really are recomputed (3 forwards of layer 0 per step: student, its recompute in
+    backward, teacher), the scales train, and every step's scales match one process running the
+    same checkpointed training (rtol 1e-5, re-synced each step and Adam eps 1: why above
+    `_z3_reference`); every logged loss is exactly equal. transformers' default checkpoint is
+    non-reentrant (gradients flow without inputs that require grad); the reentrant one (the
+    upstream setting) is the one that needs the inputs made to require grad."""
+    steps = 3
+    spec, data = _z3_setup(
+        tmp_path,
+        6,
+        steps,
+        save_every_step=True,
+        eps=1.0,
+        gradient_checkpointing=True,
+        use_reentrant=reentrant,
+    )
+    proc, _ = torchrun(Z3_WORKER, spec, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    res = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert res["checkpointing"] and res["world"] == 2
+    assert res["teacher_forwards"] == steps
+    assert res["layer0_forwards"] == 3 * steps  # student + recompute + teacher, per step
+    assert res["trainable"]["scale"] > 0  # only the scales train: every weight is frozen
+    assert res["trainable"].get("weight", 0) == res["trainable"].get("norm", 0) == 0
+    lines = read_log(tmp_path / "run" / "trainer" / LOG_FILE)
+    z3 = [_saved_scales(tmp_path / "run" / "steps" / str(k)) for k in range(1, steps + 1)]
+
+    ref = _z3_reference(tmp_path, spec, data)
+    ref_lines = read_log(tmp_path / "ref" / "out" / LOG_FILE)
+    assert len(ref_lines) == len(lines) == len(ref) == steps
+    for a, b in zip(lines, ref_lines):
+        for k in ("lm_loss", "kd/cakld", "total_loss", "loss"):
+            assert a[k] == b[k], (a["step"], k)
+    for step, (got, exp) in enumerate(zip(z3, ref), 1):
+        assert got.keys() == exp.keys()
+        for k in exp:
+            torch.testing.assert_close(got[k], exp[k], rtol=1e-5, atol=1e-8, msg=f"step {step}: {k}")
+    _assert_trained(spec, _saved_scales(tmp_path / "run" / "saved"))
 
 
 @pytest.mark.slow

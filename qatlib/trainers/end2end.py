@@ -52,6 +52,7 @@ from transformers import Seq2SeqTrainingArguments, Trainer, TrainingArguments
 
 from ..checkpoint.layout import TRAIN_LOG_FILE
 from ..data import PadCollator
+from ..device import use_cpu
 from ..losses import LossConfig, qat_loss
 from ..quant import quantization_disabled
 from ..quant.calibration import calibrate_activations, static_quantizers
@@ -279,11 +280,11 @@ def lazy_init_activation_scales(
 # --------------------------------------------------------------------------- config driver
 def training_arguments(cfg, **overrides: Any) -> Seq2SeqTrainingArguments:
     """``Seq2SeqTrainingArguments`` from ``cfg.hf_training_args()`` (output_dir, seed, DeepSpeed
-    path resolved there) plus ``overrides``. Without CUDA ``use_cpu`` defaults to True (DeepSpeed on
+    path resolved there) plus ``overrides``. On `qatlib.device`'s CPU path ``use_cpu`` defaults to True (DeepSpeed on
     the CPU needs it); ``report_to`` defaults to none."""
     kw = dict(cfg.hf_training_args()) if hasattr(cfg, "hf_training_args") else dict(cfg)
     kw.update(overrides)
-    if not torch.cuda.is_available():
+    if use_cpu():
         kw.setdefault("use_cpu", True)
     kw.setdefault("report_to", "none")
     return Seq2SeqTrainingArguments(**kw)

@@ -5,7 +5,7 @@ Usage: torchrun --standalone --nproc_per_node=2 e2e_zero3.py SPEC.json
 
 SPEC: {"out", "model", "ptq", "ds_config", "scheme", "data" (list of {"input_ids", "labels"}),
 "steps", "lr", optional "eps" (Adam's), "save_steps", "crash_at" (raise after that optimizer step, on every rank:
-a killed run; its state at that moment is first saved to ``{out}/at_kill``), "save_every_step" (the
+a killed run; its state at that moment is first saved to ``{out}/at_kill``), "gradient_checkpointing" (+ "use_reentrant"), "save_every_step" (the
 consolidated save after each optimizer step k in ``{out}/steps/k``) and "resume_from" (a checkpoint
 directory)}. Rank 0 writes ``{out}/result.json`` (log history, teacher forwards, trainable counts) and
 the consolidated save ``{out}/saved``.
@@ -33,6 +33,7 @@ def main() -> None:
 
     from transformers import TrainerCallback, TrainingArguments
 
+    from qatlib import device
     from qatlib.data import PadCollator
     from qatlib.losses import LossConfig
     from qatlib.quant import PrepareOptions, QuantScheme, quantizers
@@ -54,6 +55,11 @@ def main() -> None:
     model = z.build_qat_model(spec["model"], ctx, scheme, from_ptq_ckpt=spec["ptq"], options=options)
     assert z.model_is_zero3(model)
     assert all(q.compile_fake_quant == options.compile_fake_quant for _, q in quantizers(model))
+    # forwards of the first decoder layer's attention: a checkpointed step runs it again in backward
+    # (transformers checkpoints the layer's forward, so hooks on the layer itself run once)
+    layer0_forwards = [0]
+    attn0 = model.model.layers[0].self_attn
+    attn0.register_forward_hook(lambda *a: layer0_forwards.__setitem__(0, layer0_forwards[0] + 1))
     out = Path(spec["out"])
     args = TrainingArguments(
         output_dir=str(out / "trainer"),
@@ -68,9 +74,11 @@ def main() -> None:
         save_steps=spec.get("save_steps") or 500,
         max_grad_norm=0.0,
         report_to="none",
-        use_cpu=True,
+        use_cpu=device.use_cpu(),  # the rank's device: GPU LOCAL_RANK on CUDA, else the CPU
         disable_tqdm=True,
         deepspeed=ds_config,
+        gradient_checkpointing=bool(spec.get("gradient_checkpointing", False)),
+        gradient_checkpointing_kwargs={"use_reentrant": bool(spec.get("use_reentrant", False))},
         train_sampling_strategy="sequential",
         seed=0,
     )
@@ -107,6 +115,8 @@ def main() -> None:
                     "trainable": trainer.trainable.counts(),
                     "world": z.get_world_size(),
                     "compiled_calls": compiled_calls[0],
+                    "layer0_forwards": layer0_forwards[0],
+                    "checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
                 }
             )
         )

@@ -47,7 +47,7 @@ def gathered_equals(model, sd, zero3_io) -> list[str]:
             if ".weight_quantizer." in full or ".input_quantizer." in full or ".output_quantizer." in full:
                 continue
             ref = sd.get(full)
-            if ref is None or not torch.equal(ref.to(p.dtype), p.data):
+            if ref is None or not torch.equal(ref.to(p.device, p.dtype), p.data):
                 bad.append(full)
     return bad
 
@@ -56,6 +56,7 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
     import deepspeed
 
     from qatlib import zero3_io as z
+    from qatlib.device import current as current_device
     from qatlib.models import load_model
     from qatlib.moe import LinearizedMoeExperts
     from qatlib.quant import QuantScheme
@@ -68,8 +69,9 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
     ds_config["zero_optimization"].update(ph.get("zero_overrides", {}))
     if not ph.get("leaf", True):
         ds_config["zero_optimization"]["leaf_module"] = {"classes": []}
-    ctx = z.init_zero3(ds_config, timeout_s=60)
+    ctx = z.init_zero3(ds_config, timeout_s=60)  # binds the rank's device (qatlib.device)
     rank, world = z.get_rank(), z.get_world_size()
+    dev = current_device()
     checks: dict = {}
 
     model = z.build_qat_model(
@@ -110,7 +112,7 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
     engine.train()
     losses = []
     for step in range(ph["steps"]):
-        x = data["train"][step, rank]
+        x = data["train"][step, rank].to(dev)
         loss = engine(input_ids=x, labels=x).loss
         engine.backward(loss)
         engine.step()
@@ -120,7 +122,7 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
 
     engine.eval()
     with torch.no_grad():
-        logits = engine(input_ids=data["eval"]).logits
+        logits = engine(input_ids=data["eval"].to(dev)).logits.cpu()
 
     if ph.get("skewed_routing"):
         # rank 1 feeds one repeated token: its router picks the same top-k experts for every token,
@@ -130,13 +132,13 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
         def hook(mod, args):
             idx = args[1]
             counts.setdefault(mod._qat_name, torch.zeros(len(mod), dtype=torch.long))
-            counts[mod._qat_name] += torch.bincount(idx.flatten(), minlength=len(mod))
+            counts[mod._qat_name] += torch.bincount(idx.flatten(), minlength=len(mod)).cpu()
 
         for n, mod in model.named_modules():
             if isinstance(mod, LinearizedMoeExperts):
                 mod._qat_name = n
                 mod.register_forward_pre_hook(hook)
-        x = data["eval"] if rank == 0 else torch.full_like(data["eval"], 7)
+        x = (data["eval"] if rank == 0 else torch.full_like(data["eval"], 7)).to(dev)
         engine.train()
         loss = engine(input_ids=x, labels=x).loss
         engine.backward(loss)  # the backward gathers expert params again: hooks must match across ranks

@@ -17,6 +17,7 @@ sys.path.insert(0, workflow.basedir)
 from qatlib.yamlio import load_yaml
 from workflow.lib import experiment as xp
 from workflow.lib.code_deps import stage_code
+from workflow.lib.launch import LaunchError, QatLaunch
 
 RESULTS = config["results"]
 EXP = config["experiment"]
@@ -64,20 +65,29 @@ def progress_flag():
     return "" if config["progress"] else "--no-progress"
 
 
+def qat_launch(wc):
+    """How the QAT job starts its ranks (workflow/lib/launch.py): python, torchrun --standalone on
+    one node, or srun + torchrun with c10d rendezvous over config["nodes"] nodes."""
+    try:
+        return QatLaunch.from_config(config, EXPERIMENTS.distributed(wc.exp))
+    except LaunchError as e:
+        raise WorkflowError(str(e)) from None
+
+
 def qat_procs(wc):
-    """(processes, threads each) of the QAT job: config["ranks"] x threads_per_rank (torchrun)
-    for end-to-end ZeRO-3, else one process of config["threads"]."""
-    if EXPERIMENTS.distributed(wc.exp):
-        return config["ranks"], config["threads_per_rank"]
-    return 1, config["threads"]
+    """(processes, threads each) of the QAT job on one node."""
+    launch = qat_launch(wc)
+    return launch.procs_per_node, launch.threads_per_rank
 
 
 def qat_launcher(wc):
-    """torchrun over the ranks (each rank's BLAS pool pinned to its threads), or python."""
-    if not EXPERIMENTS.distributed(wc.exp):
-        return "python"
-    ranks, n = qat_procs(wc)
-    return f"OMP_NUM_THREADS={n} MKL_NUM_THREADS={n} torchrun --standalone --nproc_per_node={ranks}"
+    """The launcher before scripts/qat.py (each rank's BLAS pool pinned to its threads)."""
+    return qat_launch(wc).command()
+
+
+def qat_resource(name, default=0):
+    """One Slurm resource of the QAT job (nodes, tasks, cpus_per_task, gres, mpi)."""
+    return lambda wc: qat_launch(wc).resources().get(name, default)
 
 
 def announce_reports():

@@ -1,6 +1,8 @@
 # QAT: scripts/qat.py with the experiment's training_mode. End-to-end under ZeRO-3
 # (compression.QAT.hf_args.deepspeed with stage 3, under config/deepspeed/) runs on
-# `torchrun --standalone --nproc_per_node=<ranks>`; blockwise, or without ZeRO-3, one process.
+# `torchrun --standalone --nproc_per_node=<ranks per node>` on one node, and on
+# `srun` + `torchrun --nnodes=<nodes>` (c10d rendezvous) across config `nodes` > 1
+# (workflow/lib/launch.py); blockwise, or without ZeRO-3, one process.
 # Snakemake exports OMP/MKL_NUM_THREADS = the job's threads (ranks x threads_per_rank); each
 # rank must use threads_per_rank, or the ranks oversubscribe the cores (several times slower).
 
@@ -26,7 +28,13 @@ rule zero3_qat:
     threads: lambda wc: qat_procs(wc)[0] * qat_procs(wc)[1]
     resources:
         mem_mb=mem_mb("zero3_qat"),
-        gpu=lambda wc: gpus(qat_procs(wc)[0]),
+        # per node: Slurm's --nodes / --ntasks (one torchrun per node) / --cpus-per-task /
+        # --gres=gpu:<gpus_per_node>; `mpi` (multi-node only) = the command runs its own srun
+        nodes=qat_resource("nodes", 1),
+        tasks=qat_resource("tasks", 1),
+        cpus_per_task=qat_resource("cpus_per_task", 1),
+        gres=qat_resource("gres", ""),
+        mpi=qat_resource("mpi", ""),
         tasks_per_gpu=0,
     params:
         # + the DeepSpeed JSON's content (editing it re-runs QAT) and the number of processes
@@ -34,7 +42,8 @@ rule zero3_qat:
             wc.exp,
             "zero3_qat",
             deepspeed=EXPERIMENTS.deepspeed(wc.exp),
-            ranks=qat_procs(wc)[0],
+            # the world size (nodes x ranks per node): what changes the training
+            ranks=qat_launch(wc).world_size,
         ),
         yaml=lambda wc: EXPERIMENTS.yaml_path(wc.exp),
         model=lambda wc: EXPERIMENTS.model_path(wc.exp),

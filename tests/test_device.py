@@ -1,0 +1,73 @@
+"""qatlib.device: the per-rank device / backend decisions, for the machines a run meets (decided
+from the environment and what CUDA reports, so every case is checked on a CPU machine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qatlib import device
+
+
+def test_cpu_machine_uses_gloo_on_the_cpu_for_every_rank():
+    for local in range(4):
+        rd = device.resolve(
+            {"LOCAL_RANK": str(local), "RANK": str(local + 4), "WORLD_SIZE": "8"}, cuda_available=False
+        )
+        assert rd.device == torch.device("cpu")
+        assert rd.backend == "gloo"
+        assert (rd.rank, rd.local_rank, rd.world_size) == (local + 4, local, 8)
+
+
+def test_each_rank_of_an_8_gpu_node_owns_the_gpu_of_its_local_rank():
+    # node 1 of a 2 x 8 job: global ranks 8..15, local ranks 0..7
+    got = [
+        device.resolve(
+            {"LOCAL_RANK": str(lr), "RANK": str(8 + lr), "WORLD_SIZE": "16"}, cuda_available=True, n_gpus=8
+        )
+        for lr in range(8)
+    ]
+    assert [rd.device for rd in got] == [torch.device("cuda", i) for i in range(8)]
+    assert {rd.backend for rd in got} == {"nccl"}
+    assert [rd.rank for rd in got] == list(range(8, 16))
+
+
+def test_plain_process_without_launcher_env_is_rank_0_of_1():
+    rd = device.resolve({}, cuda_available=True, n_gpus=1)
+    assert (rd.rank, rd.local_rank, rd.world_size, rd.device, rd.backend) == (
+        0,
+        0,
+        1,
+        torch.device("cuda", 0),
+        "nccl",
+    )
+
+
+def test_more_local_ranks_than_gpus_is_an_error_naming_both():
+    with pytest.raises(device.DeviceError, match=r"LOCAL_RANK=2 .* 2 visible GPU"):
+        device.resolve({"LOCAL_RANK": "2"}, cuda_available=True, n_gpus=2)
+
+
+def test_forced_cpu_on_a_gpu_machine_and_bad_values():
+    rd = device.resolve({"QATLIB_DEVICE": "cpu", "LOCAL_RANK": "1"}, cuda_available=True, n_gpus=8)
+    assert (rd.device, rd.backend) == (torch.device("cpu"), "gloo")
+    with pytest.raises(device.DeviceError, match="QATLIB_DEVICE='tpu'"):
+        device.resolve({"QATLIB_DEVICE": "tpu"}, cuda_available=False)
+    with pytest.raises(device.DeviceError, match="no CUDA device"):
+        device.resolve({"QATLIB_DEVICE": "cuda"}, cuda_available=False)
+    with pytest.raises(device.DeviceError, match="LOCAL_RANK='x'"):
+        device.resolve({"LOCAL_RANK": "x"}, cuda_available=False)
+
+
+def test_this_machine_and_autocast():
+    rd = device.bind()
+    assert rd.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert device.use_cpu() is (not torch.cuda.is_available())
+    # no process group: collectives (none) would use the CPU
+    assert device.collective_device() == torch.device("cpu")
+    with device.autocast("cpu"):  # the CPU path keeps fp32 numerics
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+    if torch.cuda.is_available():
+        with device.autocast("cuda"):
+            a = torch.ones(2, 2, device="cuda")
+            assert (a @ a).dtype == torch.bfloat16

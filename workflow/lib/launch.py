@@ -1,0 +1,115 @@
+"""How the `zero3_qat` job starts its ranks, and what it asks the cluster for (plain Python, used by
+workflow/rules/common.smk and qat.smk; tests/test_launch.py renders the 1 x 8 and 2 x 8 GPU jobs).
+
+Three shapes, one decision (`QatLaunch.from_config`):
+
+- one process (blockwise QAT, or no ZeRO-3): ``python``;
+- one node: ``torchrun --standalone --nproc_per_node=<ranks per node>`` (rendezvous on localhost);
+- several nodes (``nodes > 1``): ``srun`` starts ONE torchrun per node, and the torchruns meet via
+  c10d rendezvous on the first node of the allocation (``--rdzv_backend=c10d
+  --rdzv_endpoint=<first node>:<port> --rdzv_id=$SLURM_JOB_ID``), each starting ``gpus_per_node``
+  ranks. The Snakemake rule then carries the ``mpi`` resource, which tells the Slurm executor's
+  job step not to wrap the command in its own one-task ``srun``: ours starts the tasks.
+
+Ranks per node are the GPUs per node on a GPU cluster (``gpus_per_node``; each rank binds
+``cuda:LOCAL_RANK``, `qatlib.device`), else config ``ranks`` CPU processes (gloo).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from collections.abc import Mapping
+from typing import Any
+
+RDZV_PORT = 29500
+# the first host of the Slurm allocation, evaluated inside the job (c10d rendezvous endpoint)
+FIRST_NODE = '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
+
+
+class LaunchError(ValueError):
+    """A launch setting that cannot run (names the config key)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QatLaunch:
+    distributed: bool  # several processes (end-to-end ZeRO-3) or one
+    nodes: int
+    procs_per_node: int
+    threads_per_rank: int
+    gpus_per_node: int  # 0: CPU ranks (gloo)
+    port: int = RDZV_PORT
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], distributed: bool) -> QatLaunch:
+        """The launch of the QAT job from the Snakemake config (``nodes``, ``gpus_per_node``,
+        ``ranks``, ``threads_per_rank``, ``threads``) and whether the experiment is distributed."""
+        nodes = int(config.get("nodes", 1))
+        gpn = int(config.get("gpus_per_node", 0))
+        if nodes < 1:
+            raise LaunchError(f"config nodes={nodes}: must be >= 1")
+        if gpn < 0:
+            raise LaunchError(f"config gpus_per_node={gpn}: must be >= 0 (0 = CPU ranks)")
+        if not distributed:
+            if nodes > 1:
+                raise LaunchError(
+                    f"config nodes={nodes}, but this experiment's QAT runs in one process (blockwise, or "
+                    "no ZeRO-3 DeepSpeed config): set nodes: 1"
+                )
+            return cls(False, 1, 1, int(config.get("threads", 1)), min(gpn, 1))
+        if nodes > 1 and gpn == 0:
+            raise LaunchError(
+                f"config nodes={nodes} with gpus_per_node=0: multi-node QAT runs one rank per GPU; set gpus_per_node"
+            )
+        per_node = gpn if gpn else int(config["ranks"])
+        return cls(True, nodes, per_node, int(config["threads_per_rank"]), gpn)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nodes > 1
+
+    def threads_per_node(self) -> int:
+        return self.procs_per_node * self.threads_per_rank
+
+    def command(self) -> str:
+        """The launcher the rule's shell puts before ``scripts/qat.py ...``."""
+        if not self.distributed:
+            return "python"
+        n = self.threads_per_rank
+        env = f"OMP_NUM_THREADS={n} MKL_NUM_THREADS={n}"
+        if not self.multi_node:
+            return f"{env} torchrun --standalone --nproc_per_node={self.procs_per_node}"
+        srun = f"srun --nodes={self.nodes} --ntasks={self.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1"
+        rdzv = (
+            f"--nnodes={self.nodes} --nproc_per_node={self.procs_per_node} --rdzv_backend=c10d "
+            f'--rdzv_endpoint="{FIRST_NODE}:{self.port}" --rdzv_id="$SLURM_JOB_ID"'
+        )
+        return f"{env} {srun} torchrun {rdzv}"
+
+    def resources(self) -> dict[str, Any]:
+        """The Snakemake resources of the job (snakemake-executor-plugin-slurm names): nodes,
+        tasks, cpus per task, GPUs per node as ``gres`` (per node under Slurm, unlike a job-wide
+        ``--gpus``), and ``mpi`` for the multi-node job (the rule's srun starts the tasks)."""
+        res: dict[str, Any] = {
+            "nodes": self.nodes,
+            "tasks": self.nodes,  # one torchrun per node; it starts the ranks
+            "cpus_per_task": self.threads_per_node(),
+        }
+        if self.gpus_per_node:
+            res["gres"] = f"gpu:{self.gpus_per_node}"
+        if self.multi_node:
+            res["mpi"] = "srun"
+        return res
+
+    def describe(self) -> str:
+        dev = f"{self.gpus_per_node} GPU(s)" if self.gpus_per_node else f"{self.procs_per_node} CPU rank(s)"
+        return f"{self.nodes} node(s) x {dev}, world size {self.world_size}"
+
+
+def shell_words(cmd: str) -> list[str]:
+    """``cmd`` split as a POSIX shell would (the test checks flags one by one)."""
+    return shlex.split(cmd)
