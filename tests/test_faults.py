@@ -141,3 +141,121 @@ def test_rank_death_or_hang_ends_every_rank_naming_it(ckpt, tmp_path, sig):
     assert not out.joinpath("saved").exists()
     assert not [p for p in out.glob("*") if p.name.startswith(".saved")]
     print(f"{sig}: job ended {seconds:.1f} s after the signal")
+
+
+# --------------------------------------------------------------------------- training guard
+LAYER = "model.layers.0.mlp.down_proj"
+
+
+def run_guarded(tmp: Path, nan: dict, steps: int = 3):
+    """Single-process QAT of a tiny model with ``nan`` injected (see fault_workers/qat_fault.py)."""
+    from transformers import TrainerCallback, TrainingArguments
+
+    from qatlib.data import PadCollator
+    from qatlib.losses import LossConfig
+    from qatlib.trainers.end2end import QATTrainer
+    from qatlib.trainers.params import Learnable
+
+    model = build_model(tiny_qwen3_config(), seed=1)
+    prepare(model, SCHEME)
+    layer = model.get_submodule(LAYER)
+    step = [0]
+    if nan["what"] == "activation":
+        layer.register_forward_hook(
+            lambda m, a, o: o * float("nan") if step[0] == nan["step"] and m.training else None
+        )
+
+    class Hooks(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            step[0] = state.global_step + 1
+            if nan["what"] == "scale" and step[0] == nan["step"]:
+                with torch.no_grad():
+                    layer.weight_quantizer.scale.view(-1)[3] = nan.get("value", float("nan"))
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, VOCAB, (8, 16), generator=g).tolist()]
+    args = TrainingArguments(
+        output_dir=str(tmp / "trainer"),
+        max_steps=steps,
+        per_device_train_batch_size=1,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        save_only_model=True,
+        max_grad_norm=0.0,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        train_sampling_strategy="sequential",
+    )
+    trainer = QATTrainer(
+        model,
+        args,
+        loss_config=LossConfig(loss_type="cakld", lm_loss_weight=1.0, kd_loss_weight=1.0),
+        learnable=Learnable(weight_scale=True),
+        train_dataset=data,
+        data_collator=PadCollator(0),
+        callbacks=[Hooks()],
+    )
+    with one_thread():
+        trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize(
+    "nan,expect",
+    [
+        ({"what": "scale", "step": 2}, f"{LAYER}.weight_quantizer.scale: 1 of"),
+        ({"what": "scale", "step": 2, "value": -0.5}, f"{LAYER}.weight_quantizer.scale: 1 of"),
+        ({"what": "scale", "step": 2, "value": float("inf")}, f"{LAYER}.weight_quantizer.scale: 1 of"),
+        ({"what": "activation", "step": 2}, f"first layer with a non-finite output: {LAYER} (rank 0)"),
+    ],
+    ids=["nan-scale", "negative-scale", "inf-scale", "nan-activation"],
+)
+def test_guard_stops_at_the_step_naming_the_layer(tmp_path, nan, expect):
+    from qatlib.trainers.guard import GuardError
+
+    with pytest.raises(GuardError) as e:
+        run_guarded(tmp_path, nan)
+    msg = str(e.value)
+    assert msg.startswith("step 2: "), msg
+    assert expect in msg, msg
+    # the last good checkpoint (step 1) is the resumable state; none of step 2
+    assert sorted(p.name for p in (tmp_path / "trainer").glob("checkpoint-*")) == ["checkpoint-1"]
+
+
+def test_guard_names_a_non_finite_gradient(tmp_path):
+    """A NaN that only reaches the backward (a hook on the gradient of one scale)."""
+    from qatlib.trainers import guard
+
+    model = build_model(tiny_qwen3_config(), seed=1)
+    prepare(model, SCHEME)
+    scale = model.get_submodule(LAYER).weight_quantizer.scale
+    g = guard.TrainingGuard(model, [(f"{LAYER}.weight_quantizer.scale", scale)])
+    scale.grad = torch.zeros_like(scale)
+    g.on_pre_optimizer_step(None, type("S", (), {"global_step": 4})(), None)  # finite: nothing
+    scale.grad.view(-1)[0] = float("inf")
+    with pytest.raises(
+        guard.GuardError,
+        match=rf"step 5: non-finite gradient: {LAYER}.weight_quantizer.scale.grad: 1 of \d+ values inf",
+    ):
+        g.on_pre_optimizer_step(None, type("S", (), {"global_step": 4})(), None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["scale", "activation"])
+def test_guard_stops_every_rank_zero3(ckpt, tmp_path, what):
+    out = tmp_path / "out"
+    spec = qat_spec(ckpt, out, steps=3, nan={"what": what, "step": 2, "rank": 1}, save_steps=1)
+    proc = launch(WORKERS / "qat_fault.py", spec, tmp_path)
+    text, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0, text[-3000:]
+    # both ranks, same step (their stderr lines may interleave: split on the prefix)
+    errors = ["error: step 2: " + e.split("\n")[0] for e in text.split("error: step 2: ")[1:]]
+    assert len(errors) == 2, text[-4000:]
+    layer = f"{LAYER}.weight_quantizer.scale" if what == "scale" else f"{LAYER} (rank 1)"
+    assert all(layer in e for e in errors), errors
+    assert "WORKER OK" not in text and not (out / "saved").exists()
+    assert sorted(p.name for p in (out / "trainer").glob("checkpoint-*")) == ["checkpoint-1"]
