@@ -259,3 +259,20 @@ def test_guard_stops_every_rank_zero3(ckpt, tmp_path, what):
     assert all(layer in e for e in errors), errors
     assert "WORKER OK" not in text and not (out / "saved").exists()
     assert sorted(p.name for p in (out / "trainer").glob("checkpoint-*")) == ["checkpoint-1"]
+
+
+@pytest.mark.parametrize(
+    "value", [float("nan"), float("inf"), 0.0, -1e-3], ids=["nan", "inf", "zero", "negative"]
+)
+@pytest.mark.parametrize("fmt", ["real", "fake"])
+def test_export_refuses_bad_scales_by_name(tmp_path, value, fmt):
+    from qatlib.export import ExportError, export
+
+    model = build_model(tiny_qwen3_config(), seed=1)
+    prepare(model, SCHEME)
+    with torch.no_grad():
+        model.get_submodule(LAYER).weight_quantizer.scale.view(-1)[7] = value
+    what = "<= 0" if value == value and abs(value) != float("inf") else ("nan" if value != value else "inf")
+    with pytest.raises(ExportError, match=rf"{LAYER}.weight_quantizer.scale: 1 of \d+ values.*{what}"):
+        export(model, SCHEME, tmp_path / "out", fmt)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())

@@ -55,8 +55,14 @@ def _gather(obj) -> list:
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
-    """This rank's share of a parameter: its ZeRO-3 partition, else the tensor itself."""
-    return p.ds_tensor if hasattr(p, "ds_tensor") else p
+    """This rank's share of a parameter: the valid part of its ZeRO-3 partition (the last ranks'
+    partitions are padded: a 1-element scale's partition on rank 1 is all padding, uninitialised
+    memory), else the tensor itself."""
+    if not hasattr(p, "ds_tensor"):
+        return p
+    part = p.ds_tensor.view(-1)
+    start = torch.distributed.get_rank() * part.numel() if _dist() else 0
+    return part[: max(0, min(part.numel(), p.ds_numel - start))]
 
 
 def _describe(t: torch.Tensor) -> str:
