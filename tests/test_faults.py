@@ -276,3 +276,73 @@ def test_export_refuses_bad_scales_by_name(tmp_path, value, fmt):
     with pytest.raises(ExportError, match=rf"{LAYER}.weight_quantizer.scale: 1 of \d+ values.*{what}"):
         export(model, SCHEME, tmp_path / "out", fmt)
     assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
+
+
+# --------------------------------------------------------------------------- interrupted saves
+def _digest(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+@pytest.mark.parametrize("mode", ["consolidated", "export"])
+def test_killed_save_keeps_the_previous_output_and_the_orphan_is_removed(tmp_path, mode, caplog):
+    from qatlib.checkpoint import layout
+
+    out = tmp_path / "out"
+    worker = [sys.executable, str(WORKERS / "save_kill.py"), mode, str(out)]
+    subprocess.run([*worker, "1"], env=_env(), check=True, capture_output=True, timeout=120)
+    before = _digest(out)
+    hook = tmp_path / "hook.pid"
+    env = {**_env(), layout.FAULT_ENV: f"atomic-commit:{hook}"}
+    proc = subprocess.Popen(
+        [*worker, "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    pid = wait_for(hook, proc, limit=120)
+    os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert _digest(out) == before  # the previous output, intact
+    orphans = [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
+    assert len(orphans) == 2 and any(p.name.endswith(layout.OWNER_SUFFIX) for p in orphans)  # temp + owner
+    with caplog.at_level("WARNING", logger="qatlib.checkpoint.layout"):
+        removed = layout.clean_stale(out)  # what the next run's first write does
+    assert [p.name for p in removed] == [
+        p.name for p in orphans if p.is_dir() or not p.name.endswith(".owner")
+    ]
+    assert f"left by process {pid}" in caplog.text
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+    subprocess.run([*worker, "2"], env=_env(), check=True, capture_output=True, timeout=120)
+    assert _digest(out) != before and sorted(p.name for p in tmp_path.iterdir()) == ["hook.pid", "out"]
+
+
+def test_owner_alive_keeps_the_temporary(tmp_path):
+    from qatlib.checkpoint import layout
+
+    target = tmp_path / "x.json"
+    tmp = layout._claim(target)
+    tmp.write_text("{}")
+    assert layout.clean_stale(target) == [] and tmp.exists()  # ours: a live owner
+    rec = json.loads((tmp.parent / (tmp.name + layout.OWNER_SUFFIX)).read_text())
+    rec["start"] = rec["start"] + 1  # same pid, another process (pid reuse)
+    (tmp.parent / (tmp.name + layout.OWNER_SUFFIX)).write_text(json.dumps(rec))
+    assert layout.clean_stale(target) == [tmp] and not tmp.exists()
+
+
+def test_replacing_an_output_swaps_it_atomically(tmp_path, monkeypatch):
+    from qatlib.checkpoint import layout
+
+    out = tmp_path / "d"
+    with layout.AtomicDir(out) as t:
+        (t / "a").write_text("old")
+    seen = []
+    real = layout._exchange
+
+    def spy(a, b):
+        ok = real(a, b)
+        seen.append((ok, (b / "a").read_text()))  # right after the swap: out is complete, and new
+        return ok
+
+    monkeypatch.setattr(layout, "_exchange", spy)
+    with layout.AtomicDir(out, overwrite=True) as t:
+        (t / "a").write_text("new")
+    assert seen == [(True, "new")] and (out / "a").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
