@@ -346,3 +346,42 @@ def test_replacing_an_output_swaps_it_atomically(tmp_path, monkeypatch):
         (t / "a").write_text("new")
     assert seen == [(True, "new")] and (out / "a").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+
+
+# --------------------------------------------------------------------------- bad inputs
+def test_corrupt_safetensors_header_names_the_file(tmp_path):
+    from safetensors.torch import save_file
+
+    from qatlib.checkpoint.layout import CheckpointError
+    from qatlib.checkpoint.safetensors import read_header
+
+    f = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(4)}, str(f))
+    raw = bytearray(f.read_bytes())
+    raw[8:12] = b"\xff\xfe{["  # same length, not JSON: corrupt, not truncated
+    f.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=rf"{f}: corrupt safetensors header"):
+        read_header(f)
+
+
+def test_index_naming_a_missing_shard_names_it(tmp_path):
+    from qatlib.checkpoint.layout import WEIGHTS_INDEX_FILE, CheckpointError, weight_files
+
+    model = build_model(tiny_qwen3_config(), seed=1)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    shards[1].unlink()
+    with pytest.raises(
+        CheckpointError, match=rf"{WEIGHTS_INDEX_FILE} names files that do not exist: {shards[1].name}"
+    ):
+        weight_files(tmp_path)
+
+
+@pytest.mark.parametrize("content", ["", "\n\n"], ids=["empty", "blank-lines"])
+def test_empty_training_file_names_it(tmp_path, tiny_tokenizer, content):
+    from qatlib.data import DataError, load_training_data
+
+    f = tmp_path / "train.jsonl"
+    f.write_text(content)
+    with pytest.raises(DataError, match=rf"{f}: no usable training samples"):
+        load_training_data(f, tiny_tokenizer, 32)
