@@ -385,3 +385,19 @@ def test_empty_training_file_names_it(tmp_path, tiny_tokenizer, content):
     f.write_text(content)
     with pytest.raises(DataError, match=rf"{f}: no usable training samples"):
         load_training_data(f, tiny_tokenizer, 32)
+
+
+def test_reliability_table_names_existing_tests():
+    import re
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme.split("## Reliability", 1)[1].split("\n## ", 1)[0]
+    rows = [
+        line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| Bad input")
+    ]
+    assert len(rows) >= 30, len(rows)
+    for row in rows:
+        m = re.search(r"`(test_\w+\.py)::(test_\w+)`", row)
+        assert m, row
+        src = (REPO_ROOT / "tests" / m[1]).read_text()
+        assert re.search(rf"^def {m[2]}\(", src, re.M), f"{m[1]}::{m[2]} does not exist"
