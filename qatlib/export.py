@@ -75,6 +75,7 @@ from .quant.calibration import prepared_mismatch
 from .quant.linear import attention_role, is_router, weight_readable
 from .quant.quantizer import Quantizer
 from .quant.spec import Granularity
+from .trainers.guard import bad_quant_params
 
 log = logging.getLogger(__name__)
 
@@ -602,6 +603,11 @@ def _check_model(model: nn.Module, scheme: QuantScheme, save_format: str) -> lis
             raise ExportError(
                 f"save_format {save_format!r} needs static k/v output quantizers (scheme.k / scheme.v)"
             )
+    # A NaN / inf / non-positive scale would only surface as "round trip changed the weight (nan)"
+    # or a broken deployment: refuse it by name (`qatlib.trainers.guard`, this rank's share under ZeRO-3).
+    bad = bad_quant_params(model)
+    if bad:
+        raise ExportError(f"export: {len(bad)} quantizer parameter(s) out of range: " + "; ".join(bad[:5]))
     uninit = [
         f"{n}.{r}"
         for n, ql in qls

@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import peers
 from .checkpoint import safetensors as st
 from .checkpoint.keys import key_of, scale_keys
 from .checkpoint.layout import (
@@ -231,6 +232,7 @@ class Zero3Context:
     dtype: torch.dtype
     hf_config: Any
     timeout: datetime.timedelta
+    heartbeat: Any = None  # `qatlib.peers.Heartbeat`: names a dead / hung rank when a collective fails
     _inits: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def zero_init(self, dtype: torch.dtype | None = None):
@@ -248,6 +250,8 @@ class Zero3Context:
 
     def close(self) -> None:
         """End the run cleanly (see `shutdown`)."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         shutdown()
 
     def __enter__(self) -> Zero3Context:
@@ -257,6 +261,13 @@ class Zero3Context:
         # On an error, skip the barrier: the other ranks may never reach it.
         if exc_type is None:
             self.close()
+            return
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        if exc is not None and peers.is_collective_failure(exc):
+            msg = peers.failure_message(exc, self.heartbeat, get_rank(), self.timeout.total_seconds())
+            log.error("%s", msg)
+            raise peers.CollectiveFailure(msg) from exc
 
     def scale_init(self):
         """``zero.Init`` for new quantizer parameters: fp32 whatever the model dtype (an Init with the
@@ -287,9 +298,12 @@ def init_zero3(
     TrainingArguments or model exists), under ``torchrun``.
 
     ``dtype``: model dtype (or its name, `qatlib.models.resolve_dtype`) when the config says ``"auto"``
-    (default fp32); a config that pins bf16/fp16 wins, and a contradicting ``dtype`` is an error. ``timeout_s`` bounds every collective, so a rank
-    that dies or diverges ends the run instead of hanging it. ``backend``: `qatlib.device`'s choice
-    (nccl with CUDA, else gloo); the rank's GPU (``LOCAL_RANK``) is bound first. ``return_freed_memory`` (glibc only) makes
+    (default fp32); a config that pins bf16/fp16 wins, and a contradicting ``dtype`` is an error.
+    ``timeout_s`` (``global.collective_timeout_s``) bounds every collective of the process group,
+    so a rank that dies or hangs ends the run instead of hanging it; leaving the returned context
+    on such a failure raises `qatlib.peers.CollectiveFailure` naming the silent rank (`peers`).
+    ``backend``: `qatlib.device`'s choice (nccl with CUDA, else gloo); the rank's GPU
+    (``LOCAL_RANK``) is bound first. ``return_freed_memory`` (glibc only) makes
     every host allocation of 1 MiB or more its own mapping, returned to the OS when freed: building
     under ``zero.Init`` allocates each full parameter and frees it after partitioning, and glibc's
     adaptive threshold would otherwise keep those blocks in the heap (measured: +0.27 GiB per rank
@@ -323,7 +337,8 @@ def init_zero3(
     from transformers.integrations import HfDeepSpeedConfig
 
     hf_config = HfDeepSpeedConfig(cfg)
-    return Zero3Context(cfg, dtype, hf_config, timeout)
+    heartbeat = peers.Heartbeat(get_rank(), get_world_size()).start() if get_world_size() > 1 else None
+    return Zero3Context(cfg, dtype, hf_config, timeout, heartbeat)
 
 
 def _mmap_large_allocations(threshold: int = 1 << 20) -> bool:

@@ -95,8 +95,10 @@ def stage(name: str, args: argparse.Namespace) -> Iterator[dict]:
     """Run a stage: set up, time it, and (rank 0) write ``args.timing`` when it succeeds.
 
     Yields a dict whose entries are added to the timing record. A `CheckpointError` (a missing or
-    unfit PTQ / QAT checkpoint) ends the stage with its message."""
+    unfit PTQ / QAT checkpoint) or a `CollectiveFailure` (a rank died or hung: it is named) ends the
+    stage with its message."""
     from qatlib.checkpoint.layout import CheckpointError
+    from qatlib.peers import CollectiveFailure
 
     setup(args)
     extra: dict = {}
@@ -104,7 +106,8 @@ def stage(name: str, args: argparse.Namespace) -> Iterator[dict]:
     log.info("stage %s: start", name)
     try:
         yield extra
-    except CheckpointError as e:  # a missing / unfit checkpoint is a user error, not a traceback
+    except (CheckpointError, CollectiveFailure) as e:
+        # a missing / unfit checkpoint, a dead or hung rank: the message, not a traceback
         sys.exit(f"error: {e}")
     wall = time.perf_counter() - t0
     log.info("stage %s: done in %.1f s", name, wall)

@@ -56,7 +56,11 @@ def main(argv=None) -> int:
         scale_report = run_dir / SCALE_LOAD_FILE
         # first: deepspeed.comm and the HF DeepSpeed config, before any TrainingArguments / model
         ctx = (
-            zero3_io.init_zero3(cfg.deepspeed_config, dtype=resolve_dtype(cfg.model.torch_dtype))
+            zero3_io.init_zero3(
+                cfg.deepspeed_config,
+                dtype=resolve_dtype(cfg.model.torch_dtype),
+                timeout_s=cfg.global_.collective_timeout_s,
+            )
             if cfg.zero3_enabled
             else None
         )

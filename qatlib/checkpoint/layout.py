@@ -9,14 +9,21 @@ output directory is written through `AtomicDir`: complete, or not at all.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
+import logging
 import os
+import secrets
 import shutil
-import tempfile
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
 from ..quant.spec import QuantScheme
+
+log = logging.getLogger(__name__)
 
 SCHEME_FILE = "quant_scheme.json"
 SCALES_FILE = "scales.safetensors"
@@ -162,14 +169,146 @@ def name_weight_shards(directory: Path, shards: list[tuple[Path, list[str]]]) ->
     write_json(directory / WEIGHTS_INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
+# --------------------------------------------------------------------------- atomic writes
+# A temporary output ``.{name}.tmp-{token}`` (a directory or a file) has an owner record beside it,
+# ``.{name}.tmp-{token}.owner`` ({host, pid, start}), written BEFORE the temporary exists: a run
+# killed at any point leaves at most an orphan whose owner is known, and the next write to the
+# same output removes it once that owner is gone (same host: no such pid, or one started later).
+OWNER_SUFFIX = ".owner"
+FAULT_ENV = "QATLIB_FAULT_PAUSE"  # test hook: "<point>:<file>": write our pid there, then sleep
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc), None when it does not exist."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rpartition(")")[2].split()[19])
+
+
+def owner_record() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_ticks(os.getpid())}
+
+
+def _owner_gone(rec: dict[str, Any]) -> bool:
+    if rec.get("host") != socket.gethostname():
+        return False  # another host's: cannot tell, leave it
+    start = _start_ticks(int(rec.get("pid", -1)))
+    return start is None or (rec.get("start") is not None and start != rec["start"])
+
+
+def fault_point(name: str) -> None:
+    """Test hook (`FAULT_ENV`): stop at the named point so a test can kill the process there."""
+    spec = os.environ.get(FAULT_ENV, "")
+    point, _, path = spec.partition(":")
+    if point == name and path:
+        Path(path).write_text(str(os.getpid()))
+        while True:
+            time.sleep(1)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def clean_stale(target: str | os.PathLike) -> list[Path]:
+    """Remove the temporary outputs of ``target`` whose owner process is gone (a killed run) and
+    report each; returns the removed paths. Orphans of other hosts are reported, not touched."""
+    target = Path(target)
+    removed = []
+    if not target.parent.is_dir():
+        return removed
+    for owner in target.parent.glob(f".{target.name}.tmp-*{OWNER_SUFFIX}"):
+        tmp = owner.with_name(owner.name[: -len(OWNER_SUFFIX)])
+        try:
+            rec = json.loads(owner.read_text())
+        except (OSError, json.JSONDecodeError):
+            rec = {}
+        if not _owner_gone(rec):
+            if rec.get("host") != socket.gethostname() and tmp.exists():
+                log.warning(
+                    "%s: temporary output of %s on host %s left alone", tmp, rec.get("pid"), rec.get("host")
+                )
+            continue
+        if tmp.exists():
+            _remove(tmp)
+            log.warning(
+                "removed %s: left by process %s on %s, which is gone", tmp, rec.get("pid"), rec.get("host")
+            )
+            removed.append(tmp)
+        owner.unlink(missing_ok=True)
+    return removed
+
+
+def _claim(target: Path) -> Path:
+    """A fresh temporary sibling path of ``target``, its owner record already written."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(target)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    owner = tmp.with_name(tmp.name + OWNER_SUFFIX)
+    owner.write_text(json.dumps(owner_record()))
+    return tmp
+
+
+def _release(tmp: Path) -> None:
+    _remove(tmp)
+    tmp.with_name(tmp.name + OWNER_SUFFIX).unlink(missing_ok=True)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``; no library exposes it).
+    False where the OS or file system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a))
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Put the complete ``tmp`` at ``out``: a plain rename when ``out`` does not exist; else an
+    atomic swap (``out`` is never missing), then the old content (now at ``tmp``) is removed."""
+    fault_point("atomic-commit")
+    if out.exists() and out.is_dir() != tmp.is_dir():
+        raise FileExistsError(f"output path {out} exists and is a {'directory' if out.is_dir() else 'file'}")
+    if out.exists() and _exchange(tmp, out):
+        _release(tmp)  # the old output
+        return
+    if out.is_dir():  # no atomic swap here: the shortest gap a rename pair allows
+        old = tmp.with_name(tmp.name + "-old")
+        out.rename(old)
+        tmp.rename(out)
+        _remove(old)
+    else:
+        os.replace(tmp, out)
+    tmp.with_name(tmp.name + OWNER_SUFFIX).unlink(missing_ok=True)
+
+
 class AtomicDir:
     """Write a directory completely or not at all: ``with AtomicDir(out) as tmp:`` fills a fresh
-    temporary sibling of ``out``, renamed to ``out`` when the block succeeds.
+    temporary sibling of ``out`` (with an owner record), swapped in for ``out`` when the block succeeds.
 
     An existing non-empty ``out`` is an error (checked before anything is written) unless
-    ``overwrite``; then it is replaced only once the new content is complete. On any exception the
-    temporary directory is removed and ``out`` is left as it was: no partial output, ever. Code
-    whose writing is split around collectives calls `open` / `commit` / `abort` itself.
+    ``overwrite``; then it is replaced only once the new content is complete, by an atomic swap
+    (there is never a moment without a complete ``out``). On any exception the temporary directory
+    is removed and ``out`` is left as it was; a killed run's orphan is removed by the next write
+    to ``out`` (`clean_stale`). Code whose writing is split around collectives calls `open` /
+    `commit` / `abort` itself.
     """
 
     def __init__(self, out_dir: str | os.PathLike, *, overwrite: bool = False) -> None:
@@ -186,25 +325,18 @@ class AtomicDir:
 
     def open(self) -> Path:
         self.check()
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        self.tmp = _claim(self.out)
+        self.tmp.mkdir()
         return self.tmp
 
     def commit(self) -> Path:
-        out = self.out
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            out.rename(old)
-        self.tmp.rename(out)
+        _install(self.tmp, self.out)
         self.tmp = None
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        return out
+        return self.out
 
     def abort(self) -> None:
         if self.tmp is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            _release(self.tmp)
             self.tmp = None
 
     def __enter__(self) -> Path:
@@ -221,18 +353,23 @@ class AtomicDir:
             self.abort()
 
 
-def write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` atomically (temporary sibling + rename); parents are created."""
+def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically (owned temporary sibling + rename); parents are created."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    tmp = _claim(p)
     try:
-        tmp.write_text(text)
+        tmp.write_bytes(data)
         os.replace(tmp, p)
+        tmp.with_name(tmp.name + OWNER_SUFFIX).unlink(missing_ok=True)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _release(tmp)
         raise
     return p
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically (`write_bytes`, UTF-8)."""
+    return write_bytes(path, text.encode())
 
 
 def write_json(path: str | os.PathLike, obj: Any, *, sort_keys: bool = False) -> Path:

@@ -426,6 +426,9 @@ class GlobalConfig(Section):
 
     save_path: str = "./output"
     seed: int = Field(42, ge=0)
+    # Every collective (gloo / nccl) waits at most this long: a rank that died or hangs ends the
+    # whole job after it (plus torchrun's ~30 s teardown) instead of idling every GPU for hours.
+    collective_timeout_s: float = Field(300.0, gt=0)
 
 
 _NonEmptyStr = Annotated[str, Field(min_length=1)]

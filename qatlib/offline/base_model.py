@@ -17,14 +17,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
+
+from ..checkpoint.layout import AtomicDir
 
 # Tiny Qwen3-MoE: ~2.8M parameters with a 4096 vocabulary (1.05M of them in the two embeddings).
 DEFAULT_MODEL: dict = {
@@ -274,18 +274,6 @@ def train_model(model, ids: torch.Tensor, cfg: TrainConfig, *, progress: bool = 
 
 
 # --------------------------------------------------------------------------- orchestration
-# TODO(lead): qatlib.checkpoint.layout.atomic_dir
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Move the finished ``tmp`` folder to ``out`` (replacing an older one)."""
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
-
-
 def pretrain(
     corpus_dir: str | Path,
     out_dir: str | Path,
@@ -314,7 +302,8 @@ def pretrain(
     corpus = Path(corpus_dir)
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    target = AtomicDir(out, overwrite=True)  # owned temporary, swapped in complete
+    tmp = target.open()
     try:
         t_start = time.perf_counter()
         pieces = read_documents(corpus / "train.txt")
@@ -368,8 +357,8 @@ def pretrain(
         for f in tmp.iterdir():
             if f.is_file():
                 os.chmod(f, 0o644)
-        _replace_dir(tmp, out)
+        target.commit()
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        target.abort()
         raise
     return stats

@@ -25,13 +25,13 @@ import os
 import platform
 import sys
 import sysconfig
-import tempfile
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from ..checkpoint.layout import write_text
 from .cleaning import clean_text, dedupe_key
 
 CORPUS_FORMAT_VERSION = 1
@@ -274,19 +274,9 @@ def check_disjoint(splits: dict[str, list[Document]]) -> None:
 
 
 # --------------------------------------------------------------------------- output
-# TODO(lead): qatlib.checkpoint.layout.write_text
 def atomic_write_text(path: Path, data: str) -> None:
-    """Write text via a temporary file + rename: readers never see a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """`qatlib.checkpoint.layout.write_text`: readers never see a half-written file."""
+    write_text(path, data)
 
 
 def sft_records(

@@ -17,21 +17,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 from pathlib import Path
 
 import yaml
 
+from ..checkpoint.layout import write_text
+
 TASK_VERSION = 1
 
 
-# TODO(lead): qatlib.checkpoint.layout.write_text
 def _atomic_write(path: Path, text: str) -> None:
-    """Write via a temporary file + rename: lm-eval never reads a half-written task file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8", newline="\n")
-    os.replace(tmp, path)
+    """`qatlib.checkpoint.layout.write_text`: lm-eval never reads a half-written task file."""
+    write_text(path, text)
 
 
 def _paragraph_words(text: str) -> list[list[str]]:

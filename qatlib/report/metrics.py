@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .. import analysis
+from ..checkpoint.layout import write_text
 from ..scores import is_score
 
 MIN_REL_GAP = 0.005  # |PTQ - BF16| / BF16 for perplexities (and other lower-is-better scores)
@@ -246,9 +246,6 @@ class DvcOutputs:
         return json.dumps(metrics, indent=2, sort_keys=True, allow_nan=False) + "\n"
 
 
-# TODO(lead): qatlib.checkpoint.layout.write_text
 def atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    """`qatlib.checkpoint.layout.write_text` (owned temporary + rename)."""
+    write_text(path, text)

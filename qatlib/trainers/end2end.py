@@ -56,6 +56,7 @@ from ..device import use_cpu
 from ..losses import LossConfig, qat_loss
 from ..quant import quantization_disabled
 from ..quant.calibration import calibrate_activations, static_quantizers
+from .guard import TrainingGuard
 from .params import Learnable, TrainableParams, apply_learnable, freeze_all_but, param_groups
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,10 @@ class QATTrainer(Trainer):
             teacher.eval()
             teacher.requires_grad_(False)
         self.teacher_forwards = 0
+        self.guard = TrainingGuard(model, [np for _, ps in trainable.items() for np in ps])
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.guard]
         super().__init__(model=model, args=args, **kwargs)
+        self.guard.trainer = self
         # We compute the loss ourselves from num_items_in_batch: make the Trainer count it (over the
         # shifted labels, as our loss does) and not divide our loss by the accumulation steps again.
         self.model_accepts_loss_kwargs = True
@@ -185,6 +189,8 @@ class QATTrainer(Trainer):
             denom = max(float(denom), 1.0)
         out = qat_loss(outputs.logits, labels, cfg, t_logits, denominator=denom)
         loss = out.loss
+        if model.training:  # every rank, every micro-batch: a NaN stops all ranks here, named
+            self.guard.check_loss(loss, self.state.global_step + 1, fwd)
         if denom is not None and self.args.average_tokens_across_devices:
             # num_items_in_batch counts every rank's tokens, and data-parallel backends average
             # gradients over ranks: scale back up, exactly as the HF Trainer does.

@@ -1,0 +1,403 @@
+"""Faults at scale (issue 17): real processes, real signals, faults reached through test hooks.
+
+- a rank SIGKILLed or SIGSTOPped mid-step ends every rank of a 2-rank ZeRO-3 QAT within the
+  collective timeout plus a margin, with a non-zero exit naming that rank and no output;
+- the training guard stops at the step of a NaN (a poisoned scale, a poisoned activation) on every
+  rank, naming the layer; export refuses non-finite / non-positive scales by name;
+- saves killed half-way leave the previous output intact and the orphan is removed by the next run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO_ROOT, VOCAB, build_model, one_thread, tiny_qwen3_config
+
+from qatlib import zero3_io as z
+from qatlib.quant import Granularity, QuantScheme, QuantSpec, prepare
+
+WORKERS = Path(__file__).parent / "fault_workers"
+DS_TEST = REPO_ROOT / "config" / "deepspeed" / "zero3_cpu_test.json"
+SCHEME = QuantScheme("w4g16", weight=QuantSpec("int4", Granularity.GROUP, group_size=16, symmetric=False))
+TIMEOUT_S = 20
+# torchrun's agent gives the surviving workers 30 s between SIGTERM and SIGKILL (a stopped worker
+# ignores SIGTERM), plus our 2.5 s heartbeat probe and process exit: 45 s over the timeout.
+MARGIN_S = 45
+
+
+def _env() -> dict:
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def launch(worker: Path, spec: dict, tmp: Path) -> subprocess.Popen:
+    spec_path = tmp / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(worker), str(spec_path)]
+    return subprocess.Popen(
+        cmd,
+        env=_env(),
+        cwd=tmp,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def wait_for(path: Path, proc: subprocess.Popen, limit: float = 240) -> int:
+    t0 = time.monotonic()
+    while not path.exists() or not path.read_text():
+        if proc.poll() is not None:
+            raise AssertionError(f"worker ended before the hook: {proc.stdout.read()[-4000:]}")
+        if time.monotonic() - t0 > limit:
+            raise AssertionError("hook never reached")
+        time.sleep(0.2)
+    return int(path.read_text())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A tiny dense base model and its PTQ checkpoint (a plain consolidated save: scales + scheme)."""
+    tmp = tmp_path_factory.mktemp("faults")
+    model = build_model(tiny_qwen3_config(), seed=1)
+    model.save_pretrained(tmp / "base")
+    with one_thread():
+        prepare(model, SCHEME)
+        z.save_consolidated(model, tmp / "ptq", scheme=SCHEME)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (8, 16), generator=g).tolist()
+    data = [{"input_ids": x, "labels": x} for x in ids]
+    return {"tmp": tmp, "base": tmp / "base", "ptq": tmp / "ptq", "data": data}
+
+
+def qat_spec(ckpt, out: Path, steps: int = 4, **kw) -> dict:
+    return {
+        "out": str(out),
+        "model": str(ckpt["base"]),
+        "ptq": str(ckpt["ptq"]),
+        "ds_config": str(DS_TEST),
+        "scheme": SCHEME.to_dict(),
+        "data": ckpt["data"],
+        "steps": steps,
+        "timeout_s": TIMEOUT_S,
+        **kw,
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+def test_rank_death_or_hang_ends_every_rank_naming_it(ckpt, tmp_path, sig):
+    out = tmp_path / "out"
+    hook = tmp_path / "paused.pid"
+    proc = launch(
+        WORKERS / "qat_fault.py",
+        qat_spec(ckpt, out, pause={"rank": 1, "step": 2, "file": str(hook)}),
+        tmp_path,
+    )
+    pid = wait_for(hook, proc)
+    time.sleep(0.5)  # rank 0 is inside step 2's gathers, waiting on rank 1
+    t0 = time.monotonic()
+    os.kill(pid, getattr(signal, sig))
+    try:
+        text, _ = proc.communicate(timeout=TIMEOUT_S + MARGIN_S + 30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"{sig}: the job still runs {TIMEOUT_S + MARGIN_S + 30} s later") from None
+    seconds = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert seconds < TIMEOUT_S + MARGIN_S, (seconds, text[-3000:])
+    assert not _alive(pid)
+    if sig == "SIGSTOP":  # rank 0 waited out the timeout, then named the silent rank
+        assert seconds >= TIMEOUT_S - 1, seconds
+        assert "error: a collective failed on rank 0" in text, text[-4000:]
+        assert f"rank 1 (pid {pid} on" in text and "stopped answering (its process is stopped" in text
+    else:  # torchrun saw the death and named it as the root cause
+        assert "rank      : 1" in text or "rank: 1" in text, text[-4000:]
+        assert "SIGKILL" in text
+    assert not out.joinpath("saved").exists()
+    assert not [p for p in out.glob("*") if p.name.startswith(".saved")]
+    print(f"{sig}: job ended {seconds:.1f} s after the signal")
+
+
+# --------------------------------------------------------------------------- training guard
+LAYER = "model.layers.0.mlp.down_proj"
+
+
+def run_guarded(tmp: Path, nan: dict, steps: int = 3):
+    """Single-process QAT of a tiny model with ``nan`` injected (see fault_workers/qat_fault.py)."""
+    from transformers import TrainerCallback, TrainingArguments
+
+    from qatlib.data import PadCollator
+    from qatlib.losses import LossConfig
+    from qatlib.trainers.end2end import QATTrainer
+    from qatlib.trainers.params import Learnable
+
+    model = build_model(tiny_qwen3_config(), seed=1)
+    prepare(model, SCHEME)
+    layer = model.get_submodule(LAYER)
+    step = [0]
+    if nan["what"] == "activation":
+        layer.register_forward_hook(
+            lambda m, a, o: o * float("nan") if step[0] == nan["step"] and m.training else None
+        )
+
+    class Hooks(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            step[0] = state.global_step + 1
+            if nan["what"] == "scale" and step[0] == nan["step"]:
+                with torch.no_grad():
+                    layer.weight_quantizer.scale.view(-1)[3] = nan.get("value", float("nan"))
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, VOCAB, (8, 16), generator=g).tolist()]
+    args = TrainingArguments(
+        output_dir=str(tmp / "trainer"),
+        max_steps=steps,
+        per_device_train_batch_size=1,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        save_only_model=True,
+        max_grad_norm=0.0,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        train_sampling_strategy="sequential",
+    )
+    trainer = QATTrainer(
+        model,
+        args,
+        loss_config=LossConfig(loss_type="cakld", lm_loss_weight=1.0, kd_loss_weight=1.0),
+        learnable=Learnable(weight_scale=True),
+        train_dataset=data,
+        data_collator=PadCollator(0),
+        callbacks=[Hooks()],
+    )
+    with one_thread():
+        trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize(
+    "nan,expect",
+    [
+        ({"what": "scale", "step": 2}, f"{LAYER}.weight_quantizer.scale: 1 of"),
+        ({"what": "scale", "step": 2, "value": -0.5}, f"{LAYER}.weight_quantizer.scale: 1 of"),
+        ({"what": "scale", "step": 2, "value": float("inf")}, f"{LAYER}.weight_quantizer.scale: 1 of"),
+        ({"what": "activation", "step": 2}, f"first layer with a non-finite output: {LAYER} (rank 0)"),
+    ],
+    ids=["nan-scale", "negative-scale", "inf-scale", "nan-activation"],
+)
+def test_guard_stops_at_the_step_naming_the_layer(tmp_path, nan, expect):
+    from qatlib.trainers.guard import GuardError
+
+    with pytest.raises(GuardError) as e:
+        run_guarded(tmp_path, nan)
+    msg = str(e.value)
+    assert msg.startswith("step 2: "), msg
+    assert expect in msg, msg
+    # the last good checkpoint (step 1) is the resumable state; none of step 2
+    assert sorted(p.name for p in (tmp_path / "trainer").glob("checkpoint-*")) == ["checkpoint-1"]
+
+
+def test_guard_names_a_non_finite_gradient(tmp_path):
+    """A NaN that only reaches the backward (a hook on the gradient of one scale)."""
+    from qatlib.trainers import guard
+
+    model = build_model(tiny_qwen3_config(), seed=1)
+    prepare(model, SCHEME)
+    scale = model.get_submodule(LAYER).weight_quantizer.scale
+    g = guard.TrainingGuard(model, [(f"{LAYER}.weight_quantizer.scale", scale)])
+    scale.grad = torch.zeros_like(scale)
+    g.on_pre_optimizer_step(None, type("S", (), {"global_step": 4})(), None)  # finite: nothing
+    scale.grad.view(-1)[0] = float("inf")
+    with pytest.raises(
+        guard.GuardError,
+        match=rf"step 5: non-finite gradient: {LAYER}.weight_quantizer.scale.grad: 1 of \d+ values inf",
+    ):
+        g.on_pre_optimizer_step(None, type("S", (), {"global_step": 4})(), None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["scale", "activation"])
+def test_guard_stops_every_rank_zero3(ckpt, tmp_path, what):
+    out = tmp_path / "out"
+    spec = qat_spec(ckpt, out, steps=3, nan={"what": what, "step": 2, "rank": 1}, save_steps=1)
+    proc = launch(WORKERS / "qat_fault.py", spec, tmp_path)
+    text, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0, text[-3000:]
+    # both ranks, same step (their stderr lines may interleave: split on the prefix)
+    errors = ["error: step 2: " + e.split("\n")[0] for e in text.split("error: step 2: ")[1:]]
+    assert len(errors) == 2, text[-4000:]
+    layer = f"{LAYER}.weight_quantizer.scale" if what == "scale" else f"{LAYER} (rank 1)"
+    assert all(layer in e for e in errors), errors
+    assert "WORKER OK" not in text and not (out / "saved").exists()
+    assert sorted(p.name for p in (out / "trainer").glob("checkpoint-*")) == ["checkpoint-1"]
+
+
+@pytest.mark.parametrize(
+    "value", [float("nan"), float("inf"), 0.0, -1e-3], ids=["nan", "inf", "zero", "negative"]
+)
+@pytest.mark.parametrize("fmt", ["real", "fake"])
+def test_export_refuses_bad_scales_by_name(tmp_path, value, fmt):
+    from qatlib.export import ExportError, export
+
+    model = build_model(tiny_qwen3_config(), seed=1)
+    prepare(model, SCHEME)
+    with torch.no_grad():
+        model.get_submodule(LAYER).weight_quantizer.scale.view(-1)[7] = value
+    what = "<= 0" if value == value and abs(value) != float("inf") else ("nan" if value != value else "inf")
+    with pytest.raises(ExportError, match=rf"{LAYER}.weight_quantizer.scale: 1 of \d+ values.*{what}"):
+        export(model, SCHEME, tmp_path / "out", fmt)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
+
+
+# --------------------------------------------------------------------------- interrupted saves
+def _digest(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+@pytest.mark.parametrize("mode", ["consolidated", "export"])
+def test_killed_save_keeps_the_previous_output_and_the_orphan_is_removed(tmp_path, mode, caplog):
+    from qatlib.checkpoint import layout
+
+    out = tmp_path / "out"
+    worker = [sys.executable, str(WORKERS / "save_kill.py"), mode, str(out)]
+    subprocess.run([*worker, "1"], env=_env(), check=True, capture_output=True, timeout=120)
+    before = _digest(out)
+    hook = tmp_path / "hook.pid"
+    env = {**_env(), layout.FAULT_ENV: f"atomic-commit:{hook}"}
+    proc = subprocess.Popen(
+        [*worker, "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    pid = wait_for(hook, proc, limit=120)
+    os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert _digest(out) == before  # the previous output, intact
+    orphans = [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
+    assert len(orphans) == 2 and any(p.name.endswith(layout.OWNER_SUFFIX) for p in orphans)  # temp + owner
+    with caplog.at_level("WARNING", logger="qatlib.checkpoint.layout"):
+        removed = layout.clean_stale(out)  # what the next run's first write does
+    assert [p.name for p in removed] == [
+        p.name for p in orphans if p.is_dir() or not p.name.endswith(".owner")
+    ]
+    assert f"left by process {pid}" in caplog.text
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+    subprocess.run([*worker, "2"], env=_env(), check=True, capture_output=True, timeout=120)
+    assert _digest(out) != before and sorted(p.name for p in tmp_path.iterdir()) == ["hook.pid", "out"]
+
+
+def test_owner_alive_keeps_the_temporary(tmp_path):
+    from qatlib.checkpoint import layout
+
+    target = tmp_path / "x.json"
+    tmp = layout._claim(target)
+    tmp.write_text("{}")
+    assert layout.clean_stale(target) == [] and tmp.exists()  # ours: a live owner
+    rec = json.loads((tmp.parent / (tmp.name + layout.OWNER_SUFFIX)).read_text())
+    rec["start"] = rec["start"] + 1  # same pid, another process (pid reuse)
+    (tmp.parent / (tmp.name + layout.OWNER_SUFFIX)).write_text(json.dumps(rec))
+    assert layout.clean_stale(target) == [tmp] and not tmp.exists()
+
+
+def test_replacing_an_output_swaps_it_atomically(tmp_path, monkeypatch):
+    from qatlib.checkpoint import layout
+
+    out = tmp_path / "d"
+    with layout.AtomicDir(out) as t:
+        (t / "a").write_text("old")
+    seen = []
+    real = layout._exchange
+
+    def spy(a, b):
+        ok = real(a, b)
+        seen.append((ok, (b / "a").read_text()))  # right after the swap: out is complete, and new
+        return ok
+
+    monkeypatch.setattr(layout, "_exchange", spy)
+    with layout.AtomicDir(out, overwrite=True) as t:
+        (t / "a").write_text("new")
+    assert seen == [(True, "new")] and (out / "a").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+
+
+# --------------------------------------------------------------------------- bad inputs
+def test_corrupt_safetensors_header_names_the_file(tmp_path):
+    from safetensors.torch import save_file
+
+    from qatlib.checkpoint.layout import CheckpointError
+    from qatlib.checkpoint.safetensors import read_header
+
+    f = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(4)}, str(f))
+    raw = bytearray(f.read_bytes())
+    raw[8:12] = b"\xff\xfe{["  # same length, not JSON: corrupt, not truncated
+    f.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=rf"{f}: corrupt safetensors header"):
+        read_header(f)
+
+
+def test_index_naming_a_missing_shard_names_it(tmp_path):
+    from qatlib.checkpoint.layout import WEIGHTS_INDEX_FILE, CheckpointError, weight_files
+
+    model = build_model(tiny_qwen3_config(), seed=1)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    shards[1].unlink()
+    with pytest.raises(
+        CheckpointError, match=rf"{WEIGHTS_INDEX_FILE} names files that do not exist: {shards[1].name}"
+    ):
+        weight_files(tmp_path)
+
+
+@pytest.mark.parametrize("content", ["", "\n\n"], ids=["empty", "blank-lines"])
+def test_empty_training_file_names_it(tmp_path, tiny_tokenizer, content):
+    from qatlib.data import DataError, load_training_data
+
+    f = tmp_path / "train.jsonl"
+    f.write_text(content)
+    with pytest.raises(DataError, match=rf"{f}: no usable training samples"):
+        load_training_data(f, tiny_tokenizer, 32)
+
+
+def test_reliability_table_names_existing_tests():
+    import re
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme.split("## Reliability", 1)[1].split("\n## ", 1)[0]
+    rows = [
+        line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| Bad input")
+    ]
+    assert len(rows) >= 30, len(rows)
+    for row in rows:
+        m = re.search(r"`(test_\w+\.py)::(test_\w+)`", row)
+        assert m, row
+        src = (REPO_ROOT / "tests" / m[1]).read_text()
+        assert re.search(rf"^def {m[2]}\(", src, re.M), f"{m[1]}::{m[2]} does not exist"
