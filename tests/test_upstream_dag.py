@@ -23,12 +23,9 @@ import yaml
 from conftest import build_model, local_texts, tiny_qwen3_config, tiny_qwen3_moe_config
 from test_workflow import job_counts, needs_snakemake, snakemake
 
-QAT_FILES = [f for f in uc.yaml_files() if "/qat/" in f]
-HEADLINE = "configs/qwen3/qat/fp8_static/learn_scale/qwen3-30b-a3b_fp8_static_end2end_learn_scale_zero3.yaml"
-BLOCKWISE = (
-    "configs/qwen3/qat/int4_weight_only/learn_scale/qwen3-4b_int4_weight_only_blockwise_learn_scale.yaml"
-)
-HY3 = "configs/Hy3/qat/fp8_static/learn_scale/Hy3_a20b_fp8_static_end2end_learn_scale_zero3.yaml"
+QAT_FILES = uc.qat_files()
+HEADLINE, BLOCKWISE = uc.DAG_RUNS  # the table's "DAG runs": the slow tests below
+HY3 = uc.HY3
 # the JSON beside the Hy3 file (upstream's own path, configs/hunyuan/..., does not exist)
 HY3_DS = uc.UPSTREAM / "configs/Hy3/qat/fp8_static/learn_scale/ds_config_zero3.json"
 FULL_DAG = {
@@ -97,26 +94,46 @@ def zero3(rel: str) -> bool:
     return rel.endswith("_zero3.yaml")
 
 
-@pytest.fixture
-def placeholders(tmp_path):
+def make_placeholders(root: Path) -> tuple[Path, Path, Path]:
     """Existing (empty) local paths: a dry run needs its inputs to exist, not to be real."""
-    model, data, text = tmp_path / "model", tmp_path / "data.jsonl", tmp_path / "test.txt"
-    model.mkdir()
+    model, data, text = root / "model", root / "data.jsonl", root / "test.txt"
+    model.mkdir(parents=True)
     data.touch()
     text.touch()
     return model, data, text
 
 
+@pytest.fixture
+def placeholders(tmp_path):
+    return make_placeholders(tmp_path / "local")
+
+
+def dry_run(root: Path, rel: str, overrides: dict[str, object], check: bool = True) -> tuple[int, str]:
+    cfg = dag_config(root, rel, overrides)
+    target = f"results/{exp_name(rel)}/report.html"
+    return snakemake(["-n", "-p", target, "--configfile", str(cfg)], workdir=root / "wd", check=check)
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory) -> dict[str, str]:
+    """The dry run of every upstream QAT file, started together (each is a Snakemake process that
+    mostly waits on imports: 9 in parallel take about a third of 9 in a row on 2 cores)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(rel: str) -> str:
+        root = tmp_path_factory.mktemp(exp_name(rel)[:40])
+        return dry_run(root, rel, local_paths(rel, *make_placeholders(root / "local")))[1]
+
+    with ThreadPoolExecutor(max_workers=len(QAT_FILES)) as pool:
+        return dict(zip(QAT_FILES, pool.map(one, QAT_FILES), strict=True))
+
+
 # --------------------------------------------------------------------------- fast: dry runs
 @needs_snakemake
 @pytest.mark.parametrize("rel", QAT_FILES, ids=[Path(f).stem for f in QAT_FILES])
-def test_upstream_qat_config_builds_the_full_dag(rel, tmp_path, placeholders):
+def test_upstream_qat_config_builds_the_full_dag(rel, dry_runs):
     assert len(QAT_FILES) == 9
-    cfg = dag_config(tmp_path, rel, local_paths(rel, *placeholders))
-    exp = exp_name(rel)
-    _, out = snakemake(
-        ["-n", "-p", f"results/{exp}/report.html", "--configfile", str(cfg)], workdir=tmp_path / "wd"
-    )
+    exp, out = exp_name(rel), dry_runs[rel]
     assert job_counts(out) == FULL_DAG
     shell = qat_shell(out)
     # the file itself is the experiment: the scripts read the upstream copy with -c
@@ -143,12 +160,18 @@ def test_upstream_qat_config_builds_the_full_dag(rel, tmp_path, placeholders):
 def test_hy3_as_shipped_fails_the_dag_naming_its_deepspeed_path(tmp_path, placeholders):
     flat = local_paths(HY3, *placeholders)
     flat.pop("compression.QAT.hf_args.deepspeed")
-    cfg = dag_config(tmp_path, HY3, flat)
-    code, out = snakemake(["-n", f"results/{exp_name(HY3)}/report.html", "--configfile", str(cfg)],
-                          workdir=tmp_path / "wd", check=False)  # fmt: skip
+    code, out = dry_run(tmp_path, HY3, flat, check=False)
     assert code != 0
     assert "compression.QAT.hf_args.deepspeed: DeepSpeed config file" in out
     assert "configs/hunyuan/qat/fp8_static/learn_scale/ds_config_zero3.json' not found" in out
+
+
+@needs_snakemake
+def test_upstream_file_without_evaluation_fails_the_dag_before_any_job(tmp_path, placeholders):
+    flat = local_paths(HEADLINE, *placeholders)
+    flat.pop("evaluation.ppl")  # upstream's YAMLs have no `evaluation` section
+    code, out = dry_run(tmp_path, HEADLINE, flat, check=False)
+    assert code != 0 and "evaluation: no ppl / tasks to evaluate" in out and "Job stats" not in out
 
 
 # --------------------------------------------------------------------------- slow: real runs
@@ -200,6 +223,14 @@ def check_results(exp: Path) -> dict[str, float]:
     return ppl
 
 
+def assert_export_is_the_qat_model(ppl: dict[str, float]) -> None:
+    """The export reloaded from disk computes what the fake-quantized QAT model does: their
+    perplexities agree far closer than either does with the unquantized model's (a random tiny
+    model moves little under quantization, so a relative bound alone would not tell them apart)."""
+    assert ppl["qat"] != ppl["bf16"], ppl
+    assert abs(ppl["export"] - ppl["qat"]) < 0.2 * abs(ppl["qat"] - ppl["bf16"]), ppl
+
+
 @pytest.mark.slow
 @needs_snakemake
 def test_headline_zero3_config_runs_the_dag_on_a_tiny_qwen3_moe(tmp_path, tiny_tokenizer):
@@ -209,11 +240,11 @@ def test_headline_zero3_config_runs_the_dag_on_a_tiny_qwen3_moe(tmp_path, tiny_t
     ppl = check_results(exp)
     # QAT really ran under ZeRO-3 on 2 ranks, warm-started from the DAG's own PTQ scales
     meta = json.loads((exp / "qat/run_metadata.json").read_text())
-    assert meta["world_size"] == 2 and meta["zero3"] is True, meta
+    assert meta["world_size"] == 2 and meta["zero_stage"] == 3, meta
+    assert all(r["param_bytes_held"] < meta["param_bytes_total"] for r in meta["ranks"])  # partitioned
     assert json.loads((exp / "qat/scale_load.json").read_text())["misses"] == 0
     assert "quantization_config" in json.loads((exp / "export/config.json").read_text())
-    # the exported FP8 checkpoint computes what the fake-quantized QAT model does
-    assert ppl["export"] == pytest.approx(ppl["qat"], rel=0.01), ppl
+    assert_export_is_the_qat_model(ppl)
 
 
 @pytest.mark.slow
@@ -231,5 +262,5 @@ def test_blockwise_int4_config_runs_the_dag_on_a_tiny_qwen3(tmp_path, tiny_token
         **EVAL,
     }
     exp, _ = run_dag(tmp_path, BLOCKWISE, {**local_paths(BLOCKWISE, *files), **shrink})
-    ppl = check_results(exp)
-    assert ppl["export"] == pytest.approx(ppl["qat"], rel=0.01), ppl
+    assert json.loads((exp / "qat/run_metadata.json").read_text())["world_size"] == 1  # one process
+    assert_export_is_the_qat_model(check_results(exp))

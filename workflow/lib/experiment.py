@@ -273,8 +273,16 @@ class Experiments:
         return ppl, [self.resolve(t) for t in ev.get("tasks") or []]
 
     def eval_inputs(self, exp: str) -> list[str]:
-        """The local / product files of `evaluation` (ppl texts and task folders)."""
+        """The local / product files of `evaluation` (ppl texts and task folders). An experiment
+        with nothing to evaluate (upstream's YAMLs have no `evaluation`) is an error here, at DAG
+        time, rather than in the evaluate jobs after PTQ and QAT have run."""
         ev = self.value(exp, "evaluation") or {}
+        if not (ev.get("ppl") or ev.get("tasks")):
+            raise self.error(
+                f"{self.yaml_path(exp)}: evaluation: no ppl / tasks to evaluate (the report compares "
+                "them across bf16 / ptq / qat / export); set evaluation.ppl or evaluation.tasks, e.g. "
+                "through params.yaml's overrides"
+            )
         srcs = [p for p in ev.get("ppl") or [] if p not in HUB_PPL_SETS] + list(ev.get("tasks") or [])
         return [x for x in map(self.as_input, srcs) if x]
 
