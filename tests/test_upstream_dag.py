@@ -145,13 +145,13 @@ def test_upstream_qat_config_builds_the_full_dag(rel, dry_runs):
         # upstream's repository-relative JSON path, found as qatlib finds it (above the YAML)
         ds = HY3_DS if rel == HY3 else (uc.UPSTREAM / rel).parent / "ds_config_zero3.json"
         assert f"--set=compression.QAT.hf_args.deepspeed={json.dumps(str(ds))}" in shell
-        # the YAML's ./output_ptq_* folder is replaced by the DAG's own PTQ output, in every stage
-        ptq = f"--set=compression.QAT.from_ptq_ckpt={json.dumps(f'results/{exp}/ptq')}"
-        assert f"--from-ptq-ckpt results/{exp}/ptq " in shell and ptq in shell
-        assert out.count(ptq) == sum(FULL_DAG.values()) - 1  # every job but sqnr
     else:
         assert re.match(r"python \S*scripts/qat\.py ", shell) and "torchrun" not in shell, shell
         assert "hf_args.deepspeed" not in shell
+    # the YAML's ./output_ptq_* folder (or none) is replaced by the DAG's own PTQ output, in every stage
+    ptq = f"--set=compression.QAT.from_ptq_ckpt={json.dumps(f'results/{exp}/ptq')}"
+    assert f"--from-ptq-ckpt results/{exp}/ptq " in shell and ptq in shell
+    assert out.count(ptq) == sum(FULL_DAG.values()) - 1  # every job but sqnr
     if uc.local_overrides(rel, "m", "d", "p").get("compression.QAT.hf_dataset", 1) is None:
         assert "--set=compression.QAT.hf_dataset=null" in shell  # upstream's hub dataset cleared
 
@@ -255,10 +255,11 @@ def test_blockwise_int4_config_runs_the_dag_on_a_tiny_qwen3(tmp_path, tiny_token
     shrink = {
         f"{bw}.epochs": 1,
         f"{bw}.train_size": 4,
+        f"{bw}.val_size": 2,  # qatlib's (default 64): held-out windows for the block loss
         f"{bw}.training_seqlen": 64,
         f"{bw}.batch_size": 2,
         "dataset.max_seq_length": 64,
-        "dataset.num_samples": 4,
+        "dataset.num_samples": 8,
         **EVAL,
     }
     exp, _ = run_dag(tmp_path, BLOCKWISE, {**local_paths(BLOCKWISE, *files), **shrink})

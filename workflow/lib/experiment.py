@@ -343,7 +343,7 @@ class Experiments:
         """`--set key=value` arguments of a stage's script: its params.yaml overrides, and where the
         workflow's value differs from the YAML on disk: the DeepSpeed JSON as found here,
         `from_ptq_ckpt` (always the DAG's own PTQ output: the YAML's may name a folder of another
-        machine) and `keys` (dotted paths: the effective value, products and local paths
+        machine, or none) and `keys` (dotted paths: the effective value, products and local paths
         resolved; an override to null is passed as null, e.g. upstream's `hf_dataset` cleared)."""
         sets = self.stage_overrides(exp, stage)
         on_disk = self.committed(exp)
@@ -351,10 +351,11 @@ class Experiments:
         ds = self.deepspeed_file(exp)
         if ds is not None and str(ds) != section(on_disk, DEEPSPEED_KEY):
             sets[DEEPSPEED_KEY] = str(ds)
-        if self.value(exp, PTQ_CKPT_KEY) is not None and section(on_disk, PTQ_CKPT_KEY) != self.ptq_output(
-            exp
-        ):
-            sets[PTQ_CKPT_KEY] = self.ptq_output(exp)
+        # the QAT rule always warm-starts from the DAG's PTQ output (--from-ptq-ckpt); every script
+        # sees that, also where the YAML has none (ZeRO-3 requires one at parse time)
+        ptq = self.ptq_output(exp)
+        if section(on_disk, PTQ_CKPT_KEY) != ptq:
+            sets[PTQ_CKPT_KEY] = ptq
         for key in keys:
             v = self.value(exp, key)
             if key in ("evaluation.ppl", "evaluation.tasks"):
