@@ -153,7 +153,9 @@ def test_upstream_qat_config_builds_the_full_dag(rel, dry_runs):
     assert f"--from-ptq-ckpt results/{exp}/ptq " in shell and ptq in shell
     assert out.count(ptq) == sum(FULL_DAG.values()) - 1  # every job but sqnr
     if uc.local_overrides(rel, "m", "d", "p").get("compression.QAT.hf_dataset", 1) is None:
-        assert "--set=compression.QAT.hf_dataset=null" in shell  # upstream's hub dataset cleared
+        # upstream's hub dataset cleared, also for PTQ calibration (whose sections lack hf_dataset)
+        ptq_shell = next(line for line in out.splitlines() if "scripts/ptq.py -c" in line)
+        assert "--set=compression.QAT.hf_dataset=null" in shell and "hf_dataset=null" in ptq_shell
 
 
 @needs_snakemake
