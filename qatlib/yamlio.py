@@ -20,6 +20,7 @@ import yaml
 __all__ = [
     "ConfigError",
     "apply_overrides",
+    "config_file_candidates",
     "deep_merge",
     "format_issues",
     "join_path",
@@ -199,3 +200,15 @@ def deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, A
         else:
             out[k] = v
     return out
+
+
+def config_file_candidates(value: str | os.PathLike[str], first: Path, config_dir: Path | None) -> list[Path]:
+    """Where a file a config names (``hf_args.deepspeed``) is looked for, in order: absolute as
+    is; else under ``first`` (the scripts: the CWD, as HF Trainer does; the workflow: the
+    repository root), then the YAML's folder and every folder above it (upstream's configs
+    write the path from the root of their repository: ``configs/qwen3/qat/.../ds_config_zero3.json``).
+    One rule for `qatlib.config` and the workflow, so both find the same file."""
+    raw = Path(value).expanduser()
+    if raw.is_absolute():
+        return [raw]
+    return [first / raw] + ([d / raw for d in (config_dir, *config_dir.parents)] if config_dir else [])

@@ -54,6 +54,15 @@ def test_table_is_fresh():
     assert uc.TABLE.read_text() == uc.render(), "run: python3 tests/upstream_compat.py"
 
 
+def test_readme_quotes_the_tables_totals():
+    readme = (uc.REPO / "README.md").read_text()
+    section = readme[readme.index("## Upstream configs") :].split("\n## ", 1)[0]
+    assert "docs/upstream-compat.md" in section
+    assert f"Totals: {uc.totals()}" in " ".join(section.split()), (
+        "README: copy the totals of docs/upstream-compat.md"
+    )
+
+
 # --------------------------------------------------------------------------- meanings
 def _qat(
     rel="configs/qwen3/qat/fp8_static/learn_scale/qwen3-30b-a3b_fp8_static_end2end_learn_scale_zero3.yaml",

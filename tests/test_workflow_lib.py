@@ -94,8 +94,11 @@ def test_the_workflow_and_the_script_see_the_same_experiment(tmp_path):
     apply_overrides(script, normalise_overrides(sets, "cli"), "cli")
     ds = "compression.QAT.hf_args.deepspeed"
     assert xp.section(script, ds) == str(REPO / "config/deepspeed/zero3_cpu.json")  # resolved
+    # from_ptq_ckpt: the DAG's own PTQ output, under the configured results folder ("res")
+    assert xp.section(script, "compression.QAT.from_ptq_ckpt") == "res/tiny-test/ptq"
     wf = exps.get("tiny-test")
     script["compression"]["QAT"]["hf_args"]["deepspeed"] = xp.section(wf, ds)
+    script["compression"]["QAT"]["from_ptq_ckpt"] = xp.section(wf, "compression.QAT.from_ptq_ckpt")
     assert script == wf
     assert xp.section(wf, LR) == 3e-4 and wf["evaluation"]["limit"] == 7
 

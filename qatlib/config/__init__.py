@@ -40,6 +40,7 @@ from qatlib.yamlio import ConfigError, apply_overrides, format_issues, load_yaml
 from .errors import issues_from
 from .experiment import ExperimentConfig
 from .sections import (
+    UPSTREAM_HF_ARGS,
     BlockwiseConfig,
     CompressionConfig,
     DatasetConfig,
@@ -151,13 +152,14 @@ def config_json_schema() -> dict[str, Any]:
     """JSON schema of the YAML layout (keys by alias), for Snakemake's ``validate``.
 
     It checks keys and types; the cross-field rules need `load_config`. ``hf_args`` keys are
-    restricted to the fields of ``transformers.Seq2SeqTrainingArguments``.
+    restricted to the fields of ``transformers.Seq2SeqTrainingArguments`` plus the upstream ones
+    qatlib translates (``warmup_ratio``).
     """
     schema = ExperimentConfig.model_json_schema(by_alias=True)
     schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
     _null_branch_first(schema)
     hf_args = schema["$defs"]["QATConfig"]["properties"]["hf_args"]
-    names = sorted(hf_training_arg_names() - {"output_dir"})
+    names = sorted((hf_training_arg_names() | UPSTREAM_HF_ARGS) - {"output_dir"})
     for branch in hf_args.get("anyOf", [hf_args]):
         if branch.get("type") == "object":
             branch["propertyNames"] = {"enum": names}

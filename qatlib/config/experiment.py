@@ -22,7 +22,7 @@ from qatlib.quant.linear import PrepareOptions
 from qatlib.quant.spec import QuantScheme
 from qatlib.trainers.blockwise import BlockwiseSettings
 from qatlib.trainers.params import Learnable
-from qatlib.yamlio import ConfigError, format_issues
+from qatlib.yamlio import ConfigError, config_file_candidates, format_issues
 
 from . import upstream
 from .deploy import deploy_issues, local_model_is_moe
@@ -67,12 +67,7 @@ def _resolve_deepspeed(value: Any, config_dir: Path | None) -> tuple[dict[str, A
         raise Violation(
             _DS_PATH, f"expected a DeepSpeed JSON file path or a mapping; got {type(value).__name__}"
         )
-    raw = Path(value).expanduser()
-    candidates = (
-        [raw]
-        if raw.is_absolute()
-        else [Path.cwd() / raw] + ([d / raw for d in (config_dir, *config_dir.parents)] if config_dir else [])
-    )
+    candidates = config_file_candidates(value, Path.cwd(), config_dir)
     for cand in candidates:
         if cand.is_file():
             try:

@@ -291,6 +291,11 @@ class BlockwiseConfig(Section):
     wd: float = Field(_BW.wd, ge=0)
 
 
+# upstream hf_args keys transformers 5 dropped, which `QATConfig` translates (warmup_ratio ->
+# the ratio form of warmup_steps); the exported schema accepts them too
+UPSTREAM_HF_ARGS = frozenset({"warmup_ratio"})
+
+
 @lru_cache(maxsize=1)
 def hf_training_arg_names() -> frozenset[str]:
     """Keys `transformers.Seq2SeqTrainingArguments` accepts (imported lazily: it pulls in torch)."""

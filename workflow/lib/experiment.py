@@ -22,7 +22,15 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from qatlib.yamlio import ConfigError, apply_overrides, format_issues, join_path, load_yaml, yaml_value
+from qatlib.yamlio import (
+    ConfigError,
+    apply_overrides,
+    config_file_candidates,
+    format_issues,
+    join_path,
+    load_yaml,
+    yaml_value,
+)
 
 __all__ = [
     "HUB_PPL_SETS",
@@ -82,6 +90,7 @@ PRODUCT_PREFIX = "results/"
 TEXT_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt", ".md", ".rst")
 HUB_PPL_SETS = ("wikitext2", "c4")
 DEEPSPEED_KEY = "compression.QAT.hf_args.deepspeed"
+PTQ_CKPT_KEY = "compression.QAT.from_ptq_ckpt"
 
 
 def section(raw: Any, dotted: str) -> Any:
@@ -264,8 +273,16 @@ class Experiments:
         return ppl, [self.resolve(t) for t in ev.get("tasks") or []]
 
     def eval_inputs(self, exp: str) -> list[str]:
-        """The local / product files of `evaluation` (ppl texts and task folders)."""
+        """The local / product files of `evaluation` (ppl texts and task folders). An experiment
+        with nothing to evaluate (upstream's YAMLs have no `evaluation`) is an error here, at DAG
+        time, rather than in the evaluate jobs after PTQ and QAT have run."""
         ev = self.value(exp, "evaluation") or {}
+        if not (ev.get("ppl") or ev.get("tasks")):
+            raise self.error(
+                f"{self.yaml_path(exp)}: evaluation: no ppl / tasks to evaluate (the report compares "
+                "them across bf16 / ptq / qat / export); set evaluation.ppl or evaluation.tasks, e.g. "
+                "through params.yaml's overrides"
+            )
         srcs = [p for p in ev.get("ppl") or [] if p not in HUB_PPL_SETS] + list(ev.get("tasks") or [])
         return [x for x in map(self.as_input, srcs) if x]
 
@@ -276,12 +293,27 @@ class Experiments:
         paths += list(ev.get("ppl") or []) + list(ev.get("tasks") or [])
         return [q for q in map(self.product, paths) if q]
 
+    def deepspeed_file(self, exp: str) -> Path | None:
+        """The DeepSpeed JSON `hf_args.deepspeed` names, found as `qatlib.config` finds it
+        (`config_file_candidates`: the repository root standing in for the scripts' CWD, then the
+        YAML's folder and those above it, where upstream's repository-relative paths land); None
+        for an inline mapping or no DeepSpeed. A file found nowhere is an error at DAG time."""
+        ds = self.value(exp, DEEPSPEED_KEY)
+        if not isinstance(ds, str):
+            return None
+        tried = config_file_candidates(ds, self.repo, self.yaml_path(exp).parent)
+        found = next((p for p in tried if p.is_file()), None)
+        if found is None:
+            raise self.error(
+                f"{self.yaml_path(exp)}: {DEEPSPEED_KEY}: DeepSpeed config file {ds!r} not found "
+                f"(looked in: {', '.join(map(str, tried))})"
+            )
+        return found
+
     def deepspeed(self, exp: str) -> Any:
         """The DeepSpeed config's content (a file's JSON), or the YAML's value as it is."""
-        ds = self.value(exp, DEEPSPEED_KEY)
-        if isinstance(ds, str) and self.repo_path(ds).is_file():
-            return json.loads(self.repo_path(ds).read_text(encoding="utf-8"))
-        return ds
+        path = self.deepspeed_file(exp)
+        return json.loads(path.read_text(encoding="utf-8")) if path else self.value(exp, DEEPSPEED_KEY)
 
     def distributed(self, exp: str) -> bool:
         """Whether QAT runs on several processes (torchrun): end-to-end under ZeRO-3; blockwise
@@ -297,22 +329,41 @@ class Experiments:
             return {}
         return {k: v for k, v in self.overrides if reads(stage, k)}
 
+    def ptq_output(self, exp: str) -> str:
+        """The ptq_calibrate rule's output: the DAG's PTQ checkpoint, which QAT warm-starts from."""
+        return f"{self.results}/{exp}/ptq"
+
+    @cache  # noqa: B019 (one instance per workflow run)
+    def committed(self, exp: str) -> dict[str, Any]:
+        """The experiment YAML as it is on disk (no overrides): what a script reads with `-c`."""
+        raw = load_yaml(self.yaml_path(exp))
+        return raw if isinstance(raw, dict) else {}
+
     def cli_sets(self, exp: str, stage: str, *keys: str) -> str:
-        """`--set key=value` arguments of a stage's script: its params.yaml overrides, and the YAML
-        paths the workflow resolves (the DeepSpeed JSON and `keys`, dotted paths) where the
-        resolved path differs from the YAML's."""
+        """`--set key=value` arguments of a stage's script: its params.yaml overrides, and where the
+        workflow's value differs from the YAML on disk: the DeepSpeed JSON as found here,
+        `from_ptq_ckpt` (always the DAG's own PTQ output: the YAML's may name a folder of another
+        machine, or none) and `keys` (dotted paths: the effective value, products and local paths
+        resolved; an override to null is passed as null, e.g. upstream's `hf_dataset` cleared)."""
         sets = self.stage_overrides(exp, stage)
+        on_disk = self.committed(exp)
         # every script validates the whole config, so each gets the DeepSpeed JSON's path
-        for key in (DEEPSPEED_KEY, *keys):
+        ds = self.deepspeed_file(exp)
+        if ds is not None and str(ds) != section(on_disk, DEEPSPEED_KEY):
+            sets[DEEPSPEED_KEY] = str(ds)
+        # the QAT rule always warm-starts from the DAG's PTQ output (--from-ptq-ckpt); every script
+        # sees that, also where the YAML has none (ZeRO-3 requires one at parse time)
+        ptq = self.ptq_output(exp)
+        if section(on_disk, PTQ_CKPT_KEY) != ptq:
+            sets[PTQ_CKPT_KEY] = ptq
+        for key in keys:
             v = self.value(exp, key)
             if key in ("evaluation.ppl", "evaluation.tasks"):
                 ppl, tasks = self.eval_sources(exp)
                 new = ppl if key == "evaluation.ppl" else tasks
-                if v and new != v:
-                    sets[key] = new
-            elif key == DEEPSPEED_KEY:
-                if isinstance(v, str) and self.repo_path(v).is_file() and str(self.repo_path(v)) != v:
-                    sets[key] = str(self.repo_path(v))
-            elif isinstance(v, str) and self.resolve(v) != v:
-                sets[key] = self.resolve(v)
+            else:
+                new = self.resolve(v) if isinstance(v, str) else v
+            old = section(on_disk, key)
+            if new != old and (new or old):  # an absent list stays absent
+                sets[key] = new
         return " ".join(shlex.quote(f"--set={k}={json.dumps(v)}") for k, v in sorted(sets.items()))
