@@ -12,7 +12,7 @@ On a machine without CUDA it says so and exits 0 (nothing to check). With CUDA i
     ZeRO-3 at world size 1 over NCCL, PTQ -> QAT -> export -> reload, on a random Qwen3-MoE at the
     true Qwen3-30B-A3B width (hidden 2048, 32 / 4 heads, head_dim 128, 128 experts top-8,
     moe_intermediate 768, vocab 151936) with ``--layers`` (default 1) layers, bf16, gradient
-    checkpointing, every weight frozen: RTN PTQ on the GPU -> `qatlib.zero3_io.build_qat_model`
+    checkpointing, every weight frozen: RTN PTQ on the GPU -> `qatlib.zero3_load.build_qat_model`
     (empty partitioned build, streamed weights and scales) -> ``--qat-steps`` DeepSpeed steps ->
     consolidated save -> compressed-tensors export -> ``from_pretrained`` reload, whose logits
     are compared with the fake-quant model's. Peak GPU memory of each phase beside the plan
@@ -186,6 +186,7 @@ def run_pipeline(work: Path, dev: torch.device, *, tiny: bool, layers: int, toke
     from transformers import AutoModelForCausalLM
 
     from qatlib import zero3_io as z
+    from qatlib import zero3_load as zl
     from qatlib.export import export
     from qatlib.ptq import calibrate, save_ptq_checkpoint
     from qatlib.quant import prepare, quantization_disabled
@@ -215,7 +216,7 @@ def run_pipeline(work: Path, dev: torch.device, *, tiny: bool, layers: int, toke
         torch.cuda.reset_peak_memory_stats(dev)
     ctx = z.init_zero3(ds_config(tiny), timeout_s=600)
     res["backend"] = torch.distributed.get_backend()
-    model = z.build_qat_model(work / "model", ctx, scheme, from_ptq_ckpt=work / "ptq")
+    model = zl.build_qat_model(work / "model", ctx, scheme, from_ptq_ckpt=work / "ptq")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
     trainable = select_trainable(model, Learnable(weight_scale=True, act_scale=True))
@@ -249,7 +250,7 @@ def run_pipeline(work: Path, dev: torch.device, *, tiny: bool, layers: int, toke
     t0 = time.perf_counter()
     fq = AutoModelForCausalLM.from_pretrained(work / "qat", dtype=torch.bfloat16)
     prepare(fq, scheme, ignore=("lm_head",))
-    z.stream_load_scales(fq, work / "qat", scheme)
+    zl.stream_load_scales(fq, work / "qat", scheme)
     export(fq, scheme, work / "export", "real")
     probe = batch[:1, :64].to(dev)
     with torch.no_grad():

@@ -1,5 +1,5 @@
 """Peak RSS per rank while loading a ~1 GB Qwen3 checkpoint under ZeRO-3 on 2 CPU ranks:
-qatlib's streaming loader (`zero3_io.load_model`) vs transformers' ``from_pretrained`` under ZeRO-3.
+qatlib's streaming loader (`zero3_load.load_model`) vs transformers' ``from_pretrained`` under ZeRO-3.
 
     python benchmarks/zero3_load.py [--size-gb 1.0] [--out results/bench/zero3_load.json]
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DS_CONFIG = ROOT / "config" / "deepspeed" / "zero3_cpu_test.json"
-# qatlib: zero3_io.load_model; qatlib_glibc_default: the same without init_zero3's mmap threshold;
+# qatlib: zero3_load.load_model; qatlib_glibc_default: the same without init_zero3's mmap threshold;
 # hf: AutoModelForCausalLM.from_pretrained under the registered ZeRO-3 config.
 MODES = ("qatlib", "qatlib_glibc_default", "hf")
 
@@ -70,6 +70,7 @@ def worker(mode: str, model_dir: Path, out: Path) -> None:
     import torch
 
     from qatlib import zero3_io as z
+    from qatlib import zero3_load as zl
 
     cfg = json.loads(DS_CONFIG.read_text())
     cfg["bf16"] = {"enabled": True}  # both loaders build bf16 partitions (from_pretrained reads this config)
@@ -88,12 +89,12 @@ def worker(mode: str, model_dir: Path, out: Path) -> None:
         num_key_value_heads=2,
         head_dim=16,
     )
-    z.build_empty_model(tiny, ctx)
+    zl.build_empty_model(tiny, ctx)
     torch.distributed.barrier()
     before = _rss()
     t0 = time.perf_counter()
     if mode.startswith("qatlib"):
-        model = z.load_model(model_dir, ctx)
+        model = zl.load_model(model_dir, ctx)
     else:
         from transformers import AutoModelForCausalLM
 

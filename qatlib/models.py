@@ -2,7 +2,7 @@
 prepared for an experiment (`load_prepared`).
 
 The ZeRO-3 path (empty model under ``deepspeed.zero.Init`` + streaming load) lives in
-`qatlib.zero3_io`; `load_model` and `load_prepared` dispatch to it so callers never branch themselves.
+`qatlib.zero3_load`; `load_model` and `load_prepared` dispatch to it so callers never branch themselves.
 """
 
 from __future__ import annotations
@@ -78,10 +78,10 @@ def load_model(
     under ``deepspeed.zero.Init`` and streamed from ``path`` (a local folder) instead.
     """
     if zero3 is not None:
-        from . import zero3_io
+        from . import zero3_load
 
         _check_zero3(zero3, torch_dtype, device_map)
-        return zero3_io.load_model(
+        return zero3_load.load_model(
             path, zero3, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
         )
     kwargs = {"dtype": resolve_dtype(torch_dtype), "trust_remote_code": trust_remote_code}
@@ -123,7 +123,7 @@ def load_prepared(
     Returns ``(model, scale-load report)`` (hits / misses; None without ``scales`` and under ZeRO-3,
     where the report goes to ``report_path`` only). ``complete``: a quantizer parameter the
     checkpoint has no value for is an error (evaluation and export never use init values). With
-    ``zero3`` the model is built partitioned (`qatlib.zero3_io.build_qat_model`; ``scales`` required).
+    ``zero3`` the model is built partitioned (`qatlib.zero3_load.build_qat_model`; ``scales`` required).
     """
     from .checkpoint.layout import CheckpointError
     from .quant import prepare
@@ -132,10 +132,10 @@ def load_prepared(
     m = cfg.model
     common = dict(trust_remote_code=m.trust_remote_code, attn_implementation=m.attn_implementation)
     if zero3 is not None:
-        from . import zero3_io
+        from . import zero3_load
 
         _check_zero3(zero3, m.torch_dtype, device_map)
-        model = zero3_io.build_qat_model(
+        model = zero3_load.build_qat_model(
             path,
             zero3,
             scheme,
@@ -150,7 +150,7 @@ def load_prepared(
     prepare(model, scheme, ignore=cfg.ignore_layers, options=cfg.prepare_options())
     if scales is None:
         return model, None
-    from .zero3_io import stream_load_scales  # the plan-then-execute loader, local without ZeRO-3
+    from .zero3_load import stream_load_scales  # the plan-then-execute loader, local without ZeRO-3
 
     report = stream_load_scales(model, scales, scheme, report_path=report_path)
     if complete and report.get("misses"):

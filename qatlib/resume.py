@@ -10,7 +10,7 @@ Two kinds of directory are accepted:
   ``dequantize(quantize(W))``, or a `qatlib.zero3_io.save_consolidated` directory) plus
   ``quant_scheme.json`` and a safetensors file with the quantizer keys of `qatlib.checkpoint.keys`
   (``scales.safetensors``; LWC clip factors under their module path). Weights are copied
-  into the prepared model, scales loaded with `qatlib.zero3_io.stream_load_scales`, and training
+  into the prepared model, scales loaded with `qatlib.zero3_load.stream_load_scales`, and training
   starts at step 0 from there (optimizer state is not part of such a save). When the saved
   weights are exactly the model's own weights or their fake-quantized form at the loaded scales
   (a ``fake`` export or consolidated save of an end-to-end run from the same base model), the
@@ -20,7 +20,7 @@ Two kinds of directory are accepted:
   model) the saved weights are copied and the teacher is those weights unquantized.
 
 Under ZeRO-3 a saved model is not loaded here: build the model from it instead
-(``zero3_io.build_qat_model(path, ..., from_ptq_ckpt=path)``).
+(``zero3_load.build_qat_model(path, ..., from_ptq_ckpt=path)``).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def load_saved_weights(model: nn.Module, model_dir: str | os.PathLike) -> int:
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         raise ResumeError(
             "a ZeRO-3 model cannot be filled here: build it from the saved directory instead "
-            "(zero3_io.build_qat_model(path, ..., from_ptq_ckpt=path))"
+            "(zero3_load.build_qat_model(path, ..., from_ptq_ckpt=path))"
         )
     qpre = _quantizer_prefixes(model)
     targets: dict[str, torch.Tensor] = {}
@@ -181,7 +181,7 @@ def load_saved_model(
     saved model into a prepared, non-ZeRO ``model``. ``scheme`` defaults to the directory's
     ``quant_scheme.json``. Returns the scale loader's report plus ``weights`` (tensors copied) and
     ``kept_base_weights``."""
-    from .zero3_io import stream_load_scales
+    from .zero3_load import stream_load_scales
 
     model_dir = Path(model_dir)
     if scheme is None:

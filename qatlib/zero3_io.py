@@ -1,6 +1,7 @@
-"""Every DeepSpeed ZeRO-3 helper of qatlib, and nothing else.
+"""DeepSpeed ZeRO-3 start-up, collectives, the gathered save and run metadata (ZeRO-3 only).
 
-The ZeRO-3 path, in the order a run uses it (upstream design: shared spec qat-zero3.md):
+The ZeRO-3 path, in the order a run uses it (upstream design: shared spec qat-zero3.md; steps 2-4
+live in `qatlib.zero3_load`, the build / load half):
 
 1. `init_zero3(ds_config)` initialises ``deepspeed.comm`` (gloo on CPU, nccl on GPU, with a
    collective timeout) and registers the HF DeepSpeed config; the returned `Zero3Context` keeps
@@ -50,8 +51,7 @@ import logging
 import os
 import platform
 import resource
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,27 +59,20 @@ import torch
 from torch import nn
 
 from . import peers
-from .checkpoint import safetensors as st
 from .checkpoint.keys import key_of, scale_keys
 from .checkpoint.layout import (
     RUN_METADATA_FILE,
     SCALES_FILE,
     SCHEME_FILE,
-    WEIGHTS_FILE,
-    WEIGHTS_INDEX_FILE,
     AtomicDir,
     CheckpointError,
-    check_scheme,
     name_weight_shards,
-    safetensors_files,
-    weight_files,
     write_json,
 )
 from .device import bind as bind_device
 from .device import collective_device
 from .models import resolve_dtype
-from .moe import LinearizedMoeExperts, linearize_moe_experts
-from .quant import PrepareOptions, Quantizer, QuantLinear, QuantScheme, prepare
+from .quant import Quantizer, QuantLinear, QuantScheme
 from .quant.linear import prepared_scheme
 
 log = logging.getLogger(__name__)
@@ -351,289 +344,6 @@ def _mmap_large_allocations(threshold: int = 1 << 20) -> bool:
         return bool(libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD = -3
     except (OSError, AttributeError):
         return False
-
-
-# =========================================================================== empty model
-def mark_moe_leaf_modules(model: nn.Module) -> int:
-    """Make every `LinearizedMoeExperts` a ZeRO-3 leaf: its experts' parameters are fetched in one
-    coalesced gather when the block starts instead of one hook per expert linear. Returns how many.
-
-    LinearizedMoeExperts runs every expert on every rank, so the collectives match whatever the
-    routing even without this; but without leaf modules DeepSpeed 0.19.8's prefetch computed wrong
-    MoE gradients in our tests, so `build_empty_model` always marks them unless told otherwise.
-    DeepSpeed's default already treats transformers' ``Qwen3MoeSparseMoeBlock`` (the parent) as a
-    leaf; this covers other architectures and configs that override ``leaf_module.classes``.
-    """
-    from deepspeed.utils import set_z3_leaf_modules
-
-    return len(set_z3_leaf_modules(model, [LinearizedMoeExperts], raise_if_not_found=False))
-
-
-def build_empty_model(
-    model_path_or_config: str | os.PathLike | Any,
-    ctx: Zero3Context,
-    *,
-    trust_remote_code: bool = False,
-    attn_implementation: str | None = None,
-    linearize_moe: bool = True,
-    moe_leaf: bool = True,
-) -> nn.Module:
-    """A causal LM built from its config under ``zero.Init``: partitioned, weights NOT read nor
-    initialised (fill them with `stream_load_weights`). Fused MoE experts are linearised inside the
-    same context, so the per-expert linears are partitioned at creation and nothing is copied."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-    from transformers.integrations.deepspeed import prevent_arange_dtype_change
-    from transformers.modeling_utils import set_zero3_state
-
-    if isinstance(model_path_or_config, (str, os.PathLike)):
-        config = AutoConfig.from_pretrained(str(model_path_or_config), trust_remote_code=trust_remote_code)
-    else:
-        config = model_path_or_config
-    kwargs: dict[str, Any] = {"dtype": ctx.dtype, "trust_remote_code": trust_remote_code}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    t0 = time.perf_counter()
-    # Our own zero.Init (not from_config's): set_zero3_state tells from_config that one is active, so it
-    # neither opens a second one nor runs initialize_weights_zero3 (a gathered random init of every module).
-    with no_init_weights(), prevent_arange_dtype_change(), ctx.zero_init(), set_zero3_state():
-        model = AutoModelForCausalLM.from_config(config, **kwargs)
-        n_moe = linearize_moe_experts(model, copy_weights=False) if linearize_moe else 0
-    if hasattr(model, "tie_weights"):  # no_init_weights also skipped the tying init_weights does
-        model.tie_weights()
-    if n_moe and moe_leaf:
-        mark_moe_leaf_modules(model)
-    model.config.use_cache = False
-    log.info(
-        "built empty %s under zero.Init in %.1fs (%d MoE blocks linearised)",
-        type(model).__name__,
-        time.perf_counter() - t0,
-        n_moe,
-    )
-    return model.eval()
-
-
-# =========================================================================== streamed loading
-def _execute_plan(
-    model: nn.Module, plan: list[st.PlanEntry], comm: _Comm, *, chunk_bytes: int, cast: Callable | None = None
-) -> None:
-    """All ranks: per chunk, gather its target parameters (modifier rank 0); rank 0 reads and copies;
-    rank 0's read errors are broadcast after the chunk and raised everywhere."""
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-
-    def dest_of(name: str) -> torch.Tensor:
-        return params[name].data if name in params else buffers[name]
-
-    for chunk in st.chunks(plan, chunk_bytes):
-        targets = list(dict.fromkeys(a.target for e in chunk for a in e.assigns))
-        chunk_params = [params[t] for t in targets if t in params]
-        error = None
-        with torch.no_grad(), gathered_param_if_zero3(chunk_params, modifier_rank=0):
-            if comm.is_main:
-                try:
-                    with open(chunk[0].info.file, "rb") as fh:
-                        for e in chunk:
-                            st.copy_entry(fh, e, dest_of, cast)
-                except Exception as err:  # noqa: BLE001 - broadcast and raised on every rank below
-                    error = f"{chunk[0].info.file}: {err}"
-        error = comm.bcast(error)
-        if error:
-            raise Zero3Error(error)
-        if comm.active:
-            for t in targets:
-                if t in buffers:
-                    _broadcast_tensor(buffers[t])
-
-
-def _broadcast_tensor(t: torch.Tensor) -> None:
-    """Rank 0's ``t`` to every rank, through the collective's device (NCCL cannot send a CPU buffer)."""
-    dev = collective_device()
-    if t.device == dev:
-        torch.distributed.broadcast(t, src=0)
-        return
-    tmp = t.to(dev)
-    torch.distributed.broadcast(tmp, src=0)
-    t.copy_(tmp)
-
-
-def _full_shape(p: torch.Tensor) -> tuple[int, ...]:
-    return tuple(p.ds_shape) if is_zero3_param(p) else tuple(p.shape)
-
-
-def stream_load_weights(
-    model: nn.Module,
-    model_path: str | os.PathLike,
-    *,
-    chunk_bytes: int = 64 << 20,
-    ignore: Sequence[str] = st.DEFAULT_IGNORED_KEYS,
-) -> dict:
-    """Fill every parameter (and persistent buffer) of ``model`` from the safetensors checkpoint in
-    ``model_path`` (``model.safetensors`` or a ``model.safetensors.index.json`` with shards).
-
-    Under ZeRO-3 rank 0 alone reads, a chunk (<= ``chunk_bytes`` of one file) at a time, and every
-    rank gathers the same parameters in the same order with ``modifier_rank=0``. Per-expert keys and
-    fused ``.experts.gate_up_proj`` / ``.experts.down_proj`` keys both load into linearised experts
-    (and into fused ones). Missing / unexpected / shape-mismatched / duplicate keys raise one
-    `Zero3Error` listing them, on every rank; tied parameters need only one of their names; keys
-    matching ``ignore`` (regexes) are skipped; quantizer parameters (of a prepared model) are filled
-    when the checkpoint has them under their module names and left alone otherwise (their keys are
-    `stream_load_scales`' business). On a plain model it runs locally, with no collective.
-    Returns a small report (tensors, bytes, seconds).
-    """
-    model_dir = Path(model_path)
-    comm = _Comm(model_is_zero3(model))
-    t0 = time.perf_counter()
-
-    def plan_weights() -> list[st.PlanEntry]:
-        files = weight_files(model_dir)
-        if not files:
-            raise CheckpointError(f"{model_dir}: no {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}")
-        return st.weight_plan(files, _model_tensors(model), where=str(model_dir), ignore=ignore)
-
-    plan = comm.decide(plan_weights)
-    _execute_plan(model, plan, comm, chunk_bytes=chunk_bytes)
-    report = {
-        "tensors": len(plan),
-        "bytes": sum(e.info.end - e.info.start for e in plan),
-        "seconds": round(time.perf_counter() - t0, 3),
-    }
-    if comm.is_main:
-        log.info(
-            "loaded %d tensors (%.1f MB) from %s in %.1fs",
-            report["tensors"],
-            report["bytes"] / 2**20,
-            model_dir,
-            report["seconds"],
-        )
-    return report
-
-
-def load_model(
-    model_path: str | os.PathLike,
-    ctx: Zero3Context,
-    *,
-    trust_remote_code: bool = False,
-    attn_implementation: str | None = None,
-    chunk_bytes: int = 64 << 20,
-    moe_leaf: bool = True,
-) -> nn.Module:
-    """`build_empty_model` + `stream_load_weights`: the ZeRO-3 branch of `qatlib.models.load_model`."""
-    model = build_empty_model(
-        model_path,
-        ctx,
-        trust_remote_code=trust_remote_code,
-        attn_implementation=attn_implementation,
-        moe_leaf=moe_leaf,
-    )
-    stream_load_weights(model, model_path, chunk_bytes=chunk_bytes)
-    return model
-
-
-def _model_tensors(model: nn.Module) -> st.ModelTensors:
-    return st.model_tensors(model, shape_of=_full_shape)
-
-
-def _scale_plan(model: nn.Module, ptq_dir: str | os.PathLike, scheme: QuantScheme) -> tuple[list, dict]:
-    d, _ = check_scheme(ptq_dir, scheme)
-    qkeys = {key: name for name, key in scale_keys(model).items()}
-    return st.scale_plan(safetensors_files(d), _model_tensors(model), qkeys, where=str(d))
-
-
-def stream_load_scales(
-    model: nn.Module,
-    ptq_dir: str | os.PathLike,
-    scheme: QuantScheme,
-    *,
-    report_path: str | os.PathLike | None = None,
-) -> dict:
-    """Warm-start the quantizer parameters of a prepared ``model`` from a PTQ checkpoint.
-
-    ``ptq_dir`` (or its nested ``final_quant_checkpoint/``) must hold ``quant_scheme.json`` compatible
-    with ``scheme`` (`QuantScheme.compatible_with`) and ``*.safetensors`` with the keys of
-    docs/design.md; fused-expert keys (leading expert dim) fan out to every expert. A scale whose
-    shape differs from its quantizer's is an error (no broadcast; only a 1-element scalar fills a
-    ``[1]`` scale). Quantizer parameters without a key keep their init value (misses); scale-like
-    keys that fit no quantizer are reported as unused, other keys ignored. Works with and without
-    ZeRO-3. Returns (and writes to ``report_path`` as JSON, rank 0) the hit / miss counts.
-    """
-    comm = _Comm(model_is_zero3(model))
-    t0 = time.perf_counter()
-    plan, report = comm.decide(lambda: _scale_plan(model, ptq_dir, scheme))
-    _execute_plan(model, plan, comm, chunk_bytes=64 << 20, cast=lambda t: t.float())
-    loaded = {a.target for e in plan for a in e.assigns}
-    for name, q in model.named_modules():
-        if isinstance(q, Quantizer) and any(f"{name}.{p}" in loaded for p in ("scale", "clip_factor_w_max")):
-            q.initialized.fill_(True)
-    report["seconds"] = round(time.perf_counter() - t0, 3)
-    if comm.is_main:
-        log.info(
-            "PTQ scales from %s: %d hits, %d misses (init values kept), %d unused scale keys, %d other keys",
-            report["ptq_dir"],
-            report["hits"],
-            report["misses"],
-            report["unused_keys"],
-            report["ignored_keys"],
-        )
-        if report["unused_keys"]:
-            log.warning("scale keys matching no quantizer: %s", ", ".join(report["unused_key_names"][:10]))
-        if report_path is not None:
-            write_json(report_path, report)
-    return report
-
-
-# =========================================================================== QAT build
-def prepare_zero3(
-    model: nn.Module,
-    scheme: QuantScheme,
-    ctx: Zero3Context,
-    *,
-    ignore: Sequence[str] = ("lm_head",),
-    options: PrepareOptions | None = None,
-) -> nn.Module:
-    """`qatlib.quant.prepare` on a partitioned model: the whole swap runs inside one fp32
-    ``zero.Init``, so every new scale / zero point / LWC factor is partitioned at creation (and
-    initialised from the init values: shards cannot be read)."""
-    with ctx.scale_init():
-        prepare(model, scheme, ignore=ignore, options=options or PrepareOptions())
-    return model
-
-
-def build_qat_model(
-    model_path: str | os.PathLike,
-    ctx: Zero3Context,
-    scheme: QuantScheme,
-    *,
-    from_ptq_ckpt: str | os.PathLike | None,
-    ignore: Sequence[str] = ("lm_head",),
-    options: PrepareOptions | None = None,
-    trust_remote_code: bool = False,
-    attn_implementation: str | None = None,
-    scales_report_path: str | os.PathLike | None = None,
-    moe_leaf: bool = True,
-) -> nn.Module:
-    """The whole ZeRO-3 start: empty model -> streamed weights -> prepare -> streamed PTQ scales.
-
-    ``from_ptq_ckpt`` is required: under ZeRO-3 no rank sees a whole weight or activation, so scales
-    cannot be calibrated by forward and must come from a PTQ checkpoint. Its scheme is checked
-    before anything is built."""
-    comm = _Comm(_dist_ready())
-    if from_ptq_ckpt is None:
-        raise Zero3Error(
-            "ZeRO-3 QAT needs a PTQ checkpoint (compression.QAT.from_ptq_ckpt): scales cannot be calibrated by "
-            "forward on partitioned weights. Run the PTQ stage first and point from_ptq_ckpt at its output."
-        )
-    comm.decide(lambda: check_scheme(from_ptq_ckpt, scheme))
-    model = load_model(
-        model_path,
-        ctx,
-        trust_remote_code=trust_remote_code,
-        attn_implementation=attn_implementation,
-        moe_leaf=moe_leaf,
-    )
-    prepare_zero3(model, scheme, ctx, ignore=ignore, options=options)
-    stream_load_scales(model, from_ptq_ckpt, scheme, report_path=scales_report_path)
-    return model
 
 
 # =========================================================================== gather / save

@@ -30,7 +30,7 @@ from qatlib.quant import (
     quant_linears,
     quantization_disabled,
 )
-from qatlib.zero3_io import stream_load_scales
+from qatlib.zero3_load import stream_load_scales
 
 G16 = QuantSpec("int4", Granularity.GROUP, group_size=16)
 # a dequantizing reload passes a CompressedTensorsConfig over the checkpoint's own: expected

@@ -22,7 +22,7 @@ from qatlib.ptq import calibrate, save_ptq_checkpoint
 from qatlib.quant import QuantScheme, QuantSpec, prepare, preset, quant_linears
 from qatlib.quant import functional as F
 from qatlib.quant.spec import Granularity, SpecError
-from qatlib.zero3_io import stream_load_scales
+from qatlib.zero3_load import stream_load_scales
 
 pytestmark = pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")
 CT_ARGS = {"nvfp4": NVFP4, "mxfp4": MXFP4}

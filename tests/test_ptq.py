@@ -14,7 +14,7 @@ from qatlib.checkpoint.layout import read_scheme, read_scheme_record
 from qatlib.gptq import gptq, gptq_quantize_weight
 from qatlib.ptq import calibrate, save_ptq_checkpoint
 from qatlib.quant import Granularity, QuantScheme, QuantSpec, compute_qparams, prepare, preset, quant_linears
-from qatlib.zero3_io import stream_load_scales
+from qatlib.zero3_load import stream_load_scales
 
 G16 = QuantSpec("int4", Granularity.GROUP, group_size=16)
 

@@ -610,7 +610,7 @@ def test_blockwise_cli_trains_and_saves_a_qat_checkpoint(tmp_path, tiny_tokenize
     import yaml
 
     from qatlib.checkpoint.layout import TRAIN_LOG_FILE
-    from qatlib.zero3_io import stream_load_scales
+    from qatlib.zero3_load import stream_load_scales
 
     model_dir = tmp_path / "base"
     build_model(tiny_qwen3_config()).save_pretrained(model_dir)
@@ -724,13 +724,14 @@ def _z3_reference(tmp_path: Path, spec: dict, data: list) -> list[dict[str, torc
     from transformers import AutoModelForCausalLM
 
     from qatlib import zero3_io as z
+    from qatlib import zero3_load as zl
 
     z3_steps, after = Path(spec["out"]) / "steps", []
 
     class Sync(TrainerCallback):
         def on_step_begin(self, args, state, control, model=None, **kw):
             if state.global_step:  # in place: the optimizer keeps its parameters and moments
-                z.stream_load_scales(model, z3_steps / str(state.global_step), Z3_SCHEME)
+                zl.stream_load_scales(model, z3_steps / str(state.global_step), Z3_SCHEME)
 
         def on_step_end(self, args, state, control, model=None, **kw):
             d = tmp_path / "ref_steps" / str(state.global_step)
@@ -740,7 +741,7 @@ def _z3_reference(tmp_path: Path, spec: dict, data: list) -> list[dict[str, torc
     with one_thread():
         ref = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
         prepare(ref, Z3_SCHEME, options=PrepareOptions(init_from_weight=False))
-        z.stream_load_scales(ref, spec["ptq"], Z3_SCHEME)
+        zl.stream_load_scales(ref, spec["ptq"], Z3_SCHEME)
         QATTrainer(
             ref,
             targs(

@@ -19,6 +19,7 @@ from conftest import VOCAB, build_model, one_thread, tiny_qwen3_config, tiny_qwe
 from safetensors.torch import load_file, save_file
 
 from qatlib import zero3_io as z
+from qatlib import zero3_load as zl
 from qatlib.checkpoint.layout import RUN_METADATA_FILE, SCALES_FILE, WEIGHTS_INDEX_FILE
 from qatlib.quant import Granularity, PrepareOptions, QuantLinear, QuantScheme, QuantSpec, prepare, quantizers
 from qatlib.trainers.params import Learnable, param_groups, select_trainable
@@ -122,7 +123,7 @@ def quant_params(model) -> dict[str, torch.Tensor]:
 def prepared_from(model_dir: Path, ptq_dir: Path):
     model = load_plain(model_dir)
     prepare(model, SCHEME, options=PrepareOptions(init_from_weight=False))
-    report = z.stream_load_scales(model, ptq_dir, SCHEME)
+    report = zl.stream_load_scales(model, ptq_dir, SCHEME)
     return model, report
 
 
@@ -475,13 +476,13 @@ def test_plain_stream_load_weights_both_expert_layouts(ckpts):
 
     ref = load_plain(ckpts["moe"]).state_dict()
     fused_model = build_model(tiny_qwen3_moe_config(), seed=5)  # other random weights, fused experts
-    report = z.stream_load_weights(fused_model, ckpts["moe"])  # per-expert keys
+    report = zl.stream_load_weights(fused_model, ckpts["moe"])  # per-expert keys
     assert report["tensors"] == len(load_file(str(ckpts["moe"] / "model.safetensors")))
     for k, v in fused_model.state_dict().items():
         assert torch.equal(v, ref[k]), k
     lin_model = build_model(tiny_qwen3_moe_config(), seed=5)
     linearize_moe_experts(lin_model)
-    z.stream_load_weights(lin_model, ckpts["moe_fused"])  # fused keys
+    zl.stream_load_weights(lin_model, ckpts["moe_fused"])  # fused keys
     inter = lin_model.config.moe_intermediate_size
     w = ref["model.layers.1.mlp.experts.gate_up_proj"][2]
     assert torch.equal(lin_model.model.layers[1].mlp.experts[2].gate_proj.weight, w[:inter])
@@ -498,7 +499,7 @@ def test_plain_stream_load_weights_lists_problems(tmp_path, ckpts):
     sd["model.layers.0.mlp.experts.0.up_proj.weight"] = torch.zeros(3, 3)
     save_file(sd, str(tmp_path / "model.safetensors"))
     with pytest.raises(z.Zero3Error) as err:
-        z.stream_load_weights(build_model(tiny_qwen3_moe_config()), tmp_path)
+        zl.stream_load_weights(build_model(tiny_qwen3_moe_config()), tmp_path)
     msg = str(err.value)
     assert "missing (1): model.norm.weight" in msg
     assert "model.layers.0.mlp.experts.0.up_proj.weight: checkpoint [3, 3]" in msg
@@ -510,7 +511,7 @@ def test_tied_embeddings_need_one_key(tmp_path):
     src.save_pretrained(tmp_path)
     assert "lm_head.weight" not in load_file(str(tmp_path / "model.safetensors"))
     dst = build_model(cfg, seed=4)
-    z.stream_load_weights(dst, tmp_path)
+    zl.stream_load_weights(dst, tmp_path)
     assert dst.lm_head.weight is dst.model.embed_tokens.weight
     assert torch.equal(dst.lm_head.weight, src.lm_head.weight)
 
@@ -534,7 +535,7 @@ def test_plain_save_consolidated_roundtrip(tmp_path, ckpts, lwc):
         for reload_opts in [opts, PrepareOptions()] if lwc else [opts]:
             again = load_plain(out)
             prepare(again, SCHEME, options=reload_opts)
-            report = z.stream_load_scales(again, out, SCHEME)
+            report = zl.stream_load_scales(again, out, SCHEME)
             assert report["misses"] == 0
             with torch.no_grad():
                 assert torch.equal(again(input_ids=x).logits, want)

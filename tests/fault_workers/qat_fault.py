@@ -28,6 +28,7 @@ from pathlib import Path
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     from qatlib import zero3_io as z
+    from qatlib import zero3_load as zl
     from qatlib.peers import CollectiveFailure
     from qatlib.trainers.guard import GuardError
 
@@ -50,7 +51,7 @@ def run(spec, z, ctx) -> None:
     from qatlib.trainers.params import Learnable
 
     scheme = QuantScheme.from_dict(spec["scheme"])
-    model = z.build_qat_model(spec["model"], ctx, scheme, from_ptq_ckpt=spec["ptq"])
+    model = zl.build_qat_model(spec["model"], ctx, scheme, from_ptq_ckpt=spec["ptq"])
     out = Path(spec["out"])
     rank = z.get_rank()
     step = [0]  # the step being computed (1-based)

@@ -27,6 +27,7 @@ logging.basicConfig(
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     from qatlib import zero3_io as z
+    from qatlib import zero3_load as zl
 
     ds_config = json.loads(Path(spec["ds_config"]).read_text())
     ctx = z.init_zero3(ds_config, timeout_s=120)  # before TrainingArguments (NOTES-platform)
@@ -52,7 +53,7 @@ def main() -> None:
     F.compiled = counting_compiled
     scheme = QuantScheme.from_dict(spec["scheme"])
     options = PrepareOptions(compile_fake_quant=bool(spec.get("compile", False)))
-    model = z.build_qat_model(spec["model"], ctx, scheme, from_ptq_ckpt=spec["ptq"], options=options)
+    model = zl.build_qat_model(spec["model"], ctx, scheme, from_ptq_ckpt=spec["ptq"], options=options)
     assert z.model_is_zero3(model)
     assert all(q.compile_fake_quant == options.compile_fake_quant for _, q in quantizers(model))
     # forwards of the first decoder layer's attention: a checkpointed step runs it again in backward

@@ -27,31 +27,32 @@ def say(line: str) -> None:
 
 def main() -> None:
     from qatlib import zero3_io as z
+    from qatlib import zero3_load as zl
     from qatlib.quant import QuantScheme
 
     spec = json.loads(Path(sys.argv[1]).read_text())
     scheme = QuantScheme.from_dict(spec["scheme"])
     ctx = z.init_zero3(spec["ds_config"], timeout_s=60)
     rank = z.get_rank()
-    model = z.build_empty_model(spec["model"], ctx)
+    model = zl.build_empty_model(spec["model"], ctx)
     state = {"prepared": False}
 
     def prepared():
         if not state["prepared"]:
-            z.prepare_zero3(model, scheme, ctx)
+            zl.prepare_zero3(model, scheme, ctx)
             state["prepared"] = True
         return model
 
     cases = {
-        "missing_key": lambda: z.stream_load_weights(model, spec["missing_key"]),
-        "shape_mismatch": lambda: z.stream_load_weights(model, spec["shape_mismatch"]),
-        "unexpected_key": lambda: z.stream_load_weights(model, spec["unexpected_key"]),
-        "truncated": lambda: z.stream_load_weights(model, spec["truncated"]),
-        "ptq_other_format": lambda: z.stream_load_scales(prepared(), spec["ptq_other_format"], scheme),
-        "ptq_scale_shape": lambda: z.stream_load_scales(prepared(), spec["ptq_scale_shape"], scheme),
-        "ptq_missing_dir": lambda: z.stream_load_scales(prepared(), spec["ptq_missing_dir"], scheme),
-        "no_ptq_ckpt": lambda: z.build_qat_model(spec["model"], ctx, scheme, from_ptq_ckpt=None),
-        "ptq_other_format_build": lambda: z.build_qat_model(
+        "missing_key": lambda: zl.stream_load_weights(model, spec["missing_key"]),
+        "shape_mismatch": lambda: zl.stream_load_weights(model, spec["shape_mismatch"]),
+        "unexpected_key": lambda: zl.stream_load_weights(model, spec["unexpected_key"]),
+        "truncated": lambda: zl.stream_load_weights(model, spec["truncated"]),
+        "ptq_other_format": lambda: zl.stream_load_scales(prepared(), spec["ptq_other_format"], scheme),
+        "ptq_scale_shape": lambda: zl.stream_load_scales(prepared(), spec["ptq_scale_shape"], scheme),
+        "ptq_missing_dir": lambda: zl.stream_load_scales(prepared(), spec["ptq_missing_dir"], scheme),
+        "no_ptq_ckpt": lambda: zl.build_qat_model(spec["model"], ctx, scheme, from_ptq_ckpt=None),
+        "ptq_other_format_build": lambda: zl.build_qat_model(
             spec["model"], ctx, scheme, from_ptq_ckpt=spec["ptq_other_format"]
         ),
         "optimizer_block": lambda: z.init_zero3(spec["ds_config_with_optimizer"]),
@@ -74,8 +75,8 @@ def main() -> None:
     torch.distributed.barrier()
     say(f"[rank{rank}] CASES DONE")
     try:  # the uncaught one
-        z.stream_load_weights(
-            model if not state["prepared"] else z.build_empty_model(spec["model"], ctx), spec["truncated"]
+        zl.stream_load_weights(
+            model if not state["prepared"] else zl.build_empty_model(spec["model"], ctx), spec["truncated"]
         )
     except Exception as e:
         say(f"[rank{rank}] FATAL {type(e).__name__}: {str(e).splitlines()[0]}")

@@ -56,6 +56,7 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
     import deepspeed
 
     from qatlib import zero3_io as z
+    from qatlib import zero3_load as zl
     from qatlib.device import current as current_device
     from qatlib.models import load_model
     from qatlib.moe import LinearizedMoeExperts
@@ -74,7 +75,7 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
     dev = current_device()
     checks: dict = {}
 
-    model = z.build_qat_model(
+    model = zl.build_qat_model(
         ph["model"],
         ctx,
         scheme,
