@@ -28,7 +28,6 @@ from pathlib import Path
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     from qatlib import zero3_io as z
-    from qatlib import zero3_load as zl
     from qatlib.peers import CollectiveFailure
     from qatlib.trainers.guard import GuardError
 
