@@ -50,6 +50,8 @@ def run(spec, z, ctx) -> None:
     from qatlib.trainers.params import Learnable
 
     scheme = QuantScheme.from_dict(spec["scheme"])
+    from qatlib import zero3_load as zl
+
     model = zl.build_qat_model(spec["model"], ctx, scheme, from_ptq_ckpt=spec["ptq"])
     out = Path(spec["out"])
     rank = z.get_rank()
