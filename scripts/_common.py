@@ -1,5 +1,4 @@
-"""What every stage script shares: the config flags, threads, logging, progress bars and the
-``timings/<stage>.json`` record.
+"""What every stage script shares: config flags, threads, logging, progress, ``timings/<stage>.json``.
 
 Config flags follow the upstream ``tools/run.py``: ``-c/--config`` (the experiment YAML),
 ``--model-path`` (overrides ``model.model_path``), ``--save-path`` (the stage's output folder),
@@ -19,7 +18,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 log = logging.getLogger("qatlib.scripts")
-_SET_HELP = "override a config key (dotted path; the value is read as YAML); repeatable"
+_SET_HELP = "override a config key (dotted path, value read as YAML); repeatable"
 
 
 def parser(
@@ -29,9 +28,7 @@ def parser(
     ap = argparse.ArgumentParser(description=description)
     if config:
         ap.add_argument("-c", "--config", required=True, help="experiment YAML (upstream AngelSlim layout)")
-        ap.add_argument(
-            "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=_SET_HELP
-        )
+        ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V", help=_SET_HELP)
     if model:
         ap.add_argument("--model-path", default=None, help="model folder or hub id (sets model.model_path)")
     if save:
@@ -81,9 +78,8 @@ def setup(args: argparse.Namespace) -> None:
         os.environ["TQDM_DISABLE"] = "1"
     from qatlib import device
 
-    # this rank's GPU (LOCAL_RANK) is the current device before any model, tensor or collective
-    dev = device.bind()
-    logging.getLogger("qatlib.scripts").info("device %s (backend %s)", dev.device, dev.backend)
+    dev = device.bind()  # this rank's GPU (LOCAL_RANK), before any model, tensor or collective
+    log.info("device %s (backend %s)", dev.device, dev.backend)
     if args.threads:
         import torch
 
@@ -107,7 +103,6 @@ def stage(name: str, args: argparse.Namespace) -> Iterator[dict]:
     try:
         yield extra
     except (CheckpointError, CollectiveFailure) as e:
-        # a missing / unfit checkpoint, a dead or hung rank: the message, not a traceback
         sys.exit(f"error: {e}")
     wall = time.perf_counter() - t0
     log.info("stage %s: done in %.1f s", name, wall)
@@ -116,12 +111,6 @@ def stage(name: str, args: argparse.Namespace) -> Iterator[dict]:
 
         from qatlib.checkpoint.layout import write_json
 
-        record = {
-            "stage": name,
-            "wall_s": round(wall, 3),
-            "world_size": world_size(),
-            "torch_threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count(),
-        }
-        record.update(extra)
+        record = dict(stage=name, wall_s=round(wall, 3), world_size=world_size(), cpu_count=os.cpu_count())
+        record.update(torch_threads=torch.get_num_threads(), **extra)
         write_json(args.timing, record, sort_keys=True)
