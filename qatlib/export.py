@@ -72,10 +72,10 @@ from .export_format import CTFormat, ExportError, compressed_tensors_format
 from .quant import QuantLinear, QuantScheme, quant_linears
 from .quant import functional as F
 from .quant.calibration import prepared_mismatch
+from .quant.health import bad_quant_params
 from .quant.linear import attention_role, is_router, weight_readable
 from .quant.quantizer import Quantizer
 from .quant.spec import Granularity
-from .trainers.guard import bad_quant_params
 
 log = logging.getLogger(__name__)
 

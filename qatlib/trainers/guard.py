@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from ..quant.linear import quantizers
+from ..quant.health import bad_quant_params, describe_non_finite
 
 
 class GuardError(RuntimeError):
@@ -51,43 +51,6 @@ def _gather(obj) -> list:
         return [obj]
     out = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(out, obj)
-    return out
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """This rank's share of a parameter: the valid part of its ZeRO-3 partition (the last ranks'
-    partitions are padded: a 1-element scale's partition on rank 1 is all padding, uninitialised
-    memory), else the tensor itself."""
-    if not hasattr(p, "ds_tensor"):
-        return p
-    part = p.ds_tensor.view(-1)
-    start = torch.distributed.get_rank() * part.numel() if _dist() else 0
-    return part[: max(0, min(part.numel(), p.ds_numel - start))]
-
-
-def _describe(t: torch.Tensor) -> str:
-    t = t.detach().float()
-    bad = ~torch.isfinite(t)
-    kinds = [k for k, m in (("nan", torch.isnan(t)), ("inf", torch.isinf(t))) if bool(m.any())]
-    return f"{int(bad.sum())} of {t.numel()} values {'/'.join(kinds) or 'non-finite'}"
-
-
-def bad_quant_params(model: nn.Module) -> list[str]:
-    """``"<param>: <what>"`` for each quantizer parameter (this rank's share) that is not finite, and
-    each scale not in (0, inf)."""
-    out = []
-    for qname, q in quantizers(model):
-        for pname, p in q.named_parameters(recurse=False):
-            t = _local(p).detach()
-            if t.numel() == 0:
-                continue
-            name = f"{qname}.{pname}"
-            if not bool(torch.isfinite(t).all()):
-                out.append(f"{name}: {_describe(t)}")
-            elif p is q.scale and not bool((t > 0).all()):
-                out.append(
-                    f"{name}: {int((t <= 0).sum())} of {t.numel()} values <= 0 (min {t.min().item():g})"
-                )
     return out
 
 
@@ -164,7 +127,7 @@ class TrainingGuard(TrainerCallback):
         bad = []
         for name, p in self.trainable:
             if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                bad.append(f"{name}.grad: {_describe(p.grad)}")
+                bad.append(f"{name}.grad: {describe_non_finite(p.grad)}")
         if _any_rank(bool(bad), self._device()):
             lines = _ranked(_gather(bad))
             raise GuardError(
