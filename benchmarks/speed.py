@@ -355,10 +355,15 @@ class _FusedFakeQuant(torch.autograd.Function):
         return gx, gs, gz, None, None
 
 
-def fused_fake_quantize(x, scale, zero_point, spec, *, clamp_grad="mask"):
-    """Drop-in for `qatlib.quant.functional.fake_quantize` (same signature and values)."""
+def fused_fake_quantize(x, scale, zero_point, spec, *, clamp_grad="mask", global_scale=None):
+    """Drop-in for `qatlib.quant.functional.fake_quantize` (same signature and values); the
+    prototype covers the int / fp8 formats, FP4 (a global scale) goes to qatlib's own."""
     if clamp_grad not in ("mask", "pass"):
         raise ValueError(f"clamp_grad must be 'mask' or 'pass', got {clamp_grad!r}")
+    if global_scale is not None:
+        from qatlib.quant import functional as QF
+
+        return QF.fake_quantize(x, scale, zero_point, spec, clamp_grad=clamp_grad, global_scale=global_scale)
     return _FusedFakeQuant.apply(x, scale, zero_point, spec, clamp_grad == "pass")
 
 
