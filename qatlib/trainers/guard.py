@@ -10,7 +10,8 @@ raises the same `GuardError` at the same step (no rank is left waiting in a coll
   the ranks;
 - the gradients of the trainable parameters before the optimizer step (plain models; under
   DeepSpeed the engine steps inside backward, so its global gradient norm is checked after it);
-- every quantizer scale after the step: it must stay in (0, inf), other quantizer parameters finite.
+- every quantizer parameter after the step: finite, and no scale exactly 0 (a scale below 0 is
+  reported, not an error: `qatlib.quant.health.negative_scales` says why).
 
 The check after the step runs before the Trainer's checkpoint of that step, so the last
 checkpoint written is the last good one (the resumable state). ZeRO-3 parameters are checked on
@@ -20,6 +21,7 @@ their local partitions (``ds_tensor``): no gather.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Iterator
 
@@ -27,11 +29,13 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from ..quant.health import bad_quant_params, describe_non_finite
+from ..quant.health import bad_quant_params, describe_non_finite, negative_scales
+
+log = logging.getLogger(__name__)
 
 
 class GuardError(RuntimeError):
-    """Training produced a non-finite loss / gradient or a scale outside (0, inf) (named)."""
+    """Training produced a non-finite loss / gradient / quantizer parameter or a zero scale (named)."""
 
 
 def _dist() -> bool:
@@ -93,6 +97,7 @@ class TrainingGuard(TrainerCallback):
         self.trainable = trainable_params
         self.step = 0  # the optimizer step being computed, 1-based (the train log's numbering)
         self.trainer = None  # set by QATTrainer: its ``model_wrapped`` is the DeepSpeed engine
+        self._negative = 0  # negative scales reported so far
 
     def _device(self):
         return next(self.model.parameters()).device
@@ -143,6 +148,10 @@ class TrainingGuard(TrainerCallback):
             grad_norm = engine.get_global_grad_norm()
             grad_norm = None if grad_norm is None else float(grad_norm)
         bad = bad_quant_params(self.model)
+        neg = negative_scales(self.model)
+        if len(neg) > self._negative:  # reported, not an error (`qatlib.quant.health.negative_scales`)
+            self._negative = len(neg)
+            log.warning("step %d: %d scale(s) below 0 (e.g. %s)", step, len(neg), "; ".join(neg[:3]))
         norm_bad = grad_norm is not None and not math.isfinite(grad_norm)
         if _any_rank(bool(bad) or norm_bad, self._device()):
             lines = _ranked(_gather(bad))
