@@ -390,11 +390,13 @@ def test_end_to_end_on_the_test_config(tmp_path):
     _, out = run([*sm, "-n"], repo)
     assert dry_jobs(out) == {"convert_export", "evaluate[export]", "sqnr", "report", "all"}, out[-4000:]
     # ... the local task's code (qatlib/offline/mc_task.py: only scripts/local_task.py imports it),
-    # so the task and what reads it: every evaluation and the report
+    # so, on top of the edits above, the task and every evaluation (they read it)
     task_code = repo / "qatlib/offline/mc_task.py"
     task_code.write_text(task_code.read_text() + "\n")
     _, out = run([*sm, "-n"], repo)
     assert dry_jobs(out) == {
+        "convert_export",
+        "sqnr",
         "local_task",
         "evaluate[bf16]",
         "evaluate[ptq]",
