@@ -132,6 +132,30 @@ def single_thread():
         yield
 
 
+def compute_device() -> torch.device:
+    """The device single-process tests compute on: `qatlib.device`'s choice for this process
+    (``cuda:0`` on a CUDA machine, else the CPU; ``QATLIB_DEVICE=cpu`` forces the CPU). Random data
+    is drawn on the CPU (seeded generators are per device) and moved, so a test sees the same
+    numbers on either device; only the arithmetic moves."""
+    from qatlib import device
+
+    return device.resolve().device
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """`compute_device` as a fixture (a test that takes it is marked ``device_aware``)."""
+    return compute_device()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that take the ``device`` fixture and the multi-rank ones compute where the machine
+    can: mark them ``device_aware`` so ``benchmarks.gpu_check`` selects them with ``-m``."""
+    for item in items:
+        if "device" in getattr(item, "fixturenames", ()) or item.get_closest_marker("multirank"):
+            item.add_marker(pytest.mark.device_aware)
+
+
 def multirank_device(nproc: int = 2) -> str:
     """The device type the ``nproc`` ranks of a multi-rank test run on (`qatlib.device`'s choice:
     one GPU per rank on a CUDA machine, else the CPU); skips the test, with the reason, on a CUDA

@@ -8,6 +8,8 @@ import torch
 
 from qatlib import device
 
+pytestmark = pytest.mark.device_aware
+
 
 def test_cpu_machine_uses_gloo_on_the_cpu_for_every_rank():
     for local in range(4):

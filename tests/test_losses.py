@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import compute_device
 
 from benchmarks.memory import kd_memory_probe
 from qatlib.losses import (
@@ -19,6 +20,7 @@ from qatlib.losses import (
 )
 
 B, T, V = 3, 11, 37
+pytestmark = pytest.mark.device_aware  # `_data` puts every tensor on `compute_device`
 
 
 def _data(seed: int = 0):
@@ -29,7 +31,8 @@ def _data(seed: int = 0):
     labels[0, :5] = IGNORE_INDEX  # a prompt
     labels[1, 7:] = IGNORE_INDEX  # padding
     labels[2, 3] = IGNORE_INDEX  # a hole
-    return s, t, labels
+    dev = compute_device()  # drawn on the CPU, computed where the suite runs (a GPU if there is one)
+    return s.to(dev), t.to(dev), labels.to(dev)
 
 
 def _valid(s, t, labels):
@@ -118,7 +121,7 @@ def test_chunked_gradients_equal_unchunked(loss_type, kw):
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
     # masked positions get no gradient; the last position never predicts anything
     _, _, y = labels, None, labels[:, 1:]
-    masked = torch.zeros(B, T, dtype=torch.bool)
+    masked = torch.zeros(B, T, dtype=torch.bool, device=labels.device)
     masked[:, :-1] = y == IGNORE_INDEX
     masked[:, -1] = True
     assert grads[0][masked].abs().max() == 0

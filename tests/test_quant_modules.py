@@ -345,24 +345,24 @@ SCHEMES = {
 
 @pytest.mark.parametrize("arch", ["dense", "moe"])
 @pytest.mark.parametrize("name", list(SCHEMES))
-def test_prepare_convert_parity(name, arch):
+def test_prepare_convert_parity(name, arch, device):
     """convert replaces fake-quant by stored codes + scales; the logits must not move by one bit:
     both paths run the same fp32 ops (fake_quantize == dequantize(quantize))."""
     cfg = tiny_qwen3_config() if arch == "dense" else tiny_qwen3_moe_config()
     scheme = SCHEMES[name]
     for seed in range(3 if arch == "dense" else 2):
-        model = build_model(cfg, seed=seed)
-        ids = _ids(seed)
+        model = build_model(cfg, seed=seed).to(device)
+        ids = _ids(seed).to(device)
         ref = _logits(model, ids)
         prepare(model, scheme)
-        calibrate_activations(model, [_ids(seed + 100, 4, 16)])
+        calibrate_activations(model, [_ids(seed + 100, 4, 16).to(device)])
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():  # move the scales / zero points as training would
             for _, q in quantizers(model):
                 if q.scale is not None:
-                    q.scale.mul_(0.9 + 0.2 * torch.rand(q.scale.shape, generator=g))
+                    q.scale.mul_((0.9 + 0.2 * torch.rand(q.scale.shape, generator=g)).to(device))
                 if q.zero_point is not None:
-                    q.zero_point.add_(torch.rand(q.zero_point.shape, generator=g) - 0.5)
+                    q.zero_point.add_((torch.rand(q.zero_point.shape, generator=g) - 0.5).to(device))
         fq = _logits(model, ids)
         assert not torch.equal(fq, ref)
         n = len(list(quant_linears(model)))
@@ -398,9 +398,9 @@ def test_convert_unprepared_raises():
         convert(build_model(tiny_qwen3_config()))
 
 
-def test_quantization_disabled_gives_unquantized_logits():
-    model = build_model(tiny_qwen3_config())
-    ids = _ids(1)
+def test_quantization_disabled_gives_unquantized_logits(device):
+    model = build_model(tiny_qwen3_config()).to(device)
+    ids = _ids(1).to(device)
     ref = _logits(model, ids)
     prepare(model, _with_group(PRESETS["w4a8_fp8"], 32))
     calibrate_activations(model, [ids])
@@ -509,7 +509,7 @@ def test_per_head_output_quantizers_get_head_counts():
 
 
 # =========================================================================== fp8 attention
-def test_fp8_attention_function_matches_hand_reference():
+def test_fp8_attention_function_matches_hand_reference(device):
     torch.manual_seed(0)
     b, h, kv, t, d = 2, 4, 2, 6, 8
 
@@ -517,14 +517,18 @@ def test_fp8_attention_function_matches_hand_reference():
         num_key_value_groups = h // kv
 
     module = M().eval()
-    q, k, v = torch.randn(b, h, t, d), torch.randn(b, kv, t, d), torch.randn(b, kv, t, d)
-    mask = torch.zeros(b, 1, t, t)
-    mask[:, :, torch.triu(torch.ones(t, t, dtype=torch.bool), 1)] = torch.finfo(torch.float32).min
+    q, k, v = (
+        x.to(device) for x in (torch.randn(b, h, t, d), torch.randn(b, kv, t, d), torch.randn(b, kv, t, d))
+    )
+    mask = torch.zeros(b, 1, t, t, device=device)
+    mask[:, :, torch.triu(torch.ones(t, t, dtype=torch.bool, device=device), 1)] = torch.finfo(
+        torch.float32
+    ).min
     mask[1, :, :, 0] = torch.finfo(torch.float32).min  # a padded first token in batch 1
     mask[1, :, 0, 0] = 0
     scaling = d**-0.5
     out, probs = fp8_eager_attention_forward(module, q, k, v, mask, scaling)
-    ref = torch.zeros(b, t, h, d)
+    ref = torch.zeros(b, t, h, d, device=device)
     for bi in range(b):
         for hi in range(h):
             kvh = hi // (h // kv)

@@ -12,6 +12,7 @@ import torch
 from conftest import VOCAB, build_model, one_thread, tiny_qwen3_config, torchrun
 from transformers import TrainerCallback, TrainingArguments
 
+from qatlib import device as qdevice
 from qatlib.data import PadCollator
 from qatlib.losses import LossConfig
 from qatlib.ptq import calibrate
@@ -49,7 +50,9 @@ def prepared_model(*, lwc: bool = False, seed: int = 0, scheme: QuantScheme = SC
     return model
 
 
-def targs(tmp_path, **kw):
+def targs(tmp_path, on_device: bool = False, **kw):
+    """Trainer arguments of a tiny run. ``on_device``: train where the suite runs (the GPU on a CUDA
+    machine, `qatlib.device.use_cpu`); the other tests call the model themselves with CPU tensors."""
     base = dict(
         output_dir=str(tmp_path / "out"),
         max_steps=2,
@@ -58,7 +61,7 @@ def targs(tmp_path, **kw):
         logging_steps=1,
         save_strategy="no",
         report_to="none",
-        use_cpu=True,
+        use_cpu=qdevice.use_cpu() if on_device else True,
         disable_tqdm=True,
         lr_scheduler_type="constant",
         seed=0,
@@ -68,11 +71,11 @@ def targs(tmp_path, **kw):
 
 
 def snapshot(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
 def changed(before, model):
-    return {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
+    return {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach().cpu())}
 
 
 # --------------------------------------------------------------------------- learnable switches
@@ -85,6 +88,7 @@ SWITCH_SUFFIXES = {
 }
 
 
+@pytest.mark.device_aware
 @pytest.mark.parametrize("switch", list(SWITCH_SUFFIXES))
 def test_learnable_switch_trains_exactly_its_tensors(switch, tmp_path):
     model = prepared_model(lwc=switch == "lwc")
@@ -98,7 +102,7 @@ def test_learnable_switch_trains_exactly_its_tensors(switch, tmp_path):
     before = snapshot(model)
     tr = QATTrainer(
         model,
-        targs(tmp_path),
+        targs(tmp_path, on_device=True),
         loss_config=LossConfig(),
         learnable=learnable,
         train_dataset=make_data(),
@@ -128,13 +132,14 @@ def test_lwc_gets_its_own_learning_rate(tmp_path):
     assert {g["name"]: g["lr"] for g in opt.param_groups} == {"scale": 1e-2, "lwc": 0.5}
 
 
+@pytest.mark.device_aware
 def test_gradient_checkpointing_still_trains_scales(tmp_path):
     """All weights frozen + checkpointed blocks: the trainer makes the inputs require grad."""
     model = prepared_model()
     before = snapshot(model)
     tr = QATTrainer(
         model,
-        targs(tmp_path, max_steps=1, activation_checkpointing=True),
+        targs(tmp_path, on_device=True, max_steps=1, activation_checkpointing=True),
         loss_config=LossConfig(),
         train_dataset=make_data(),
         data_collator=PadCollator(0),
