@@ -123,6 +123,16 @@ def use_cpu() -> bool:
     return not resolve().is_cuda
 
 
+def device_map(configured: str | dict | None = None) -> str | dict | None:
+    """``from_pretrained(device_map=...)`` for a single-process stage (PTQ, evaluation): the
+    configured map (or ``"auto"``: accelerate spreads a model larger than one GPU over the visible
+    GPUs and the host) on the CUDA path, ``None`` (plain CPU tensors) on the CPU path, so that
+    ``QATLIB_DEVICE=cpu`` keeps these stages on the CPU of a GPU machine too."""
+    if not resolve().is_cuda:
+        return None
+    return configured or "auto"
+
+
 def autocast(device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16):
     """bf16 autocast on CUDA (matmuls in bf16 on tensor cores, reductions in fp32); a null context
     on the CPU, where CPU autocast would change the numerics the CPU tests pin."""

@@ -48,11 +48,10 @@ def split_tasks(tasks: list[str]) -> tuple[list[str], list[str], list[str]]:
 
 
 def load_variant(cfg, variant: str, model_path: str, scales: str | None):
-    import torch
-
+    from qatlib import device
     from qatlib.models import load_model, load_prepared
 
-    m, device_map = cfg.model, "auto" if torch.cuda.is_available() else None
+    m, device_map = cfg.model, device.device_map()
     if variant == "export":  # compressed-tensors decompresses and quantizes activations itself
         from transformers import AutoModelForCausalLM
 

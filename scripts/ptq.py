@@ -27,22 +27,21 @@ def main(argv=None) -> int:
         )
 
     with _common.stage("ptq_calibrate", args) as record:
-        import torch
         from torch.utils.data import DataLoader
 
+        from qatlib import device
         from qatlib.data import PadCollator, load_training_data
         from qatlib.models import load_model, load_tokenizer, resolve_model_dir
         from qatlib.ptq import calibrate, save_ptq_checkpoint
 
         scheme = cfg.quant_scheme()
         model_dir = resolve_model_dir(cfg.model.model_path, cache_dir=cfg.model.cache_dir)
-        cuda = torch.cuda.is_available()
         model = load_model(
             model_dir,
             torch_dtype=cfg.model.torch_dtype,
             trust_remote_code=cfg.model.trust_remote_code,
             attn_implementation=cfg.model.attn_implementation,
-            device_map=(cfg.model.device_map or "auto") if cuda else None,
+            device_map=device.device_map(cfg.model.device_map),
         )
         tok = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
         # Weight scales come from the weights; only static activation scales need calibration data.

@@ -73,3 +73,15 @@ def test_this_machine_and_autocast():
         with device.autocast("cuda"):
             a = torch.ones(2, 2, device="cuda")
             assert (a @ a).dtype == torch.bfloat16
+
+
+def test_single_process_stages_device_map(monkeypatch):
+    """PTQ / evaluation load with accelerate's map on the CUDA path and plain CPU tensors on the
+    CPU path, also on a GPU machine forced to the CPU (the stages used torch.cuda.is_available())."""
+    monkeypatch.setenv(device.FORCE_ENV, "cpu")
+    assert device.device_map() is None and device.device_map({"": 0}) is None
+    monkeypatch.delenv(device.FORCE_ENV)
+    if torch.cuda.is_available():
+        assert device.device_map() == "auto" and device.device_map({"": 0}) == {"": 0}
+    else:
+        assert device.device_map("auto") is None
