@@ -62,16 +62,17 @@ def render(shape: ModelShape, stages: list) -> str:
     ]
     for s in stages:
         cap = f" of {s.device_capacity / GIB:.0f}" if s.device else ""
+        n = s.ranks_per_node
         lines.append(
-            f"\n{s.stage} ({s.ranks_per_node} process{'es' if s.ranks_per_node > 1 else ''}/node, "
-            f"~{s.runtime_min} min): device/rank {_gib(s.device_peak).strip()}{cap}, host/node "
-            f"{_gib(s.host_peak).strip()} of {s.host_capacity / GIB:.0f}  "
+            f"\n{s.stage} ({n} process{'es' if n > 1 else ''}/node, ~{s.runtime_min} min): "
+            f"device/rank {_gib(s.device_peak).strip()}{cap}, host/rank {_gib(s.host_per_rank).strip()}, "
+            f"host/node {_gib(s.host_peak).strip()} of {s.host_capacity / GIB:.0f}  "
             + ("fits" if s.fits else "DOES NOT FIT")
         )
-        for where, terms in (("device/rank", s.device), ("host/node", s.host)):
+        for where, terms in (("device/rank", s.device), ("host/rank", s.host), ("host rank 0", s.node)):
             for t in terms:
                 lines.append(f"  {where:11} {_gib(t.bytes)}  {t.name}" + (f"  [{t.note}]" if t.note else ""))
-        lines += [f"  note: {n}" for n in s.notes]
+        lines += [f"  note: {x}" for x in s.notes]
     return "\n".join(lines)
 
 

@@ -162,7 +162,10 @@ class PlanInputs:
     offload_optimizer: bool = False
     offload_param: bool = False
     persistence_threshold: int | None = None  # None: DeepSpeed "auto" (10 x hidden)
+    prefetch: int | None = None  # stage3_prefetch_bucket_size; None: "auto" (0.9 x hidden^2)
     eager_attention: bool = False
+    eval_sources: int = 1  # evaluation.ppl + evaluation.tasks
+    eval_limit: int | None = None
 
 
 @dataclass
@@ -174,12 +177,17 @@ class Term:
 
 @dataclass
 class StagePlan:
+    """One stage's prediction. ``host`` is ONE rank's host RAM (every rank of the node holds it),
+    ``node`` what one rank holds on top (rank 0's save buffer); a node's host RAM is
+    ``ranks_per_node x host + node``."""
+
     stage: str
     ranks_per_node: int
-    device: list[Term]  # one rank (empty: a CPU stage or CPU run)
-    host: list[Term]  # one node
+    device: list[Term]  # one rank (empty: a CPU stage or a CPU run)
+    host: list[Term]  # one rank
+    node: list[Term]  # rank 0, once per node
     device_capacity: int
-    host_capacity: int
+    host_capacity: int  # one node
     runtime_min: int
     notes: list[str] = field(default_factory=list)
 
@@ -188,8 +196,17 @@ class StagePlan:
         return sum(t.bytes for t in self.device)
 
     @property
-    def host_peak(self) -> int:
+    def host_per_rank(self) -> int:
         return sum(t.bytes for t in self.host)
+
+    @property
+    def host_rank0(self) -> int:
+        return self.host_per_rank + sum(t.bytes for t in self.node)
+
+    @property
+    def host_peak(self) -> int:
+        """One node's host RAM."""
+        return self.ranks_per_node * self.host_per_rank + sum(t.bytes for t in self.node)
 
     @property
     def fits(self) -> bool:
@@ -197,7 +214,13 @@ class StagePlan:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(device_peak=self.device_peak, host_peak=self.host_peak, fits=self.fits)
+        d.update(
+            device_peak=self.device_peak,
+            host_per_rank=self.host_per_rank,
+            host_rank0=self.host_rank0,
+            host_peak=self.host_peak,
+            fits=self.fits,
+        )
         return d
 
 
@@ -270,6 +293,9 @@ def from_experiment(
         blockwise=g("compression.QAT.training_mode", "end2end") == "blockwise",
         offload_optimizer=str(section(zo, "offload_optimizer.device") or "none") == "cpu",
         offload_param=str(section(zo, "offload_param.device") or "none") == "cpu",
-        persistence_threshold=threshold if isinstance(threshold, int | float) else None,
+        persistence_threshold=int(threshold) if isinstance(threshold, int | float) else None,
+        prefetch=int(pf) if isinstance(pf := zo.get("stage3_prefetch_bucket_size"), int | float) else None,
         eager_attention=g("model.attn_implementation") == "eager",
+        eval_sources=len(g("evaluation.ppl", []) or []) + len(g("evaluation.tasks", []) or []),
+        eval_limit=g("evaluation.limit"),
     )

@@ -18,12 +18,12 @@ SAVE_SHARD_BYTES = 2 << 30  # qatlib.zero3_io.save_consolidated's max_shard_byte
 PROCESS_HOST = {"cpu": int(0.6 * GIB), "gpu": 3 * GIB}
 DEVICE_BASE = 1 * GIB
 STAGES = ("ptq_calibrate", "zero3_qat", "convert_export", "evaluate")
-# Rough throughput for `runtime` (minutes): GPU bf16 at ~25% of an H100's peak; a CPU thread.
-GPU_FLOPS, CPU_FLOPS_PER_THREAD = 250e12, 20e9
+# Rough throughput for `runtime` (minutes, x2 margin): GPU bf16 ~10% of an H100 peak (MoE under ZeRO-3); a CPU thread.
+GPU_FLOPS, CPU_FLOPS_PER_THREAD = 100e12, 10e9
 # ZeRO-3 all-gathers the weights for every forward / backward pass: bytes per second of a rank's
-# gather (NVLink-class / gloo on one host), and the tokens an evaluation reads (tasks + ppl).
+# gather (NVLink-class / gloo on one host), and the windows an evaluation source reads (no limit).
 GATHER_BYTES_PER_S = {"gpu": 100e9, "cpu": 1e9}
-EVAL_TOKENS = 2e6
+EVAL_WINDOWS = 2000
 
 
 # ----------------------------------------------------------------------------- the terms
@@ -82,7 +82,7 @@ class Run:
 def _minutes(flops: float, run: Run, devices: int, io_bytes: float = 0) -> int:
     rate = devices * GPU_FLOPS if run.gpus else max(1, run.threads) * CPU_FLOPS_PER_THREAD
     seconds = flops / rate + io_bytes / 0.5e9
-    return 10 + math.ceil(1.5 * seconds / 60)
+    return 10 + math.ceil(2 * seconds / 60)
 
 
 def _place(
@@ -98,16 +98,16 @@ def _place(
 ) -> StagePlan:
     """A rank's working set goes to its device (GPU) or into host RAM (CPU run, CPU stage)."""
     gpu = on_device and run.gpus > 0
-    kind = "gpu" if gpu else "cpu"
-    each = [Term("process (interpreter, torch, libraries)", PROCESS_HOST[kind]), *host_each]
+    each = [
+        Term("process (interpreter, torch, libraries)", PROCESS_HOST["gpu" if gpu else "cpu"]),
+        *host_each,
+    ]
     if gpu:
         device = [*work, Term("CUDA context + allocator slack", DEVICE_BASE)]
     else:
         device, each = [], [*work, *each]
-    times = f" (x{procs} ranks)" if procs > 1 else ""
-    host = [Term(t.name + times, t.bytes * procs, t.note) for t in each] + node
-    cap = run.gpu_mem if gpu else 0
-    return StagePlan(stage, procs, device, host, cap if device else 0, run.node_mem, minutes, notes)
+    cap = run.gpu_mem if device else 0
+    return StagePlan(stage, procs, device, each, node, cap, run.node_mem, minutes, notes)
 
 
 def _ptq(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
@@ -150,7 +150,7 @@ def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
     work = [Term("parameter shard (model / world)", shard, f"{m.total_params:,} params / {world}")]
     if zero3:
         work.append(Term("persistent small parameters (replicated)", persist * d, f"< {threshold} elements"))
-        prefetch = int(0.9 * m.hidden * m.hidden)  # "auto" stage3_prefetch_bucket_size
+        prefetch = x.prefetch if x.prefetch is not None else int(0.9 * m.hidden * m.hidden)
         work.append(Term("gathered unit (one decoder layer + prefetch)", (m.largest_layer + prefetch) * d))
     opt = Term(
         "trainable scales: param + fp32 master + grad + Adam m, v", scales * 20 // world, f"{scales:,} scales"
@@ -190,7 +190,7 @@ def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
     gathers = steps * (2 + x.grad_ckpt + x.kd) * m.total_params * d  # fwd, bwd, recompute, teacher
     gather_s = gathers / GATHER_BYTES_PER_S["gpu" if run.gpus else "cpu"] if zero3 else 0
     mins = _minutes(per_token * m.active_params * train_tokens, run, world, m.total_params * d / world)
-    mins += math.ceil(1.5 * gather_s / 60)
+    mins += math.ceil(2 * gather_s / 60)
     notes = [f"world size {world}" + ("" if zero3 else " (no ZeRO-3: one process)")]
     return _place("zero3_qat", work, host_each, node, procs, run, True, mins, notes)
 
@@ -228,7 +228,10 @@ def _evaluate(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
         )
         host = [Term("model in host RAM (layer-sequential offload)", m.total_params * d)]
         notes.append("the model does not fit one device: layer-sequential offload (slower)")
-    mins = _minutes(2 * m.active_params * EVAL_TOKENS, run, 1, m.total_params * d)
+    windows = x.eval_limit or EVAL_WINDOWS
+    mins = _minutes(
+        2 * m.active_params * windows * x.eval_seq * max(1, x.eval_sources), run, 1, m.total_params * d
+    )
     return _place("evaluate", [model, *rest], host, [], 1, run, True, mins, notes)
 
 
