@@ -53,7 +53,16 @@ def code(script):
 
 # ----------------------------------------------------------------------------- resources
 def mem_mb(stage):
-    return config["mem_mb"].get(stage, 4000)
+    """Host RAM (MB) of a rule's job: the memory plan's for the model stages (workflow/lib/
+    experiment.py `resources`: qatlib.plan from the model's config.json), else config.yaml's."""
+    if stage not in xp.PLANNED:
+        return config["mem_mb"].get(stage, 4000)
+    return lambda wc: EXPERIMENTS.resources(wc.exp, stage, config)["mem_mb"]
+
+
+def runtime(stage, default=240):
+    """Wall-clock minutes of a rule's job: the memory plan's estimate (x2 margin), else `default`."""
+    return lambda wc: EXPERIMENTS.resources(wc.exp, stage, config).get("runtime", default)
 
 
 def gpus(n=1):
