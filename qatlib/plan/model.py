@@ -50,7 +50,8 @@ class ModelShape:
             return cfg[key]
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
-        experts = int(cfg.get("num_experts") or 0)
+        # a dense config (model_type qwen3) ignores MoE keys, as transformers does
+        experts = int(cfg.get("num_experts") or 0) if "moe" in str(cfg.get("model_type", "moe")) else 0
         layers = need("num_hidden_layers")
         dense = sum(1 for i in cfg.get("mlp_only_layers") or [] if i < layers) if experts else 0
         return cls(
@@ -275,7 +276,8 @@ def from_experiment(
         dtype_bytes=DTYPE_BYTES.get(dtype, 2),
         seq_len=int(g("dataset.max_seq_length", 2048)),
         micro_batch=int(hf.get("per_device_train_batch_size", 8)),
-        grad_ckpt=bool(hf.get("gradient_checkpointing", False)),
+        # transformers 5: activation_checkpointing; gradient_checkpointing its deprecated alias
+        grad_ckpt=bool(hf.get("activation_checkpointing", hf.get("gradient_checkpointing")) or False),
         kd=loss != "origin" and kd_w > 0,
         train_samples=int(g("dataset.num_samples", 256)),
         epochs=float(hf.get("num_train_epochs", 3.0)),

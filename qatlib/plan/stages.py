@@ -57,9 +57,10 @@ def _logits(m: ModelShape, tokens: int, d: int, kd: bool) -> list[Term]:
     return out
 
 
-def _n_scales(m: ModelShape, w: WeightFormat) -> int:
+def _n_scales(m: ModelShape, w: WeightFormat, inputs: bool) -> int:
+    """Weight scales of every quantized linear, plus its static input scale when ``inputs``."""
     moe, dense = m.moe_layers, m.layers - m.moe_layers
-    per = [sum(w.scales(o, i) + 1 for o, i in m.layer_linears(b)) for b in (True, False)]  # +1 input
+    per = [sum(w.scales(o, i) + inputs for o, i in m.layer_linears(b)) for b in (True, False)]
     return moe * per[0] + dense * per[1]
 
 
@@ -130,7 +131,7 @@ def _ptq(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
     if x.gptq:
         work.append(Term("GPTQ Hessians (one layer)", sum(i * i * 4 for _, i in m.layer_linears(True))))
     work.append(Term("fake-quant temporaries (one linear)", m.largest_linear * (d + 4)))
-    work.append(Term("scales being written (fp32)", _n_scales(m, x.weight) * 4))
+    work.append(Term("scales being written (fp32)", _n_scales(m, x.weight, x.act_quant) * 4))
     host = [Term("read staging (one layer from the shards)", layer)]
     tokens = x.calib_samples * x.seq_len if x.calib else 0
     mins = _minutes(2 * m.active_params * tokens, run, 1, m.total_params * d)
@@ -146,7 +147,7 @@ def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
     small = 2 * m.hidden + 2 * m.head_dim  # the norms of a layer: below any usual threshold
     persist = (m.layers * small + m.hidden) if zero3 and small < threshold else 0
     shard = (m.total_params - persist) * d // world
-    scales = _n_scales(m, x.weight) if x.train_scales else 0
+    scales = _n_scales(m, x.weight, x.act_quant) if x.train_scales else 0
     work = [Term("parameter shard (model / world)", shard, f"{m.total_params:,} params / {world}")]
     if zero3:
         work.append(Term("persistent small parameters (replicated)", persist * d, f"< {threshold} elements"))
@@ -202,7 +203,7 @@ def _export(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
     work = [
         Term("largest QAT-checkpoint shard", shard),
         Term("two decoder layers (weights + codes)", 2 * (layer + codes)),
-        Term("scales (fp32)", _n_scales(m, x.weight) * 4),
+        Term("scales (fp32)", _n_scales(m, x.weight, x.act_quant) * 4),
     ]
     return _place(
         "convert_export", work, [], [], 1, run, False, _minutes(0, run, 1, 2 * m.total_params * d), []
