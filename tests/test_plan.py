@@ -241,3 +241,74 @@ def test_width_model_writes_the_hub_layout_in_shards(tmp_path):
     for f in (tmp_path / "s").glob("*.safetensors"):
         written |= set(load_file(f))
     assert written == keys
+
+
+# ----------------------------------------------------------------------------- the rehearsal (CI size)
+# The export, reloaded by transformers (compressed-tensors decompression), against the QAT model
+# it came from (qatlib's fake-quant, same scales), on the same tokens: bf16 rounding of a
+# 2048-wide dot product (~2^-8 relative) is all that may differ.
+REHEARSAL_LOGIT_RTOL = 1e-2
+
+
+def _rehearsal_logits(model, ids):
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+@pytest.mark.slow
+@pytest.mark.skip(
+    reason="needs h-qatmem: today's ZeRO-3 QAT holds ~3 x the model per rank at this width (#16: "
+    "12.1 GB at 2 layers), over the ~5 GB one CI test may take; enable after the QAT-memory merge"
+)
+def test_rehearsal_one_layer_ptq_zero3_qat_export_reload(tmp_path):
+    """qwen3-30b-a3b-width at 1 layer (1.25 B params, real width): PTQ -> ZeRO-3 QAT on 2 CPU
+    ranks -> export -> reload; every rank holds half of every parameter; the export's logits match
+    the QAT model's within REHEARSAL_LOGIT_RTOL."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.plan_rehearsal import corpus, watch
+    from qatlib.config import load_config
+    from qatlib.models import load_prepared
+    from qatlib.offline.width_model import write_random_model
+
+    text = corpus(tmp_path / "corpus")
+    model = tmp_path / "model"
+    write_random_model(
+        REPO / "config/models/Qwen--Qwen3-30B-A3B/config.json", model, num_hidden_layers=1, corpus_dir=text
+    )
+    exp = REPO / "config/experiments/qwen3-30b-a3b-width.yaml"
+    sets = [
+        f"dataset.data_path={text / 'train.txt'}",
+        f"evaluation.ppl=[{text / 'test.txt'}]",
+        f"model.model_path={model}",
+        f"compression.QAT.from_ptq_ckpt={tmp_path / 'ptq'}",
+        "dataset.max_seq_length=32",
+    ]
+    base = ["-c", str(exp), *(f"--set={s}" for s in sets), "--no-progress"]
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    runs = [
+        [sys.executable, "scripts/ptq.py", *base, "--save-path", str(tmp_path / "ptq")],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "scripts/qat.py",
+         *base, "--from-ptq-ckpt", str(tmp_path / "ptq"), "--save-path", str(tmp_path / "qat"),
+         "--run-dir", str(tmp_path / "qat_run"), "--threads", "1"],
+        [sys.executable, "scripts/export.py", *base, "--model-path", str(tmp_path / "qat"),
+         "--save-path", str(tmp_path / "export")],
+    ]  # fmt: skip
+    for i, cmd in enumerate(runs):
+        r = watch(cmd, int(5.5 * 2**30), env, tmp_path / f"stage{i}.log")
+        assert r["rc"] == 0 and not r["killed_at_limit"], (tmp_path / f"stage{i}.log").read_text()[-3000:]
+    meta = json.loads((tmp_path / "qat/run_metadata.json").read_text())
+    assert (meta["world_size"], meta["zero_stage"], len(meta["ranks"])) == (2, 3, 2)
+    for rank in meta["ranks"]:  # real partitioning: each rank holds half of every parameter
+        assert 0.49 <= rank["share_min"] <= rank["share_max"] <= 0.51, rank
+        assert rank["param_bytes_held"] <= 0.51 * meta["param_bytes_total"], rank
+    ids = torch.randint(0, 4000, (1, 32), generator=torch.Generator().manual_seed(0))
+    cfg = load_config(exp, sets)
+    qat = load_prepared(cfg, tmp_path / "qat", scales=tmp_path / "qat", complete=True)[0].eval()
+    ref = _rehearsal_logits(qat, ids)
+    del qat
+    got = _rehearsal_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval(), ids)
+    assert (got - ref).abs().max() <= REHEARSAL_LOGIT_RTOL * ref.abs().max()

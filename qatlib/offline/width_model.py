@@ -42,6 +42,18 @@ def _hub_tensors(model: torch.nn.Module) -> Iterator[tuple[str, tuple[int, ...]]
             yield f"{prefix}{pname}", tuple(p.shape)
 
 
+def _random(shape: tuple[int, ...], std: float, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Ones for a norm vector; normal(0, std) for a matrix, drawn in fp32 blocks of rows written into
+    the ``dtype`` tensor (a 151,936 x 2048 embedding drawn at once would take 2.5 GB of fp32)."""
+    if len(shape) == 1:
+        return torch.ones(shape, dtype=dtype)
+    out = torch.empty(shape, dtype=dtype)
+    rows = max(1, (1 << 24) // max(1, out[0].numel()))
+    for a in range(0, shape[0], rows):
+        out[a : a + rows] = torch.randn((min(rows, shape[0] - a), *shape[1:]), generator=gen).mul_(std)
+    return out
+
+
 def write_random_model(
     config: str | Path | dict,
     out_dir: str | Path,
@@ -70,7 +82,7 @@ def write_random_model(
     for k in ("architectures", "transformers_version", "torch_dtype", "dtype"):
         raw.pop(k, None)
     cfg = AutoConfig.for_model(model_type, **raw)
-    cfg.torch_dtype = dtype
+    cfg.dtype = dtype
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(cfg)
     std = float(getattr(cfg, "initializer_range", 0.02))
@@ -91,10 +103,7 @@ def write_random_model(
             pending, size = {}, 0
 
         for key, shape in _hub_tensors(meta):
-            if len(shape) == 1:  # norm weights
-                t = torch.ones(shape, dtype=dtype)
-            else:
-                t = (torch.randn(shape, generator=gen) * std).to(dtype)
+            t = _random(shape, std, dtype, gen)
             pending[key] = t
             nbytes = t.numel() * t.element_size()
             size, params, total = size + nbytes, params + t.numel(), total + nbytes
