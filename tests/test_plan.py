@@ -212,7 +212,10 @@ def test_workflow_resources_come_from_the_plan_without_torch():
         qp.ModelShape.from_config(mcfg), qp.from_experiment(raw, ds), qp.Run(gpus=0, cpu_ranks=2)
     )
     qat = stages[1]
-    assert got["zero3_qat"] == {"mem_mb": int(qat.host_peak * 1.25 / 1e6) + 1, "runtime": qat.runtime_min}
+    assert got["zero3_qat"] == {
+        "mem_mb": max(2000, int(qat.host_peak * 1.25 / 1e6) + 1),
+        "runtime": qat.runtime_min,
+    }
     assert got["report"] == {"mem_mb": load_yaml(REPO / "config/config.yaml")["mem_mb"]["report"]}
     assert got["hub"]["mem_mb"] > 8 * 3 * qp.GIB / 1e6  # 8 GPU ranks' host processes at least
 

@@ -102,6 +102,7 @@ PLANNED = {
     "evaluate": "evaluate",
 }
 PLAN_MARGIN = 1.25
+MIN_MEM_MB = 2000  # no torch job runs in less (interpreter, torch, transformers, lm-eval imports)
 
 
 def section(raw: Any, dotted: str) -> Any:
@@ -414,4 +415,4 @@ class Experiments:
         if stage not in found:
             return fixed
         s = found[stage]
-        return {"mem_mb": max(1000, int(s.host_peak * PLAN_MARGIN / 1e6) + 1), "runtime": s.runtime_min}
+        return {"mem_mb": max(MIN_MEM_MB, int(s.host_peak * PLAN_MARGIN / 1e6) + 1), "runtime": s.runtime_min}
