@@ -230,6 +230,10 @@ def test_width_model_writes_the_hub_layout_in_shards(tmp_path):
     info = write_random_model(TINY, tmp_path / "m", num_hidden_layers=2, shard_bytes=2000, seed=1)
     qp_total = qp.ModelShape.from_config(TINY).total_params
     assert info["params"] == qp_total and info["shards"] > 1
+    # the config.json transformers 5 writes (num_local_experts) is read like the hub's (num_experts)
+    written_cfg = json.loads((tmp_path / "m/config.json").read_text())
+    assert "num_local_experts" in written_cfg
+    assert qp.ModelShape.from_config(written_cfg) == qp.ModelShape.from_config(TINY)
     index = json.loads((tmp_path / "m/model.safetensors.index.json").read_text())
     keys = set(index["weight_map"])
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in keys and not any("gate_up" in k for k in keys)

@@ -51,7 +51,9 @@ class ModelShape:
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
         # a dense config (model_type qwen3) ignores MoE keys, as transformers does
-        experts = int(cfg.get("num_experts") or 0) if "moe" in str(cfg.get("model_type", "moe")) else 0
+        # (transformers 5 writes num_local_experts, the hub's config.json num_experts)
+        n = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        experts = int(n) if "moe" in str(cfg.get("model_type", "moe")) else 0
         layers = need("num_hidden_layers")
         dense = sum(1 for i in cfg.get("mlp_only_layers") or [] if i < layers) if experts else 0
         return cls(

@@ -132,7 +132,8 @@ def _ptq(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
         work.append(Term("GPTQ Hessians (one layer)", sum(i * i * 4 for _, i in m.layer_linears(True))))
     work.append(Term("fake-quant temporaries (one linear)", m.largest_linear * (d + 4)))
     work.append(Term("scales being written (fp32)", _n_scales(m, x.weight, x.act_quant) * 4))
-    host = [Term("read staging (one layer from the shards)", layer)]
+    # GPU: a layer is read into host memory, then copied to the device; CPU: it is read in place
+    host = [Term("read staging (one layer from the shards)", layer)] if run.gpus else []
     tokens = x.calib_samples * x.seq_len if x.calib else 0
     mins = _minutes(2 * m.active_params * tokens, run, 1, m.total_params * d)
     return _place("ptq_calibrate", work, host, [], 1, run, True, mins, [])
@@ -202,7 +203,7 @@ def _export(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
     codes = m.largest_layer * x.weight.bits // 8
     work = [
         Term("largest QAT-checkpoint shard", shard),
-        Term("two decoder layers (weights + codes)", 2 * (layer + codes)),
+        Term("two decoder layers (weights + codes)", min(2, m.layers) * (layer + codes)),
         Term("scales (fp32)", _n_scales(m, x.weight, x.act_quant) * 4),
     ]
     return _place(
