@@ -16,6 +16,7 @@ plan's per-rank (and rank 0) prediction, measured / predicted. Target: within +-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -32,29 +33,38 @@ SCRIPTS = {"ptq_calibrate": "ptq.py", "zero3_qat": "qat.py", "convert_export": "
 TARGET = 0.25
 
 
+def _hwm(pid: int) -> int:
+    """The kernel's peak resident set of ``pid`` (VmHWM): no spike between two samples is missed."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def watch(cmd: list[str], limit: int, env: dict[str, str], log_path: Path) -> dict[str, Any]:
-    """Run ``cmd``; peak RSS of each process of its tree (by pid), stopped past ``limit`` bytes."""
+    """Run ``cmd``: each process's peak RSS (VmHWM, by pid), the tree stopped once its current RSS
+    passes ``limit`` bytes."""
     import psutil
 
     t0 = time.perf_counter()
+    peaks: dict[int, tuple[int, str]] = {}
+    killed = False
     with open(log_path, "w") as logf:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT)
-        top, peaks, killed = psutil.Process(proc.pid), {}, False
+        top = psutil.Process(proc.pid)
         while proc.poll() is None:
             try:
                 tree = [top, *top.children(recursive=True)]
-                rss = {p.pid: (p.memory_info().rss, " ".join(p.cmdline())) for p in tree}
-            except psutil.Error:
+                now = 0
+                for p in tree:
+                    now += p.memory_info().rss
+                    name = peaks.get(p.pid, (0, ""))[1] or " ".join(p.cmdline())  # the first name
+                    peaks[p.pid] = (max(_hwm(p.pid), peaks.get(p.pid, (0,))[0]), name)
+            except (psutil.Error, OSError, StopIteration):
                 continue
-            for pid, (r, name) in rss.items():
-                peaks[pid] = (max(r, peaks.get(pid, (0,))[0]), name)
-            if sum(r for r, _ in rss.values()) > limit:
+            if now > limit:
                 killed = True
                 for p in reversed(tree):
-                    try:
+                    with contextlib.suppress(psutil.Error):
                         p.kill()
-                    except psutil.Error:
-                        pass
             time.sleep(0.2)
     # the ranks: the processes that run the script (torchrun's own launcher process excluded)
     script = Path(next(c for c in cmd if c.startswith("scripts/"))).name
