@@ -58,7 +58,8 @@ def watch(cmd: list[str], limit: int, env: dict[str, str], log_path: Path) -> di
                     now += p.memory_info().rss
                     name = peaks.get(p.pid, (0, ""))[1] or " ".join(p.cmdline())  # the first name
                     peaks[p.pid] = (max(_hwm(p.pid), peaks.get(p.pid, (0,))[0]), name)
-            except (psutil.Error, OSError, StopIteration):
+            except (psutil.Error, OSError, StopIteration):  # a process ending between two reads
+                time.sleep(0.2)
                 continue
             if now > limit:
                 killed = True
