@@ -39,7 +39,9 @@ def _hwm(pid: int) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
-def watch(cmd: list[str], limit: int, env: dict[str, str], log_path: Path) -> dict[str, Any]:
+def watch(
+    cmd: list[str], limit: int, env: dict[str, str], log_path: Path, cwd: Path = REPO
+) -> dict[str, Any]:
     """Run ``cmd``: each process's peak RSS (VmHWM, by pid), the tree stopped once its current RSS
     passes ``limit`` bytes."""
     import psutil
@@ -48,7 +50,7 @@ def watch(cmd: list[str], limit: int, env: dict[str, str], log_path: Path) -> di
     peaks: dict[int, tuple[int, str]] = {}
     killed = False
     with open(log_path, "w") as logf:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=logf, stderr=subprocess.STDOUT)
         top = psutil.Process(proc.pid)
         while proc.poll() is None:
             try:

@@ -319,3 +319,24 @@ def test_rehearsal_one_layer_ptq_zero3_qat_export_reload(tmp_path):
     del qat
     got = _rehearsal_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval(), ids)
     assert (got - ref).abs().max() <= REHEARSAL_LOGIT_RTOL * ref.abs().max()
+
+
+def test_rehearsal_watcher_records_the_peak_and_stops_at_the_limit(tmp_path):
+    """benchmarks.plan_rehearsal.watch: the kernel's peak (a 300 MB buffer freed before exit is
+    still counted), and a tree past the limit is killed, not waited for."""
+    import os
+
+    from benchmarks.plan_rehearsal import watch
+
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts/alloc.py").write_text(
+        "import sys, time\nb = bytearray(int(sys.argv[1]) << 20)\nb[::4096] = b'x' * len(b[::4096])\n"
+        "time.sleep(1.0)\ndel b\ntime.sleep(float(sys.argv[2]))\n"
+    )
+    env = dict(os.environ)
+    cmd = [sys.executable, str(tmp_path / "scripts/alloc.py"), "300", "0.5"]
+    r = watch([cmd[0], "scripts/alloc.py", *cmd[2:]], 2 << 30, env, tmp_path / "a.log", cwd=tmp_path)
+    assert r["rc"] == 0 and not r["killed_at_limit"]
+    assert len(r["peak_rss_per_rank"]) == 1 and r["peak_rss_per_rank"][0] > 300 << 20
+    r = watch([cmd[0], "scripts/alloc.py", "300", "30"], 100 << 20, env, tmp_path / "b.log", cwd=tmp_path)
+    assert r["killed_at_limit"] and r["rc"] != 0 and r["wall_s"] < 20
