@@ -267,7 +267,8 @@ def _rehearsal_logits(model, ids):
 @pytest.mark.slow
 @pytest.mark.skip(
     reason="needs h-qatmem: today's ZeRO-3 QAT holds ~3 x the model per rank at this width (#16: "
-    "12.1 GB at 2 layers), over the ~5 GB one CI test may take; enable after the QAT-memory merge"
+    "12.1 GB at 2 layers); even after it the plan predicts 3.9 GiB per rank + 2.3 GiB of rank 0's "
+    "save buffer (~10 GiB for the 2-rank tree) at 1 layer, over the ~5 GB one CI test may take"
 )
 def test_rehearsal_one_layer_ptq_zero3_qat_export_reload(tmp_path):
     """qwen3-30b-a3b-width at 1 layer (1.25 B params, real width): PTQ -> ZeRO-3 QAT on 2 CPU
