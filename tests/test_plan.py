@@ -89,6 +89,12 @@ def test_tiny_model_terms_by_hand():
     assert qat.device == [] and qat.host_peak == 2 * qat.host_per_rank + (TOTAL * 2 + 64 * 4)
     assert terms(export)["two decoder layers (weights + codes)"] == 2 * (LAYER * 2 + LAYER)
     assert terms(ev)["model (resident)"] == TOTAL * 2
+    # 2 nodes x 2 ranks: world 4, a quarter each; rank 0's save buffer once per node
+    qat4 = qp.plan(m, tiny_inputs(), qp.Run(gpus=2, nodes=2))[1]
+    assert terms(qat4)["parameter shard (model / world)"] == TOTAL * 2 // 4 and qat4.ranks_per_node == 2
+    # on GPUs the working set is device memory, the host keeps each rank's process and staging
+    assert "parameter shard (model / world)" in {t.name for t in qat4.device}
+    assert "parameter shard (model / world)" not in {t.name for t in qat4.host}
     # no KD: no teacher logits; no checkpointing: every layer's activations
     t = terms(qp.plan(m, tiny_inputs(kd=False, grad_ckpt=False), run)[1])
     assert "KD teacher logits (no grad)" not in t
