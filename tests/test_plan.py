@@ -347,3 +347,25 @@ def test_rehearsal_watcher_records_the_peak_and_stops_at_the_limit(tmp_path):
     assert len(r["peak_rss_per_rank"]) == 1 and r["peak_rss_per_rank"][0] > 300 << 20
     r = watch([cmd[0], "scripts/alloc.py", "300", "30"], 100 << 20, env, tmp_path / "b.log", cwd=tmp_path)
     assert r["killed_at_limit"] and r["rc"] != 0 and r["wall_s"] < 20
+
+
+def test_base_model_rule_writes_a_random_width_model(tmp_path):
+    """scripts/base_model.py (the workflow's base_model rule) with a ``random`` entry writes the
+    model, its tokenizer and the timing, and the plan reads the folder it wrote."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus/train.txt").write_text(
+        "\n\n".join(f"document {i} about scales and codes" for i in range(200))
+    )
+    (tmp_path / "tiny.json").write_text(json.dumps(TINY))
+    spec = {"random": {"config": str(tmp_path / "tiny.json"), "num_hidden_layers": 1, "seed": 3}}
+    out = tmp_path / "base"
+    cmd = [sys.executable, "scripts/base_model.py", "--name", "w", "--corpus", str(tmp_path / "corpus"),
+           "--save-path", str(out), "--spec-json", json.dumps(spec), "--timing", str(tmp_path / "t.json")]  # fmt: skip
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO)}
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
+    assert json.loads((out / "random_model.json").read_text())["layers"] == 1
+    assert (out / "tokenizer.json").is_file() and json.loads((tmp_path / "t.json").read_text())[
+        "stage"
+    ] == "base_model"
+    shape = qp.ModelShape.from_config(qp.find_model_config(str(out)))
+    assert shape == qp.ModelShape.from_config({**TINY, "num_hidden_layers": 1})
