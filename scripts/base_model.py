@@ -32,9 +32,24 @@ def main(argv=None) -> int:
         if args.name not in models:
             ap.error(f"no base model {args.name!r} in {args.base_models}")
         spec = models[args.name]
-    unknown = sorted(set(spec) - {"model", "train"})
+    unknown = sorted(set(spec) - {"model", "train", "random"})
     if unknown:
-        ap.error(f"base model {args.name!r}: unknown keys {unknown} (expected model, train)")
+        ap.error(f"base model {args.name!r}: unknown keys {unknown} (expected model, train or random)")
+    if "random" in spec:  # a random-weight model at a real model's width (no training)
+        from qatlib.offline.width_model import write_random_model
+
+        r = dict(spec["random"])
+        with _common.stage("base_model", args) as record:
+            stats = write_random_model(
+                r.pop("config"),
+                args.save_path,
+                corpus_dir=args.corpus,
+                num_hidden_layers=r.pop("num_hidden_layers"),
+                **r,
+            )
+            print(json.dumps(stats, indent=2))
+            record.update(name=args.name, **stats)
+        return 0
 
     from qatlib.offline.base_model import pretrain
 

@@ -9,7 +9,9 @@
   input (its mtime would re-run every stage on any edit);
 - where the workflow finds a path the YAML names: a product (`results/...`, rewritten to the
   configured results folder), a local file, or a hub id;
-- the `--set` arguments a stage's script gets: its overrides and the paths resolved here.
+- the `--set` arguments a stage's script gets: its overrides and the paths resolved here;
+- each job's resources (`Experiments.resources`: mem_mb, runtime) from the memory plan
+  (`qatlib.plan`, arithmetic on the model's config.json: no torch, no weights).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from qatlib.yamlio import (
 
 __all__ = [
     "HUB_PPL_SETS",
+    "PLAN_MARGIN",
     "STAGE_EXCLUDE",
     "STAGE_SECTIONS",
     "TRAINING_ONLY",
@@ -91,6 +94,15 @@ TEXT_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt", ".md", ".rst")
 HUB_PPL_SETS = ("wikitext2", "c4")
 DEEPSPEED_KEY = "compression.QAT.hf_args.deepspeed"
 PTQ_CKPT_KEY = "compression.QAT.from_ptq_ckpt"
+# Rules sized by the memory plan (rule -> plan stage), and the head-room on its host RAM figure.
+PLANNED = {
+    "ptq_calibrate": "ptq_calibrate",
+    "zero3_qat": "zero3_qat",
+    "convert_export": "convert_export",
+    "evaluate": "evaluate",
+}
+PLAN_MARGIN = 1.25
+MIN_MEM_MB = 2000  # no torch job runs in less (interpreter, torch, transformers, lm-eval imports)
 
 
 def section(raw: Any, dotted: str) -> Any:
@@ -367,3 +379,40 @@ class Experiments:
             if new != old and (new or old):  # an absent list stays absent
                 sets[key] = new
         return " ".join(shlex.quote(f"--set={k}={json.dumps(v)}") for k, v in sorted(sets.items()))
+
+    # ------------------------------------------------------------------ resources (the memory plan)
+    @cache  # noqa: B019 (one instance per workflow run)
+    def plan(self, exp: str, gpus: int, nodes: int, cpu_ranks: int, threads: int, base_models: str) -> dict:
+        """`qatlib.plan`'s stages of `exp` by name, for ``gpus`` GPUs per node (0: CPU ranks); {}
+        when the model's config.json is not known at DAG time (a hub id without a copy under
+        config/models/): then the rules keep config.yaml's ``mem_mb``."""
+        from qatlib import plan as qp
+
+        raw = self.get(exp)
+        try:
+            mcfg = qp.find_model_config(str(self.model_path(exp)), self.repo, base_models)
+        except qp.PlanError:
+            return {}
+        try:
+            shape = qp.ModelShape.from_config(mcfg, f"{self.value(exp, 'model.model_path')}: config.json")
+            x = qp.from_experiment(raw, self.deepspeed(exp), mcfg.get("torch_dtype") or mcfg.get("dtype"))
+        except qp.PlanError as e:
+            raise self.error(str(e)) from None
+        run = qp.Run(gpus=gpus, nodes=nodes, cpu_ranks=cpu_ranks, threads=threads)
+        return {s.stage: s for s in qp.plan(shape, x, run)}
+
+    def resources(self, exp: str, rule: str, config: Mapping[str, Any]) -> dict[str, int]:
+        """``mem_mb`` (host RAM of a node, x `PLAN_MARGIN`) and ``runtime`` (minutes) of `rule`'s
+        job from the plan; config.yaml's ``mem_mb`` (and no runtime) where there is no plan."""
+        stage = PLANNED.get(rule)
+        fixed = {"mem_mb": int(config["mem_mb"].get(rule, 4000))}
+        if stage is None:
+            return fixed
+        qat = stage == "zero3_qat"
+        gpus = int(config["gpus_per_node"]) if qat else int(config["gpus"])
+        key = (exp, gpus, int(config["nodes"]) if qat else 1, int(config["ranks"]) if qat else 1)
+        found = self.plan(*key, int(config["threads"]), str(config["base_models"]))
+        if stage not in found:
+            return fixed
+        s = found[stage]
+        return {"mem_mb": max(MIN_MEM_MB, int(s.host_peak * PLAN_MARGIN / 1e6) + 1), "runtime": s.runtime_min}

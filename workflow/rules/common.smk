@@ -11,7 +11,7 @@ import time
 
 from snakemake.exceptions import WorkflowError
 
-# the repository root first: its qatlib (only qatlib.yamlio is imported) and workflow/lib
+# the repository root first: its qatlib (qatlib.yamlio and the torch-free qatlib.plan are imported) and workflow/lib
 sys.path.insert(0, workflow.basedir)
 
 from qatlib.yamlio import load_yaml
@@ -53,7 +53,19 @@ def code(script):
 
 # ----------------------------------------------------------------------------- resources
 def mem_mb(stage):
-    return config["mem_mb"].get(stage, 4000)
+    """Host RAM (MB) of a rule's job: the memory plan's for the model stages (workflow/lib/
+    experiment.py `resources`: qatlib.plan from the model's config.json), else config.yaml's.
+    """
+    if stage not in xp.PLANNED:
+        return config["mem_mb"].get(stage, 4000)
+    return lambda wc: EXPERIMENTS.resources(wc.exp, stage, config)["mem_mb"]
+
+
+def runtime(stage, default=240):
+    """Wall-clock minutes of a rule's job: the memory plan's estimate (x2 margin), else `default`."""
+    return lambda wc: EXPERIMENTS.resources(wc.exp, stage, config).get(
+        "runtime", default
+    )
 
 
 def gpus(n=1):

@@ -24,6 +24,7 @@ rule evaluate:
     threads: config["threads"]
     resources:
         mem_mb=mem_mb("evaluate"),
+        runtime=runtime("evaluate"),
         gpu=gpus(1),
     params:
         config=lambda wc: EXPERIMENTS.stage_config(wc.exp, eval_stage(wc.variant)),

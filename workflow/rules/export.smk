@@ -17,6 +17,7 @@ rule convert_export:
     threads: config["threads"]
     resources:
         mem_mb=mem_mb("convert_export"),
+        runtime=runtime("convert_export"),
     params:
         config=lambda wc: EXPERIMENTS.stage_config(wc.exp, "convert_export"),
         yaml=lambda wc: EXPERIMENTS.yaml_path(wc.exp),

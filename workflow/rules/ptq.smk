@@ -19,6 +19,7 @@ rule ptq_calibrate:
     threads: config["threads"]
     resources:
         mem_mb=mem_mb("ptq_calibrate"),
+        runtime=runtime("ptq_calibrate"),
         gpu=gpus(1),
     params:
         config=lambda wc: EXPERIMENTS.stage_config(wc.exp, "ptq_calibrate"),

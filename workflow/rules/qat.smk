@@ -28,6 +28,7 @@ rule zero3_qat:
     threads: lambda wc: qat_procs(wc)[0] * qat_procs(wc)[1]
     resources:
         mem_mb=mem_mb("zero3_qat"),
+        runtime=runtime("zero3_qat"),
         # per node: Slurm's --nodes / --ntasks (one torchrun per node) / --cpus-per-task /
         # --gres=gpu:<gpus_per_node>; `mpi` (multi-node only) = the command runs its own srun
         nodes=qat_resource("nodes", 1),

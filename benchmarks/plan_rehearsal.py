@@ -1,0 +1,214 @@
+"""The real-width rehearsal, measured against the memory plan (#16): peak RSS per rank per stage
+beside `qatlib.plan`'s prediction, as ratios, in one run.
+
+    python -m benchmarks.plan_rehearsal --layers 1 --stages ptq_calibrate,zero3_qat,convert_export
+        [--experiment qwen3-30b-a3b-width] [--limit-gb 5.5] [--out results/bench]
+
+Writes a random Qwen3-30B-A3B-width model (`qatlib.offline.width_model`, ``--layers`` layers) and a
+small text corpus from the repository's own docs (train / calibration text and the tokenizer's),
+then runs each stage's script as the workflow does (``scripts/ptq.py``; ``torchrun`` with 2 ranks
+for ``scripts/qat.py``; ``scripts/export.py``), sampling every process's RSS (psutil, 0.2 s). A
+stage whose process tree passes ``--limit-gb`` is stopped and recorded as such (a shared machine:
+never let one run take the others' memory). Each stage's record: measured peak per rank, the
+plan's per-rank (and rank 0) prediction, measured / predicted. Target: within +-25%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .common import REPO, log, machine, write_result
+
+STAGES = ("ptq_calibrate", "zero3_qat", "convert_export")
+SCRIPTS = {"ptq_calibrate": "ptq.py", "zero3_qat": "qat.py", "convert_export": "export.py"}
+TARGET = 0.25
+
+
+def _hwm(pid: int) -> int:
+    """The kernel's peak resident set of ``pid`` (VmHWM): no spike between two samples is missed."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def watch(
+    cmd: list[str], limit: int, env: dict[str, str], log_path: Path, cwd: Path = REPO
+) -> dict[str, Any]:
+    """Run ``cmd``: each process's peak RSS (VmHWM, by pid), the tree stopped once its current RSS
+    passes ``limit`` bytes."""
+    import psutil
+
+    t0 = time.perf_counter()
+    peaks: dict[int, tuple[int, str]] = {}
+    killed = False
+    with open(log_path, "w") as logf:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=logf, stderr=subprocess.STDOUT)
+        top = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            try:
+                tree = [top, *top.children(recursive=True)]
+                now = 0
+                for p in tree:
+                    now += p.memory_info().rss
+                    name = peaks.get(p.pid, (0, ""))[1] or " ".join(p.cmdline())  # the first name
+                    peaks[p.pid] = (max(_hwm(p.pid), peaks.get(p.pid, (0,))[0]), name)
+            except (psutil.Error, OSError, StopIteration):  # a process ending between two reads
+                time.sleep(0.2)
+                continue
+            if now > limit:
+                killed = True
+                for p in reversed(tree):
+                    with contextlib.suppress(psutil.Error):
+                        p.kill()
+            time.sleep(0.2)
+    # the ranks: the processes that run the script (torchrun's own launcher process excluded)
+    script = Path(next(c for c in cmd if c.startswith("scripts/"))).name
+    ranks = sorted(
+        (r for r, c in peaks.values() if script in c and "torch.distributed.run" not in c), reverse=True
+    )
+    return {
+        "rc": proc.returncode,
+        "killed_at_limit": killed,
+        "wall_s": time.perf_counter() - t0,
+        "peak_rss_per_rank": ranks,
+        "log": str(log_path),
+    }
+
+
+def corpus(d: Path) -> Path:
+    """train.txt / test.txt from the repository's documentation (no download, a few 100 kB)."""
+    text = "\n\n".join(
+        p.read_text(encoding="utf-8") for p in sorted(REPO.glob("**/*.md")) if ".git" not in p.parts
+    )
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "train.txt").write_text(text, encoding="utf-8")
+    (d / "test.txt").write_text(text[: len(text) // 4], encoding="utf-8")
+    return d
+
+
+def predicted(exp: Path, sets: list[str], model_dir: Path) -> dict[str, Any]:
+    from qatlib import plan as qp
+    from qatlib.yamlio import apply_overrides, load_yaml, normalise_overrides
+
+    raw = load_yaml(exp)
+    apply_overrides(raw, normalise_overrides(sets, str(exp)), str(exp))
+    ds = json.loads((REPO / raw["compression"]["QAT"]["hf_args"]["deepspeed"]).read_text())
+    mcfg = qp.find_model_config(str(model_dir))
+    stages = qp.plan(
+        qp.ModelShape.from_config(mcfg), qp.from_experiment(raw, ds), qp.Run(gpus=0, cpu_ranks=2)
+    )
+    return {
+        s.stage: {"per_rank": s.host_per_rank, "rank0": s.host_rank0, "node": s.host_peak} for s in stages
+    }
+
+
+def run(layers: int, stages: list[str], experiment: str, limit_gb: float, work: Path) -> dict[str, Any]:
+    from qatlib.offline.width_model import write_random_model
+
+    exp = REPO / f"config/experiments/{experiment}.yaml"
+    text = corpus(work / "corpus")
+    model = work / f"model-{layers}l"
+    if not (model / "config.json").is_file():
+        log(f"writing a {layers}-layer width model to {model}")
+        write_random_model(
+            REPO / "config/models/Qwen--Qwen3-30B-A3B/config.json",
+            model,
+            num_hidden_layers=layers,
+            corpus_dir=text,
+        )
+    sets = [
+        f"dataset.data_path={text / 'train.txt'}",
+        f"evaluation.ppl=[{text / 'test.txt'}]",
+        f"model.model_path={model}",
+        f"compression.QAT.from_ptq_ckpt={work / 'ptq'}",
+    ]
+    plan = predicted(exp, sets, model)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    base = ["-c", str(exp), *(f"--set={s}" for s in sets), "--no-progress"]
+    cmds = {
+        "ptq_calibrate": [
+            sys.executable,
+            "scripts/ptq.py",
+            *base,
+            "--save-path",
+            str(work / "ptq"),
+            "--overwrite",
+        ],
+        "zero3_qat": [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "scripts/qat.py",
+            *base,
+            "--from-ptq-ckpt",
+            str(work / "ptq"),
+            "--save-path",
+            str(work / "qat"),
+            "--run-dir",
+            str(work / "qat_run"),
+            "--threads",
+            "1",
+        ],
+        "convert_export": [
+            sys.executable,
+            "scripts/export.py",
+            *base,
+            "--model-path",
+            str(work / "qat"),
+            "--save-path",
+            str(work / "export"),
+            "--overwrite",
+        ],
+    }
+    out: dict[str, Any] = {}
+    for stage in stages:
+        log(f"{stage} ...")
+        m = watch(cmds[stage], int(limit_gb * 2**30), env, work / f"{stage}.log")
+        p = plan[stage]
+        ratio = [r / p["per_rank"] for r in m["peak_rss_per_rank"]]
+        ok = m["rc"] == 0 and all(abs(x - 1) <= TARGET for x in ratio)
+        out[stage] = {**m, "predicted": p, "measured_over_predicted": ratio, "within_25pct": ok}
+        log(
+            f"{stage}: rc {m['rc']}, peaks {[round(r / 2**30, 2) for r in m['peak_rss_per_rank']]} GiB, "
+            f"predicted {p['per_rank'] / 2**30:.2f} GiB/rank"
+        )
+        if m["rc"] != 0:
+            break  # the next stage needs this one's output
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--stages", default=",".join(STAGES))
+    ap.add_argument("--experiment", default="qwen3-30b-a3b-width")
+    ap.add_argument("--limit-gb", type=float, default=5.5, help="stop a stage whose process tree passes this")
+    ap.add_argument("--work", default=None, help="working folder (default: a temporary one)")
+    ap.add_argument("--out", default="results/bench")
+    args = ap.parse_args(argv)
+    stages = [s for s in args.stages.split(",") if s]
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown:
+        ap.error(f"--stages: unknown {unknown} (choose from {', '.join(STAGES)})")
+    work = Path(args.work or tempfile.mkdtemp(prefix="plan-rehearsal-"))
+    results = run(args.layers, stages, args.experiment, args.limit_gb, work)
+    settings = {"layers": args.layers, "experiment": args.experiment, "limit_gb": args.limit_gb, "ranks": 2}
+    path = write_result(
+        args.out, "plan_rehearsal", {"machine": machine(), "settings": settings, "stages": results}
+    )
+    log(f"wrote {path}")
+    return 0 if all(r["within_25pct"] for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

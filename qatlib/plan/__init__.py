@@ -1,0 +1,114 @@
+"""Memory plan: the peak memory each stage of an experiment will need, before anything is launched.
+
+    python -m qatlib.plan config/experiments/qwen3-30b.yaml --gpus 8 [--nodes 2] [--json]
+
+Arithmetic on the model's ``config.json`` and the experiment (no weights read, no torch imported,
+so the Snakefile calls it to size every job). Per stage it lists, term by term, the peak DEVICE
+memory of one rank and the HOST RAM of one node; on a CPU run (``--gpus 0``) a rank's working set
+lives in host RAM, so it is added there. Why arithmetic: a 30B MoE run that does not fit fails
+after an hour of loading (or is killed by the OOM killer on a shared node); the plan says so in a
+second, and names the term that is too large.
+
+What each stage's terms model (the code as it is after #16's streaming and QAT-memory work):
+
+``ptq_calibrate``  ``qatlib/ptq.py`` + ``quant/calibration.py``, streamed layer by layer: the
+                   embeddings stay resident, ONE decoder layer is on the device at a time
+                   (read from the safetensors shards), its fused experts linearised in place
+                   (``moe.py``: the transient is the largest fused tensor), calibration
+                   activations carried from layer to layer (in + out of a layer).
+``zero3_qat``      ``zero3_load.py`` / ``trainers/end2end.py`` under DeepSpeed ZeRO-3: each rank
+                   holds model/world, the persistent (replicated) small parameters, one gathered
+                   unit (a decoder layer: ``Qwen3MoeSparseMoeBlock`` is a ZeRO-3 leaf), the
+                   trainable scales with their fp32 master, gradient and Adam moments (all
+                   partitioned), the activations of a micro-batch (layer inputs only with
+                   gradient checkpointing, plus one layer recomputed), fake-quantized weights
+                   NOT kept for backward (``quant/functional.py``'s custom autograd recomputes
+                   them; one linear's temporaries), and the logits terms of ``losses.py``
+                   (student logits, the KD teacher's logits, the gradient buffer and one chunk's
+                   fp32 working set, ``CHUNK_ELEMENTS``). The teacher is the model itself with
+                   quantization disabled (``end2end.py``): no second copy of the weights.
+                   Rank 0's host also holds ``zero3_io.save_consolidated``'s buffer (one shard +
+                   one gathered unit + every scale).
+``convert_export`` ``export.py`` shard by shard (host only): the largest QAT-checkpoint shard and
+                   two decoder layers (weights and their codes), plus every scale.
+``evaluate``       ``scripts/evaluate.py``: the whole model on the device when it fits, else
+                   layer-sequential offload (one layer + embeddings on the device, the model in
+                   host RAM); the export variant's compressed copy while it decompresses, one
+                   layer's forward and the logits of a batch.
+
+Constants that mirror other modules (``CHUNK_ELEMENTS``, ``SAVE_SHARD_BYTES``) are checked against
+them in tests/test_plan.py. ``benchmarks/plan_rehearsal.py`` measures the rehearsal's peak RSS per
+stage beside these predictions.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from qatlib.yamlio import load_yaml
+
+from .model import (
+    ModelShape,
+    PlanError,
+    PlanInputs,
+    StagePlan,
+    Term,
+    WeightFormat,
+    from_experiment,
+    section,
+)
+from .stages import CHUNK_ELEMENTS, GIB, SAVE_SHARD_BYTES, STAGES, Run, act_per_token, plan
+
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "GIB",
+    "SAVE_SHARD_BYTES",
+    "STAGES",
+    "ModelShape",
+    "PlanError",
+    "PlanInputs",
+    "Run",
+    "StagePlan",
+    "Term",
+    "WeightFormat",
+    "act_per_token",
+    "find_model_config",
+    "from_experiment",
+    "plan",
+    "section",
+]
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_CONFIGS = "config/models"  # <org>--<name>/config.json of hub models
+BASE_MODELS = "config/base_models.yaml"
+
+
+def find_model_config(model_path: str, repo: Path = REPO, base_models: str = BASE_MODELS) -> dict[str, Any]:
+    """The config.json (as a dict) of ``model.model_path``, without reading weights: a local model
+    folder's; a workflow base model (``results/base/<name>``: its config/base_models.yaml entry,
+    trained-from-scratch ``model`` sizes or a ``random`` rehearsal model's config.json with fewer
+    layers); a hub id's copy under config/models/. PlanError names what was looked for."""
+    p = Path(str(model_path)).expanduser()
+    local = p if p.is_absolute() else repo / p
+    for folder in (p, local):
+        if (folder / "config.json").is_file():
+            return json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    models = load_yaml(repo / base_models) or {}
+    if p.parent.name == "base" and p.name in models:
+        spec = models[p.name]
+        if "random" in spec:
+            r = spec["random"]
+            cfg = json.loads((repo / r["config"]).read_text(encoding="utf-8"))
+            return {**cfg, "num_hidden_layers": r.get("num_hidden_layers", cfg["num_hidden_layers"])}
+        from_spec = dict(spec.get("model") or {})
+        from_spec["model_type"] = from_spec.pop("arch", "qwen3_moe")
+        return from_spec
+    hub = repo / MODEL_CONFIGS / str(model_path).replace("/", "--") / "config.json"
+    if hub.is_file():
+        return json.loads(hub.read_text(encoding="utf-8"))
+    raise PlanError(
+        f"model.model_path: no config.json for {model_path!r} (looked for a local folder, an entry of "
+        f"{base_models} under results/base/, and {hub.relative_to(repo)}); pass --model-config FILE"
+    )

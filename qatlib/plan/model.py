@@ -1,0 +1,305 @@
+"""The plan's inputs: a model's sizes (config.json), the experiment values the plan reads, and
+the terms / stage results it returns (dataclasses, no torch)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from qatlib.yamlio import ConfigError
+
+DTYPE_BYTES = {
+    "bf16": 2,
+    "bfloat16": 2,
+    "fp16": 2,
+    "float16": 2,
+    "half": 2,
+    "fp32": 4,
+    "float32": 4,
+    "float": 4,
+}
+
+
+class PlanError(ConfigError):
+    """A model config or an experiment value the plan cannot use (the message names it)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Qwen3 / Qwen3-MoE decoder, from its config.json."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # dense MLP (Qwen3; Qwen3-MoE's mlp_only_layers)
+    experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
+    tied: bool = False
+    dense_layers: int = 0  # MoE models: layers with a dense MLP instead
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelShape:
+        def need(key: str) -> int:
+            if not isinstance(cfg.get(key), int):
+                raise PlanError(f"{source}: {key}: missing or not an integer (needed by the memory plan)")
+            return cfg[key]
+
+        hidden, heads = need("hidden_size"), need("num_attention_heads")
+        # a dense config (model_type qwen3) ignores MoE keys, as transformers does
+        # (transformers 5 writes num_local_experts, the hub's config.json num_experts)
+        n = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        experts = int(n) if "moe" in str(cfg.get("model_type", "moe")) else 0
+        layers = need("num_hidden_layers")
+        dense = sum(1 for i in cfg.get("mlp_only_layers") or [] if i < layers) if experts else 0
+        return cls(
+            vocab=need("vocab_size"),
+            hidden=hidden,
+            layers=layers,
+            heads=heads,
+            kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate=int(cfg.get("intermediate_size") or 0),
+            experts=experts,
+            top_k=need("num_experts_per_tok") if experts else 0,
+            moe_intermediate=need("moe_intermediate_size") if experts else 0,
+            tied=bool(cfg.get("tie_word_embeddings", False)),
+            dense_layers=dense,
+        )
+
+    # linears as (out, in); a decoder layer's quantized linears and their parameter counts
+    def attn_linears(self) -> list[tuple[int, int]]:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return [(q, self.hidden), (kv, self.hidden), (kv, self.hidden), (self.hidden, q)]
+
+    def mlp_linears(self, moe: bool) -> list[tuple[int, int]]:
+        i = self.moe_intermediate if moe else self.intermediate
+        one = [(i, self.hidden), (i, self.hidden), (self.hidden, i)]
+        return one * (self.experts if moe else 1)
+
+    def layer_linears(self, moe: bool) -> list[tuple[int, int]]:
+        return self.attn_linears() + self.mlp_linears(moe)
+
+    def layer_params(self, moe: bool) -> int:
+        norms = 2 * self.hidden + 2 * self.head_dim  # input / post-attention norms, q_norm / k_norm
+        router = self.experts * self.hidden if moe else 0
+        return sum(o * i for o, i in self.layer_linears(moe)) + norms + router
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.experts else 0
+
+    @property
+    def largest_layer(self) -> int:
+        return self.layer_params(self.moe_layers > 0)
+
+    @property
+    def embed_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden  # + final norm
+
+    @property
+    def total_params(self) -> int:
+        moe, dense = self.moe_layers, self.layers - self.moe_layers
+        return self.embed_params + moe * self.layer_params(True) + dense * self.layer_params(False)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token's forward multiplies by (top-k experts, the lm_head)."""
+        per_expert = 3 * self.hidden * self.moe_intermediate
+        moe_active = self.layer_params(True) - (self.experts - self.top_k) * per_expert
+        moe, dense = self.moe_layers, self.layers - self.moe_layers
+        return self.vocab * self.hidden + moe * moe_active + dense * self.layer_params(False)
+
+    @property
+    def largest_fused(self) -> int:
+        """The largest fused expert tensor (``gate_up_proj [E, 2I, H]``): linearisation's transient."""
+        return self.experts * 2 * self.moe_intermediate * self.hidden if self.moe_layers else 0
+
+    @property
+    def largest_linear(self) -> int:
+        return max(o * i for o, i in self.layer_linears(self.moe_layers > 0))
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How a quantized weight is stored: code bits and the elements that share one scale."""
+
+    bits: int
+    granularity: str = "tensor"  # tensor | channel | group
+    group_size: int = 0
+
+    def scales(self, out: int, inp: int) -> int:
+        if self.granularity == "group":
+            return out * math.ceil(inp / self.group_size)
+        return out if self.granularity == "channel" else 1
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the plan reads from an experiment (`from_experiment`): every value here comes from the
+    YAML through `qatlib.config`'s field names and defaults (checked in tests/test_plan.py)."""
+
+    dtype_bytes: int = 2
+    seq_len: int = 2048
+    micro_batch: int = 8  # transformers' per_device_train_batch_size default
+    grad_ckpt: bool = False
+    kd: bool = True
+    train_samples: int = 256
+    epochs: float = 1.0
+    max_steps: int = -1
+    calib: bool = True  # static activation scales: PTQ runs calibration batches
+    calib_samples: int = 256
+    calib_batch: int = 1
+    gptq: bool = False
+    eval_seq: int = 2048
+    eval_batch: int = 1
+    weight: WeightFormat = field(default_factory=lambda: WeightFormat(8))
+    act_quant: bool = True
+    train_scales: bool = True
+    zero3: bool = True
+    blockwise: bool = False
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    persistence_threshold: int | None = None  # None: DeepSpeed "auto" (10 x hidden)
+    prefetch: int | None = None  # stage3_prefetch_bucket_size; None: "auto" (0.9 x hidden^2)
+    eager_attention: bool = False
+    eval_sources: int = 1  # evaluation.ppl + evaluation.tasks
+    eval_limit: int | None = None
+
+
+@dataclass
+class Term:
+    name: str
+    bytes: int
+    note: str = ""
+
+
+@dataclass
+class StagePlan:
+    """One stage's prediction. ``host`` is ONE rank's host RAM (every rank of the node holds it),
+    ``node`` what one rank holds on top (rank 0's save buffer); a node's host RAM is
+    ``ranks_per_node x host + node``."""
+
+    stage: str
+    ranks_per_node: int
+    device: list[Term]  # one rank (empty: a CPU stage or a CPU run)
+    host: list[Term]  # one rank
+    node: list[Term]  # rank 0, once per node
+    device_capacity: int
+    host_capacity: int  # one node
+    runtime_min: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def device_peak(self) -> int:
+        return sum(t.bytes for t in self.device)
+
+    @property
+    def host_per_rank(self) -> int:
+        return sum(t.bytes for t in self.host)
+
+    @property
+    def host_rank0(self) -> int:
+        return self.host_per_rank + sum(t.bytes for t in self.node)
+
+    @property
+    def host_peak(self) -> int:
+        """One node's host RAM."""
+        return self.ranks_per_node * self.host_per_rank + sum(t.bytes for t in self.node)
+
+    @property
+    def fits(self) -> bool:
+        return self.device_peak <= self.device_capacity and self.host_peak <= self.host_capacity
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(
+            device_peak=self.device_peak,
+            host_per_rank=self.host_per_rank,
+            host_rank0=self.host_rank0,
+            host_peak=self.host_peak,
+            fits=self.fits,
+        )
+        return d
+
+
+# ----------------------------------------------------------------------------- experiment -> inputs
+def section(raw: Any, dotted: str) -> Any:
+    """The value at ``dotted`` in a raw config, or None where a part is missing."""
+    cur = raw
+    for part in dotted.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return None
+        cur = cur[part]
+    return cur
+
+
+def _weight_format(quant: dict[str, Any]) -> WeightFormat:
+    """Code bits and scale granularity of the weights, from ``compression.quantization`` as
+    `qatlib.config.scheme` resolves it (a torch-free mirror; tests compare it with
+    ``ExperimentConfig.quant_scheme()`` for every experiment file)."""
+    name = str(quant.get("name") or f"int{quant.get('bits', 8)}").lower()
+    method = quant.get("quant_method") or {}
+    gran = str(method.get("weight") or "").replace("per-", "")
+    gs = method.get("group_size") or quant.get("group_size")
+    if "fp4" in name:
+        return WeightFormat(4, "group", gs or (16 if "nvfp4" in name else 32))
+    bits = 8 if "fp8" in name and "w4" not in name else 4 if ("int4" in name or "w4" in name) else 8
+    if name.startswith("int") and name[3:4].isdigit():
+        bits = int(name[3])
+    gran = gran or ("group" if bits == 4 else "tensor" if "fp8" in name else "channel")
+    return WeightFormat(bits, gran, int(gs or 128) if gran == "group" else 0)
+
+
+def from_experiment(
+    raw: dict[str, Any], ds: dict[str, Any] | None, model_dtype: str | None = None
+) -> PlanInputs:
+    """`PlanInputs` of an experiment's raw (validated) config and its DeepSpeed config content
+    (``model_dtype``: config.json's ``torch_dtype``, for ``torch_dtype: auto``).
+    Defaults are `qatlib.config.sections`' (tests/test_plan.py checks the equality)."""
+    g = lambda key, default=None: v if (v := section(raw, key)) is not None else default  # noqa: E731
+    hf = g("compression.QAT.hf_args", {}) or {}
+    qc = g("compression.QAT.plugin_config.quant_config", {}) or {}
+    learn = qc.get("learnable") or {}
+    quant = g("compression.quantization", {}) or {}
+    dtype = str(g("model.torch_dtype", "auto")).lower()
+    if dtype == "auto":  # the checkpoint's own dtype (config.json), as transformers loads it
+        dtype = str(model_dtype or "bf16").lower()
+    loss, kd_w = str(g("compression.QAT.loss_type", "origin")), float(g("compression.QAT.kd_loss_weight", 0))
+    use_act = bool(qc.get("use_activation_quant", True)) and "weight_only" not in str(quant.get("name", ""))
+    name = str(quant.get("name") or "")
+    zo = section(ds, "zero_optimization") or {}
+    threshold = zo.get("stage3_param_persistence_threshold")
+    return PlanInputs(
+        dtype_bytes=DTYPE_BYTES.get(dtype, 2),
+        seq_len=int(g("dataset.max_seq_length", 2048)),
+        micro_batch=int(hf.get("per_device_train_batch_size", 8)),
+        # transformers 5: activation_checkpointing; gradient_checkpointing its deprecated alias
+        grad_ckpt=bool(hf.get("activation_checkpointing", hf.get("gradient_checkpointing")) or False),
+        kd=loss != "origin" and kd_w > 0,
+        train_samples=int(g("dataset.num_samples", 256)),
+        epochs=float(hf.get("num_train_epochs", 3.0)),
+        max_steps=int(hf.get("max_steps", -1)),
+        calib=use_act and "dynamic" not in name,
+        calib_samples=int(g("dataset.num_samples", 256)),
+        calib_batch=int(g("dataset.batch_size", 1)),
+        gptq="gptq" in name.lower(),
+        eval_seq=int(g("evaluation.max_seq_length", 2048)),
+        eval_batch=int(g("evaluation.batch_size", 1)),
+        weight=_weight_format(quant),
+        act_quant=use_act,
+        train_scales=bool(learn.get("weight_scale", True)) or bool(learn.get("act_scale", False)),
+        zero3=section(ds, "zero_optimization.stage") == 3,
+        blockwise=g("compression.QAT.training_mode", "end2end") == "blockwise",
+        offload_optimizer=str(section(zo, "offload_optimizer.device") or "none") == "cpu",
+        offload_param=str(section(zo, "offload_param.device") or "none") == "cpu",
+        persistence_threshold=int(threshold) if isinstance(threshold, int | float) else None,
+        prefetch=int(pf) if isinstance(pf := zo.get("stage3_prefetch_bucket_size"), int | float) else None,
+        eager_attention=g("model.attn_implementation") == "eager",
+        eval_sources=len(g("evaluation.ppl", []) or []) + len(g("evaluation.tasks", []) or []),
+        eval_limit=g("evaluation.limit"),
+    )

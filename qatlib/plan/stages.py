@@ -1,0 +1,242 @@
+"""The terms of each stage: which memory each one needs, and which code that models (see the
+package docstring)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .model import ModelShape, PlanInputs, StagePlan, Term, WeightFormat
+
+GIB = 1 << 30
+CHUNK_ELEMENTS = 1 << 25  # qatlib.losses.CHUNK_ELEMENTS: logits elements per KD chunk
+CHUNK_COPIES = 6  # fp32 copies of a chunk alive at once: s, t, log p_s, log p_t, p_t, grad
+SAVE_SHARD_BYTES = 2 << 30  # qatlib.zero3_io.save_consolidated's max_shard_bytes
+# Per process, beyond the terms: interpreter + torch + transformers (+ DeepSpeed) resident set; on
+# GPUs the host side of the CUDA context and pinned buffers, and on the device the context and
+# the caching allocator's slack. CPU value measured here (docs/NOTES: 0.45-0.55 GiB a tiny rank).
+PROCESS_HOST = {"cpu": int(0.6 * GIB), "gpu": 3 * GIB}
+DEVICE_BASE = 1 * GIB
+STAGES = ("ptq_calibrate", "zero3_qat", "convert_export", "evaluate")
+# Rough throughput for `runtime` (minutes, x2 margin): GPU bf16 ~10% of an H100 peak (MoE under ZeRO-3); a CPU thread.
+GPU_FLOPS, CPU_FLOPS_PER_THREAD = 100e12, 10e9
+# ZeRO-3 all-gathers the weights for every forward / backward pass: bytes per second of a rank's
+# gather (NVLink-class / gloo on one host), and the windows an evaluation source reads (no limit).
+GATHER_BYTES_PER_S = {"gpu": 100e9, "cpu": 1e9}
+EVAL_WINDOWS = 2000
+
+
+# ----------------------------------------------------------------------------- the terms
+def act_per_token(m: ModelShape, d: int, act_quant: bool, moe: bool) -> int:
+    """Bytes autograd keeps per token for one decoder layer without checkpointing: attention's
+    layer input, normed input, q/k/v before and after norm + RoPE, SDPA output (+ its fp32 LSE per
+    head), the o_proj input; the MLP's residual and normed input, the router's fp32 logits and
+    probabilities, and per routed copy (top-k) the expert input, gate/up outputs, activation and
+    down output. Activation fake-quant keeps one more copy of each quantized input."""
+    h, q, kv, aq = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim, int(act_quant)
+    attn = d * (2 * h + aq * h + 2 * q + 4 * kv + q + aq * q) + 4 * m.heads
+    if moe:
+        i, k = m.moe_intermediate, m.top_k
+        mlp = d * (2 * h + aq * h) + 4 * 2 * m.experts + k * d * (2 * h + aq * h + 3 * i + aq * i)
+    else:
+        i = m.intermediate
+        mlp = d * (3 * h + aq * h + 3 * i + aq * i)
+    return attn + mlp
+
+
+def _logits(m: ModelShape, tokens: int, d: int, kd: bool) -> list[Term]:
+    """`qatlib.losses`' chunked objective: model-dtype logits (and the teacher's), the gradient
+    buffer shaped like them, one chunk's fp32 working set (all rows when they fit one chunk)."""
+    rows = min(tokens, max(1, CHUNK_ELEMENTS // m.vocab))
+    out = [Term("student logits", tokens * m.vocab * d, f"{tokens} tokens x vocab {m.vocab}")]
+    if kd:
+        out.append(Term("KD teacher logits (no grad)", tokens * m.vocab * d))
+    out.append(Term("logits gradient buffer", tokens * m.vocab * d))
+    note = f"{rows} rows x vocab x fp32 x {CHUNK_COPIES} (CHUNK_ELEMENTS {CHUNK_ELEMENTS})"
+    out.append(Term("KD/LM chunk fp32 working set", rows * m.vocab * 4 * CHUNK_COPIES, note))
+    return out
+
+
+def _n_scales(m: ModelShape, w: WeightFormat, inputs: bool) -> int:
+    """Weight scales of every quantized linear, plus its static input scale when ``inputs``."""
+    moe, dense = m.moe_layers, m.layers - m.moe_layers
+    per = [sum(w.scales(o, i) + inputs for o, i in m.layer_linears(b)) for b in (True, False)]
+    return moe * per[0] + dense * per[1]
+
+
+@dataclass(frozen=True)
+class Run:
+    """Where the stages run: ``gpus`` per node (0: CPU ranks), ``nodes``, capacities in bytes."""
+
+    gpus: int = 0
+    nodes: int = 1
+    cpu_ranks: int = 2
+    gpu_mem: int = 80 * GIB
+    node_mem: int = 1024 * GIB
+    threads: int = 2
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.gpus or self.cpu_ranks
+
+
+def _minutes(flops: float, run: Run, devices: int, io_bytes: float = 0) -> int:
+    rate = devices * GPU_FLOPS if run.gpus else max(1, run.threads) * CPU_FLOPS_PER_THREAD
+    seconds = flops / rate + io_bytes / 0.5e9
+    return 10 + math.ceil(2 * seconds / 60)
+
+
+def _place(
+    stage: str,
+    work: list[Term],
+    host_each: list[Term],
+    node: list[Term],
+    procs: int,
+    run: Run,
+    on_device: bool,
+    minutes: int,
+    notes: list[str],
+) -> StagePlan:
+    """A rank's working set goes to its device (GPU) or into host RAM (CPU run, CPU stage)."""
+    gpu = on_device and run.gpus > 0
+    each = [
+        Term("process (interpreter, torch, libraries)", PROCESS_HOST["gpu" if gpu else "cpu"]),
+        *host_each,
+    ]
+    if gpu:
+        device = [*work, Term("CUDA context + allocator slack", DEVICE_BASE)]
+    else:
+        device, each = [], [*work, *each]
+    cap = run.gpu_mem if device else 0
+    return StagePlan(stage, procs, device, each, node, cap, run.node_mem, minutes, notes)
+
+
+def _ptq(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
+    d, layer = x.dtype_bytes, m.largest_layer * x.dtype_bytes
+    work = [
+        Term("embeddings (resident)", m.embed_params * d, "embed_tokens + lm_head + final norm"),
+        Term("one decoder layer (streamed)", layer, f"{m.largest_layer:,} params"),
+    ]
+    if m.largest_fused:
+        work.append(Term("linearisation transient (one fused tensor)", m.largest_fused * d, "gate_up_proj"))
+    if x.calib:
+        carried = 2 * x.calib_samples * x.seq_len * m.hidden * d
+        work.append(
+            Term("calibration activations carried (in + out)", carried, f"{x.calib_samples} x {x.seq_len}")
+        )
+        tok = x.calib_batch * x.seq_len
+        work.append(
+            Term("layer forward working set (one batch)", tok * act_per_token(m, d, x.act_quant, True))
+        )
+    if x.gptq:
+        work.append(Term("GPTQ Hessians (one layer)", sum(i * i * 4 for _, i in m.layer_linears(True))))
+    work.append(Term("fake-quant temporaries (one linear)", m.largest_linear * (d + 4)))
+    work.append(Term("scales being written (fp32)", _n_scales(m, x.weight, x.act_quant) * 4))
+    # GPU: a layer is read into host memory, then copied to the device; CPU: it is read in place
+    host = [Term("read staging (one layer from the shards)", layer)] if run.gpus else []
+    tokens = x.calib_samples * x.seq_len if x.calib else 0
+    mins = _minutes(2 * m.active_params * tokens, run, 1, m.total_params * d)
+    return _place("ptq_calibrate", work, host, [], 1, run, True, mins, [])
+
+
+def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
+    d = x.dtype_bytes
+    zero3 = x.zero3 and not x.blockwise
+    procs = run.ranks_per_node if zero3 else 1
+    world = procs * run.nodes if zero3 else 1
+    threshold = x.persistence_threshold if x.persistence_threshold is not None else 10 * m.hidden
+    small = 2 * m.hidden + 2 * m.head_dim  # the norms of a layer: below any usual threshold
+    persist = (m.layers * small + m.hidden) if zero3 and small < threshold else 0
+    shard = (m.total_params - persist) * d // world
+    scales = _n_scales(m, x.weight, x.act_quant) if x.train_scales else 0
+    work = [Term("parameter shard (model / world)", shard, f"{m.total_params:,} params / {world}")]
+    if zero3:
+        work.append(Term("persistent small parameters (replicated)", persist * d, f"< {threshold} elements"))
+        prefetch = x.prefetch if x.prefetch is not None else int(0.9 * m.hidden * m.hidden)
+        work.append(Term("gathered unit (one decoder layer + prefetch)", (m.largest_layer + prefetch) * d))
+    opt = Term(
+        "trainable scales: param + fp32 master + grad + Adam m, v", scales * 20 // world, f"{scales:,} scales"
+    )
+    tokens = x.micro_batch * x.seq_len
+    layer_act = tokens * act_per_token(m, d, x.act_quant, m.moe_layers > 0)
+    if x.grad_ckpt:
+        acts = [
+            Term("checkpointed layer inputs", m.layers * tokens * m.hidden * d, f"{m.layers} layers"),
+            Term("one layer recomputed in backward", layer_act),
+        ]
+    else:
+        acts = [Term("activations of every layer (no checkpointing)", m.layers * layer_act)]
+    if x.eager_attention:
+        acts.append(Term("eager attention scores", x.micro_batch * m.heads * x.seq_len**2 * d))
+    work += acts + [
+        Term("fake-quant temporaries (one linear, not kept for backward)", 2 * m.largest_linear * (d + 4)),
+        *_logits(m, tokens, d, x.kd),
+        Term("teacher: the model itself, quantization disabled", 0, "no second copy of the weights"),
+    ]
+    host_each = [Term("load staging (largest tensor)", m.vocab * m.hidden * d)]
+    if x.offload_optimizer:
+        host_each.append(Term("offloaded optimizer state", scales * 16 // world))
+        opt = Term(opt.name.replace("fp32 master + grad + Adam m, v", "grad"), scales * 4 // world)
+    if x.offload_param:
+        host_each.append(Term("offloaded parameter shard", shard))
+        work[0] = Term(work[0].name + " (offloaded)", 0)
+    work.insert(1, opt)
+    save = min(m.total_params * d, SAVE_SHARD_BYTES + m.largest_layer * d)
+    node = [Term("rank 0: consolidated-save buffer (one shard + one unit + scales)", save + scales * 4)]
+    if x.max_steps > 0:
+        train_tokens = x.max_steps * tokens * world
+    else:
+        train_tokens = x.train_samples * x.epochs * x.seq_len
+    per_token = 6 + 2 * x.grad_ckpt + 2 * x.kd
+    steps = math.ceil(train_tokens / (tokens * world))
+    gathers = steps * (2 + x.grad_ckpt + x.kd) * m.total_params * d  # fwd, bwd, recompute, teacher
+    gather_s = gathers / GATHER_BYTES_PER_S["gpu" if run.gpus else "cpu"] if zero3 else 0
+    mins = _minutes(per_token * m.active_params * train_tokens, run, world, m.total_params * d / world)
+    mins += math.ceil(2 * gather_s / 60)
+    notes = [f"world size {world}" + ("" if zero3 else " (no ZeRO-3: one process)")]
+    return _place("zero3_qat", work, host_each, node, procs, run, True, mins, notes)
+
+
+def _export(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
+    d, layer = x.dtype_bytes, m.largest_layer * x.dtype_bytes
+    shard = min(m.total_params * d, SAVE_SHARD_BYTES + layer)
+    codes = m.largest_layer * x.weight.bits // 8
+    work = [
+        Term("largest QAT-checkpoint shard", shard),
+        Term("two decoder layers (weights + codes)", min(2, m.layers) * (layer + codes)),
+        Term("scales (fp32)", _n_scales(m, x.weight, x.act_quant) * 4),
+    ]
+    return _place(
+        "convert_export", work, [], [], 1, run, False, _minutes(0, run, 1, 2 * m.total_params * d), []
+    )
+
+
+def _evaluate(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
+    """The peak over the variants: bf16 / ptq / qat hold the model in its dtype (ptq / qat also
+    fake-quantize one linear at a time); the export variant decompresses module by module."""
+    d = x.dtype_bytes
+    tokens = x.eval_batch * x.eval_seq
+    codes = m.largest_layer * x.weight.bits // 8
+    rest = [
+        Term("one layer's forward (a batch)", tokens * act_per_token(m, d, x.act_quant, m.moe_layers > 0)),
+        Term("logits (+ fp32 log-softmax)", tokens * m.vocab * (d + 4), f"{x.eval_batch} x {x.eval_seq}"),
+        Term("fake-quant / decompression temporaries", max(2 * m.largest_linear * (d + 4), codes)),
+    ]
+    model = Term("model (resident)", m.total_params * d)
+    host, notes = [Term("load staging (largest tensor)", m.vocab * m.hidden * d)], []
+    if run.gpus and model.bytes + sum(t.bytes for t in rest) + DEVICE_BASE > run.gpu_mem:
+        model = Term(
+            "offloaded: embeddings + one layer on the device", (m.embed_params + m.largest_layer) * d
+        )
+        host = [Term("model in host RAM (layer-sequential offload)", m.total_params * d)]
+        notes.append("the model does not fit one device: layer-sequential offload (slower)")
+    windows = x.eval_limit or EVAL_WINDOWS
+    mins = _minutes(
+        2 * m.active_params * windows * x.eval_seq * max(1, x.eval_sources), run, 1, m.total_params * d
+    )
+    return _place("evaluate", [model, *rest], host, [], 1, run, True, mins, notes)
+
+
+def plan(m: ModelShape, x: PlanInputs, run: Run) -> list[StagePlan]:
+    """The four stages' plans (`STAGES` order)."""
+    return [_ptq(m, x, run), _qat(m, x, run), _export(m, x, run), _evaluate(m, x, run)]

@@ -1,0 +1,371 @@
+"""The memory plan (`qatlib.plan`): terms of a tiny model computed by hand, parameter counts against
+transformers' own models, the real qwen3-30b configs on 8 x 80 GB, a config that does not fit,
+the workflow's resources, the torch-free mirror of the config against `qatlib.config`, and the
+real-width rehearsal model writer (`qatlib.offline.width_model`)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from qatlib import plan as qp
+from qatlib.plan.__main__ import main as plan_main
+from qatlib.plan.__main__ import weight_format
+from qatlib.yamlio import load_yaml
+
+REPO = Path(__file__).resolve().parents[1]
+EXPERIMENTS = sorted((REPO / "config/experiments").glob("*.yaml"))
+QWEN3_30B = ["qwen3-30b", "qwen3-30b-w4a8", "qwen3-30b-int4"]
+
+# hand-sized tiny MoE: vocab 100, hidden 8, 2 layers, 2 / 1 heads of 4, 4 experts top-2, I = 6
+TINY = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 100,
+    "hidden_size": 8,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 4,
+    "intermediate_size": 16,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 6,
+    "tie_word_embeddings": False,
+}
+# q 8x8 + k 4x8 + v 4x8 + o 8x8 = 192; experts 4 x 3 x 6 x 8 = 576; norms 2*8 + 2*4 = 24; router 32
+LAYER = 192 + 576 + 24 + 32  # 824
+TOTAL = 2 * 100 * 8 + 8 + 2 * LAYER  # embed + lm_head + final norm + 2 layers = 3256
+
+
+def tiny_inputs(**kw) -> qp.PlanInputs:
+    base = dict(
+        seq_len=16,
+        micro_batch=1,
+        grad_ckpt=True,
+        kd=True,
+        calib_samples=4,
+        calib_batch=1,
+        eval_seq=16,
+        eval_batch=1,
+        persistence_threshold=0,
+        prefetch=0,
+    )
+    return replace(qp.PlanInputs(), **{**base, **kw})
+
+
+def terms(stage: qp.StagePlan) -> dict[str, int]:
+    return {t.name: t.bytes for t in [*stage.device, *stage.host, *stage.node]}
+
+
+def test_tiny_model_terms_by_hand():
+    m = qp.ModelShape.from_config(TINY)
+    assert (m.layer_params(True), m.total_params, m.largest_fused) == (LAYER, TOTAL, 4 * 12 * 8)
+    assert m.active_params == 100 * 8 + 2 * (LAYER - 2 * 144)  # 2 of 4 experts (144 each) per token
+    run = qp.Run(gpus=0, cpu_ranks=2)
+    ptq, qat, export, ev = qp.plan(m, tiny_inputs(), run)
+    t = terms(ptq)
+    assert t["embeddings (resident)"] == 1608 * 2  # bf16
+    assert t["one decoder layer (streamed)"] == LAYER * 2
+    assert t["linearisation transient (one fused tensor)"] == 384 * 2
+    assert t["calibration activations carried (in + out)"] == 2 * 4 * 16 * 8 * 2
+    t = terms(qat)
+    assert t["parameter shard (model / world)"] == TOTAL * 2 // 2  # threshold 0: all partitioned
+    assert t["persistent small parameters (replicated)"] == 0
+    # fp8 per-tensor weight + static input scale per linear: (4 attn + 12 expert) x 2 x 2 layers
+    assert t["trainable scales: param + fp32 master + grad + Adam m, v"] == 64 * 20 // 2
+    assert t["gathered unit (one decoder layer + prefetch)"] == LAYER * 2
+    assert t["checkpointed layer inputs"] == 2 * 16 * 8 * 2
+    assert (
+        t["student logits"] == t["KD teacher logits (no grad)"] == t["logits gradient buffer"] == 16 * 100 * 2
+    )
+    assert t["KD/LM chunk fp32 working set"] == 16 * 100 * 4 * 6  # 16 rows < CHUNK_ELEMENTS // 100
+    # a CPU run: a rank's working set is host RAM; the node holds 2 ranks + rank 0's save buffer
+    assert qat.device == [] and qat.host_peak == 2 * qat.host_per_rank + (TOTAL * 2 + 64 * 4)
+    assert terms(export)["two decoder layers (weights + codes)"] == 2 * (LAYER * 2 + LAYER)
+    assert terms(ev)["model (resident)"] == TOTAL * 2
+    # 2 nodes x 2 ranks: world 4, a quarter each; rank 0's save buffer once per node
+    qat4 = qp.plan(m, tiny_inputs(), qp.Run(gpus=2, nodes=2))[1]
+    assert terms(qat4)["parameter shard (model / world)"] == TOTAL * 2 // 4 and qat4.ranks_per_node == 2
+    # on GPUs the working set is device memory, the host keeps each rank's process and staging
+    assert "parameter shard (model / world)" in {t.name for t in qat4.device}
+    assert "parameter shard (model / world)" not in {t.name for t in qat4.host}
+    # no KD: no teacher logits; no checkpointing: every layer's activations
+    t = terms(qp.plan(m, tiny_inputs(kd=False, grad_ckpt=False), run)[1])
+    assert "KD teacher logits (no grad)" not in t
+    assert t["activations of every layer (no checkpointing)"] == 2 * 16 * qp.act_per_token(m, 2, True, True)
+
+
+def test_int4_group_scales_and_weight_only_by_hand():
+    m = qp.ModelShape.from_config(TINY)
+    x = tiny_inputs(weight=qp.WeightFormat(4, "group", 4), act_quant=False, calib=False)
+    t = terms(qp.plan(m, x, qp.Run())[1])
+    # q 8x2 + k 4x2 + v 4x2 + o 8x2 = 48; per expert gate/up 6x2 each + down 8x2 = 40 -> 160
+    assert t["trainable scales: param + fp32 master + grad + Adam m, v"] == 2 * (48 + 160) * 20 // 2
+    assert "calibration activations carried (in + out)" not in terms(qp.plan(m, x, qp.Run())[0])
+
+
+def test_parameter_counts_match_transformers():
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dense = {**TINY, "model_type": "qwen3", "tie_word_embeddings": True}
+    real = json.loads((REPO / "config/models/Qwen--Qwen3-30B-A3B/config.json").read_text())
+    for cfg in (TINY, dense, real):
+        kw = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "torch_dtype")}
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg["model_type"], **kw))
+        assert qp.ModelShape.from_config(cfg).total_params == sum(p.numel() for p in model.parameters())
+    assert qp.ModelShape.from_config(real).total_params == 30_532_122_624
+
+
+@pytest.mark.parametrize("exp", QWEN3_30B)
+def test_real_qwen3_30b_configs_on_8x80gb(exp, capsys):
+    assert plan_main([str(REPO / f"config/experiments/{exp}.yaml"), "--gpus", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    stages = {s["stage"]: s for s in out["stages"]}
+    assert list(stages) == list(qp.STAGES) and all(s["fits"] for s in stages.values())
+    model = out["model"]["total_params"] * 2
+    qat = stages["zero3_qat"]
+    assert qat["ranks_per_node"] == 8
+    assert model / 8 < qat["device_peak"] < model / 8 + 16 * qp.GIB  # shard + one layer + activations
+    assert stages["ptq_calibrate"]["device_peak"] < model / 4  # streamed: never the whole model
+    assert stages["convert_export"]["device_peak"] == 0 and stages["convert_export"]["host_peak"] < model / 4
+    assert stages["evaluate"]["device_peak"] > model  # the whole model fits one 80 GB GPU
+
+
+def test_a_config_that_does_not_fit_is_flagged(capsys):
+    exp = str(REPO / "config/experiments/qwen3-30b.yaml")
+    assert plan_main([exp, "--gpus", "2", "--gpu-mem-gib", "24"]) == 3
+    out = capsys.readouterr().out
+    assert "zero3_qat" in out and "DOES NOT FIT" in out
+    # an unknown model is a clear error naming model.model_path
+    assert plan_main([exp, "--gpus", "8", "--set", "model.model_path=nobody/unknown"]) == 1
+    assert "model.model_path" in capsys.readouterr().err
+
+
+def test_constants_agree_with_the_modules_they_mirror():
+    from qatlib.losses import CHUNK_ELEMENTS
+    from qatlib.zero3_io import save_consolidated
+
+    assert qp.CHUNK_ELEMENTS == CHUNK_ELEMENTS
+    assert qp.SAVE_SHARD_BYTES == inspect.signature(save_consolidated).parameters["max_shard_bytes"].default
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
+def test_torch_free_inputs_agree_with_qatlib_config(path):
+    """The workflow reads the raw YAML (no torch at DAG time); every value must be what
+    `qatlib.config` (the owner) resolves, defaults included."""
+    from transformers import TrainingArguments
+
+    from qatlib.config import load_config
+
+    sets = ["compression.QAT.from_ptq_ckpt=/tmp/ptq"]
+    cfg = load_config(path, sets)
+    raw = load_yaml(path)
+    raw["compression"]["QAT"]["from_ptq_ckpt"] = "/tmp/ptq"
+    x = qp.from_experiment(raw, cfg.deepspeed_config)
+    scheme, hf = cfg.quant_scheme(), cfg.qat.hf_args or {}
+    defaults = TrainingArguments.__dataclass_fields__
+    assert x.weight == weight_format(scheme)
+    assert x.act_quant == (scheme.input is not None)
+    assert x.calib == (scheme.input is not None and not scheme.input.dynamic)
+    assert x.kd == cfg.loss_config().kd_enabled
+    assert x.train_scales == (cfg.learnable().weight_scale or cfg.learnable().act_scale)
+    assert x.zero3 == cfg.zero3_enabled
+    assert (x.seq_len, x.calib_samples, x.calib_batch) == (
+        cfg.dataset.max_seq_length,
+        cfg.dataset.num_samples,
+        cfg.dataset.batch_size,
+    )
+    assert (x.eval_seq, x.eval_batch) == (cfg.evaluation.max_seq_length, cfg.evaluation.batch_size)
+    ckpt = hf.get("activation_checkpointing", hf.get("gradient_checkpointing"))
+    assert x.grad_ckpt == bool(ckpt)
+    for name in ("per_device_train_batch_size", "num_train_epochs", "max_steps"):
+        want = hf.get(name) if hf.get(name) is not None else defaults[name].default
+        got = {
+            "per_device_train_batch_size": x.micro_batch,
+            "gradient_checkpointing": x.grad_ckpt,
+            "num_train_epochs": x.epochs,
+            "max_steps": x.max_steps,
+        }[name]
+        assert got == want, name
+
+
+def test_workflow_resources_come_from_the_plan_without_torch():
+    code = (
+        "import sys, json; sys.path.insert(0, '.');"
+        "from workflow.lib import experiment as xp; from qatlib.yamlio import load_yaml;"
+        "c = load_yaml('config/config.yaml');"
+        "e = xp.Experiments(xp.Path('.'), 'results', 'config/experiments', 'x', None,"
+        " 'workflow/schemas/experiment.schema.json');"
+        "r = {s: e.resources('qwen3-30b-a3b-width', s, c) for s in ('zero3_qat', 'convert_export', 'report')};"
+        "r['hub'] = e.resources('qwen3-30b', 'zero3_qat', {**c, 'gpus_per_node': 8});"
+        "print(json.dumps([r, sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'pydantic'))]))"
+    )
+    got, heavy = json.loads(subprocess.check_output([sys.executable, "-c", code], cwd=REPO, text=True))
+    assert heavy == []
+    raw = load_yaml(REPO / "config/experiments/qwen3-30b-a3b-width.yaml")
+    ds = json.loads((REPO / "config/deepspeed/zero3_cpu.json").read_text())
+    mcfg = qp.find_model_config("results/base/qwen3-30b-a3b-width")
+    assert mcfg["num_hidden_layers"] == 2 and mcfg["hidden_size"] == 2048
+    stages = qp.plan(
+        qp.ModelShape.from_config(mcfg), qp.from_experiment(raw, ds), qp.Run(gpus=0, cpu_ranks=2)
+    )
+    qat = stages[1]
+    assert got["zero3_qat"] == {
+        "mem_mb": max(2000, int(qat.host_peak * 1.25 / 1e6) + 1),
+        "runtime": qat.runtime_min,
+    }
+    assert got["report"] == {"mem_mb": load_yaml(REPO / "config/config.yaml")["mem_mb"]["report"]}
+    assert got["hub"]["mem_mb"] > 8 * 3 * qp.GIB / 1e6  # 8 GPU ranks' host processes at least
+
+
+def test_width_model_writes_the_hub_layout_in_shards(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from qatlib.offline.width_model import write_random_model
+
+    info = write_random_model(TINY, tmp_path / "m", num_hidden_layers=2, shard_bytes=2000, seed=1)
+    qp_total = qp.ModelShape.from_config(TINY).total_params
+    assert info["params"] == qp_total and info["shards"] > 1
+    # the config.json transformers 5 writes (num_local_experts) is read like the hub's (num_experts)
+    written_cfg = json.loads((tmp_path / "m/config.json").read_text())
+    assert "num_local_experts" in written_cfg
+    assert qp.ModelShape.from_config(written_cfg) == qp.ModelShape.from_config(TINY)
+    index = json.loads((tmp_path / "m/model.safetensors.index.json").read_text())
+    keys = set(index["weight_map"])
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in keys and not any("gate_up" in k for k in keys)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.bfloat16)
+    assert sum(p.numel() for p in model.parameters()) == qp_total
+    key = "model.layers.1.mlp.experts.3.up_proj.weight"
+    stored = load_file(tmp_path / "m" / index["weight_map"][key])[key]
+    assert torch.equal(model.model.layers[1].mlp.experts.gate_up_proj[3, 6:], stored)
+    assert 0.01 < stored.float().std() < 0.03  # normal(0, initializer_range 0.02)
+    model.save_pretrained(tmp_path / "s")  # the key set transformers itself writes
+    written = set()
+    for f in (tmp_path / "s").glob("*.safetensors"):
+        written |= set(load_file(f))
+    assert written == keys
+
+
+# ----------------------------------------------------------------------------- the rehearsal (CI size)
+# The export, reloaded by transformers (compressed-tensors decompression), against the QAT model
+# it came from (qatlib's fake-quant, same scales), on the same tokens: bf16 rounding of a
+# 2048-wide dot product (~2^-8 relative) is all that may differ.
+REHEARSAL_LOGIT_RTOL = 1e-2
+
+
+def _rehearsal_logits(model, ids):
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+@pytest.mark.slow
+@pytest.mark.skip(
+    reason="needs h-qatmem: today's ZeRO-3 QAT holds ~3 x the model per rank at this width (#16: "
+    "12.1 GB at 2 layers); even after it the plan predicts 3.9 GiB per rank + 2.3 GiB of rank 0's "
+    "save buffer (~10 GiB for the 2-rank tree) at 1 layer, over the ~5 GB one CI test may take"
+)
+def test_rehearsal_one_layer_ptq_zero3_qat_export_reload(tmp_path):
+    """qwen3-30b-a3b-width at 1 layer (1.25 B params, real width): PTQ -> ZeRO-3 QAT on 2 CPU
+    ranks -> export -> reload; every rank holds half of every parameter; the export's logits match
+    the QAT model's within REHEARSAL_LOGIT_RTOL."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.plan_rehearsal import corpus, watch
+    from qatlib.config import load_config
+    from qatlib.models import load_prepared
+    from qatlib.offline.width_model import write_random_model
+
+    text = corpus(tmp_path / "corpus")
+    model = tmp_path / "model"
+    write_random_model(
+        REPO / "config/models/Qwen--Qwen3-30B-A3B/config.json", model, num_hidden_layers=1, corpus_dir=text
+    )
+    exp = REPO / "config/experiments/qwen3-30b-a3b-width.yaml"
+    sets = [
+        f"dataset.data_path={text / 'train.txt'}",
+        f"evaluation.ppl=[{text / 'test.txt'}]",
+        f"model.model_path={model}",
+        f"compression.QAT.from_ptq_ckpt={tmp_path / 'ptq'}",
+        "dataset.max_seq_length=32",
+    ]
+    base = ["-c", str(exp), *(f"--set={s}" for s in sets), "--no-progress"]
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    runs = [
+        [sys.executable, "scripts/ptq.py", *base, "--save-path", str(tmp_path / "ptq")],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "scripts/qat.py",
+         *base, "--from-ptq-ckpt", str(tmp_path / "ptq"), "--save-path", str(tmp_path / "qat"),
+         "--run-dir", str(tmp_path / "qat_run"), "--threads", "1"],
+        [sys.executable, "scripts/export.py", *base, "--model-path", str(tmp_path / "qat"),
+         "--save-path", str(tmp_path / "export")],
+    ]  # fmt: skip
+    for i, cmd in enumerate(runs):
+        r = watch(cmd, int(5.5 * 2**30), env, tmp_path / f"stage{i}.log")
+        assert r["rc"] == 0 and not r["killed_at_limit"], (tmp_path / f"stage{i}.log").read_text()[-3000:]
+    meta = json.loads((tmp_path / "qat/run_metadata.json").read_text())
+    assert (meta["world_size"], meta["zero_stage"], len(meta["ranks"])) == (2, 3, 2)
+    for rank in meta["ranks"]:  # real partitioning: each rank holds half of every parameter
+        assert 0.49 <= rank["share_min"] <= rank["share_max"] <= 0.51, rank
+        assert rank["param_bytes_held"] <= 0.51 * meta["param_bytes_total"], rank
+    ids = torch.randint(0, 4000, (1, 32), generator=torch.Generator().manual_seed(0))
+    cfg = load_config(exp, sets)
+    qat = load_prepared(cfg, tmp_path / "qat", scales=tmp_path / "qat", complete=True)[0].eval()
+    ref = _rehearsal_logits(qat, ids)
+    del qat
+    got = _rehearsal_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval(), ids)
+    assert (got - ref).abs().max() <= REHEARSAL_LOGIT_RTOL * ref.abs().max()
+
+
+def test_rehearsal_watcher_records_the_peak_and_stops_at_the_limit(tmp_path):
+    """benchmarks.plan_rehearsal.watch: the kernel's peak (a 300 MB buffer freed before exit is
+    still counted), and a tree past the limit is killed, not waited for."""
+    import os
+
+    from benchmarks.plan_rehearsal import watch
+
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts/alloc.py").write_text(
+        "import sys, time\nb = bytearray(int(sys.argv[1]) << 20)\nb[::4096] = b'x' * len(b[::4096])\n"
+        "time.sleep(1.0)\ndel b\ntime.sleep(float(sys.argv[2]))\n"
+    )
+    env = dict(os.environ)
+    cmd = [sys.executable, str(tmp_path / "scripts/alloc.py"), "300", "0.5"]
+    r = watch([cmd[0], "scripts/alloc.py", *cmd[2:]], 2 << 30, env, tmp_path / "a.log", cwd=tmp_path)
+    assert r["rc"] == 0 and not r["killed_at_limit"]
+    assert len(r["peak_rss_per_rank"]) == 1 and r["peak_rss_per_rank"][0] > 300 << 20
+    r = watch([cmd[0], "scripts/alloc.py", "300", "30"], 100 << 20, env, tmp_path / "b.log", cwd=tmp_path)
+    assert r["killed_at_limit"] and r["rc"] != 0 and r["wall_s"] < 20
+
+
+def test_base_model_rule_writes_a_random_width_model(tmp_path):
+    """scripts/base_model.py (the workflow's base_model rule) with a ``random`` entry writes the
+    model, its tokenizer and the timing, and the plan reads the folder it wrote."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus/train.txt").write_text(
+        "\n\n".join(f"document {i} about scales and codes" for i in range(200))
+    )
+    (tmp_path / "tiny.json").write_text(json.dumps(TINY))
+    spec = {"random": {"config": str(tmp_path / "tiny.json"), "num_hidden_layers": 1, "seed": 3}}
+    out = tmp_path / "base"
+    cmd = [sys.executable, "scripts/base_model.py", "--name", "w", "--corpus", str(tmp_path / "corpus"),
+           "--save-path", str(out), "--spec-json", json.dumps(spec), "--timing", str(tmp_path / "t.json")]  # fmt: skip
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO)}
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
+    assert json.loads((out / "random_model.json").read_text())["layers"] == 1
+    assert (out / "tokenizer.json").is_file() and json.loads((tmp_path / "t.json").read_text())[
+        "stage"
+    ] == "base_model"
+    shape = qp.ModelShape.from_config(qp.find_model_config(str(out)))
+    assert shape == qp.ModelShape.from_config({**TINY, "num_hidden_layers": 1})
