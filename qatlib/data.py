@@ -21,7 +21,8 @@ prediction the reply's first token, right after ``<|im_start|>assistant\\n``. Sa
 
 Plain text is tokenized document by document, joined with the EOS token and cut into
 ``max_seq_length`` blocks in which every token is supervised; a trailing partial block is dropped
-unless it is the only one.
+unless it is the only one. ``num_samples`` below the number of blocks keeps blocks spread evenly
+over the text (`spread`), not its head.
 """
 
 from __future__ import annotations
@@ -209,6 +210,17 @@ def text_blocks(
         yield buf
 
 
+def spread(items: list, count: int | None) -> list:
+    """``count`` of ``items`` spread evenly over the list (item ``i * n // count``), all of them
+    when ``count`` is None or not below their number. Why not the head: text files are in source
+    order (the corpus: pydoc topics, then the standard library, then packages), so the first
+    blocks are all one kind of text."""
+    n = len(items)
+    if count is None or count >= n:
+        return items
+    return [items[i * n // count] for i in range(count)]
+
+
 # --------------------------------------------------------------------------- readers
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
     with path.open(encoding="utf-8") as f:
@@ -307,8 +319,8 @@ def load_training_data(
     if pending_text:
         room = None if num_samples is None else max(num_samples - len(samples), 0)
         if room != 0:
-            for block in text_blocks(pending_text, tokenizer, max_seq_length, limit=room):
-                samples.append({"input_ids": block, "labels": list(block)})
+            blocks = spread(list(text_blocks(pending_text, tokenizer, max_seq_length)), room)
+            samples.extend({"input_ids": b, "labels": list(b)} for b in blocks)
     stats.samples = len(samples)
     stats.kind = "+".join(sorted(kinds))
     if not samples:

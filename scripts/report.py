@@ -12,6 +12,7 @@ written.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import _common
@@ -51,6 +52,10 @@ def main(argv=None) -> int:
         header = f"# Effective config of {exp.name}: {args.config}" + "".join(
             f"\n#   --set {s}" for s in args.overrides
         )
+        # the YAML's leading comment says what the experiment is for: keep it in the report
+        lines = Path(args.config).read_text(encoding="utf-8").splitlines()
+        intro = list(itertools.takewhile(lambda ln: ln.startswith("#"), lines))
+        header += "".join(f"\n{ln}" for ln in intro)
         config_out.parent.mkdir(parents=True, exist_ok=True)
         config_out.write_text(header + "\n" + yaml.safe_dump(effective, sort_keys=False))
         try:

@@ -63,6 +63,25 @@ def tiny_qwen3_moe_config(**kw):
     return Qwen3MoeConfig(**base)
 
 
+def tiny_llama_config(**kw):
+    """SmolLM2's architecture (Llama, tied embeddings, no q/k norms) at the tiny size."""
+    from transformers import LlamaConfig
+
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    base.update(kw)
+    return LlamaConfig(**base)
+
+
 def build_model(config, seed: int = 0):
     from transformers import AutoModelForCausalLM
 

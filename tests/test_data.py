@@ -80,6 +80,19 @@ def test_num_samples_and_text_blocks(tiny_tokenizer, tmp_path):
     assert len(load_training_data(p, tiny_tokenizer, 256, num_samples=4)) == 4
 
 
+def test_text_samples_spread_over_the_file(tiny_tokenizer, tmp_path):
+    """num_samples below the block count takes blocks from the whole file, not its head (split
+    files are in source order)."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(f"Section {i}: " + "words and more words here. " * 6 + "\n\n" for i in range(40)))
+    every = load_training_data(text, tiny_tokenizer, 16, num_samples=None)
+    n = len(every)
+    some = load_training_data(text, tiny_tokenizer, 16, num_samples=4)
+    assert n > 8 and len(some) == 4
+    assert [s["input_ids"] for s in some] == [every[i * n // 4]["input_ids"] for i in range(4)]
+    assert some[3]["input_ids"] == every[3 * n // 4]["input_ids"] != every[3]["input_ids"]
+
+
 def test_parquet_messages_and_text(tiny_tokenizer, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

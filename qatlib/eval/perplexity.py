@@ -56,15 +56,20 @@ def tokenize_text(tokenizer, text: str) -> torch.Tensor:
 
 
 def make_windows(ids: torch.Tensor, seq_len: int, limit: int | None = None) -> torch.Tensor:
-    """``[windows, seq_len]``: consecutive non-overlapping windows, last partial one dropped."""
+    """``[windows, seq_len]``: the non-overlapping windows, last partial one dropped; ``limit``
+    keeps that many spread evenly over the whole text (window ``i * n // limit``), not its head:
+    split files are in source order (the corpus: pydoc topics, then the standard library, then
+    packages), so the first windows are one kind of text (SmolLM2: PPL 22.3 on the first 16
+    windows of the test split, 26.2 on 16 spread ones)."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2; got {seq_len}")
     n = ids.numel() // seq_len
-    if limit is not None:
-        n = min(n, int(limit))
     if n == 0:
         raise ValueError(f"text has {ids.numel()} tokens: fewer than one window of {seq_len}")
-    return ids[: n * seq_len].view(n, seq_len)
+    windows = ids[: n * seq_len].view(n, seq_len)
+    if limit is not None and int(limit) < n:
+        windows = windows[torch.arange(int(limit)) * n // int(limit)]
+    return windows
 
 
 def _device_of(model) -> torch.device:

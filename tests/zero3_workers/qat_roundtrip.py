@@ -47,6 +47,8 @@ def gathered_equals(model, sd, zero3_io) -> list[str]:
             if ".weight_quantizer." in full or ".input_quantizer." in full or ".output_quantizer." in full:
                 continue
             ref = sd.get(full)
+            if ref is None and full == "lm_head.weight" and model.config.tie_word_embeddings:
+                ref = sd.get("model.embed_tokens.weight")  # tied: saved once, under the embedding
             if ref is None or not torch.equal(ref.to(p.device, p.dtype), p.data):
                 bad.append(full)
     return bad

