@@ -394,6 +394,88 @@ def test_empty_training_file_names_it(tmp_path, tiny_tokenizer, content):
         load_training_data(f, tiny_tokenizer, 32)
 
 
+# --------------------------------------------------------------------------- content hashes
+def _product(root: Path) -> Path:
+    (root / "sub").mkdir(parents=True)
+    (root / "model.safetensors").write_bytes(bytes(range(256)) * 40)
+    (root / "config.json").write_text('{"a": 1}')
+    (root / "sub" / "scales.safetensors").write_bytes(b"\x01\x02" * 100)
+    (root / "tokenizer.json").write_text('{"vocab": {"a": 0}}')
+    return root
+
+
+def test_content_hash_equal_for_copies_and_changed_by_one_byte(tmp_path):
+    """Two copies of the same content hash equal whatever the run records beside them (owner
+    records, Snakemake's timestamp, logs, wall times); one changed byte, a renamed or a moved
+    file changes the hash. A file hashes its bytes (sha256 computed here independently)."""
+    import hashlib
+    import shutil
+
+    from qatlib.checkpoint.hashes import content_hash
+
+    a = _product(tmp_path / "a")
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    (b / ".snakemake_timestamp").write_text("")
+    (b / ".x.tmp-1.owner").write_text('{"pid": 1}')
+    (b / "stage.log").write_text("took 3 s")
+    (b / "run_metadata.json").write_text('{"peak_rss_bytes": 5}')
+    (b / "train_log.jsonl").write_text('{"step": 1}\n')
+    assert content_hash(a) == content_hash(b) and content_hash(a).startswith("sha256:")
+    data = (a / "model.safetensors").read_bytes()
+    assert content_hash(a / "model.safetensors") == "sha256:" + hashlib.sha256(data).hexdigest()
+
+    changed = bytearray(data)
+    changed[1234] ^= 1
+    (b / "model.safetensors").write_bytes(bytes(changed))
+    assert content_hash(a) != content_hash(b)
+    (b / "model.safetensors").write_bytes(data)
+    assert content_hash(a) == content_hash(b)
+    (b / "sub" / "scales.safetensors").rename(b / "scales.safetensors")  # same bytes, other name
+    assert content_hash(a) != content_hash(b)
+    with pytest.raises(FileNotFoundError, match="nothing-here"):
+        content_hash(tmp_path / "nothing-here")
+
+
+def test_report_metrics_carry_the_content_hashes(tmp_path):
+    """build_report writes ``hash/<product>`` for the corpus, tokenizer, base model and the
+    experiment's ptq / qat / export into metrics.json and the metadata, with the CPU settings."""
+    from qatlib.checkpoint.hashes import TOKENIZER_FILES, content_hash
+    from qatlib.report import build_report
+
+    exp = tmp_path / "exp"
+    (exp / "eval").mkdir(parents=True)
+    for v, ppl in (("bf16", 10.0), ("ptq", 12.0), ("qat", 11.0)):
+        rec = {"variant": v, "ppl": {"t": {"ppl": ppl, "nll": 2.0, "tokens": 9, "windows": 1}}, "tasks": {}}
+        (exp / "eval" / f"{v}.json").write_text(json.dumps(rec))
+    for name in ("ptq", "qat", "export"):
+        _product(exp / name)
+    (exp / "qat" / "config.json").write_text('{"a": 2}')  # qat differs from ptq / export
+    base = _product(tmp_path / "base")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "train.txt").write_text("some text\n")
+    out = tmp_path / "site" / "report.html"
+    build_report(
+        exp,
+        out,
+        bench_dir=tmp_path / "none",
+        products={"corpus": corpus, "tokenizer": base, "base_model": base},
+    )
+    metrics = json.loads((out.parent / "metrics.json").read_text())
+    hashes = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("hash/")}
+    assert list(hashes) == ["base_model", "corpus", "export", "ptq", "qat", "tokenizer"]  # sorted keys
+    assert hashes["ptq"] == hashes["export"] == hashes["base_model"] == content_hash(base)
+    assert hashes["qat"] != hashes["ptq"]
+    assert hashes["corpus"] == content_hash(corpus)
+    assert hashes["tokenizer"] == content_hash(base, only=TOKENIZER_FILES) != hashes["base_model"]
+    assert metrics["cpu/aten_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert metrics["cpu/torch_threads"] == torch.get_num_threads()
+    html = out.read_text()
+    assert "Content hashes" in html and all(h in html for h in hashes.values())
+    assert html.index(hashes["corpus"]) < html.index(hashes["qat"])  # workflow order in the table
+
+
 def test_reliability_table_names_existing_tests():
     import re
 
