@@ -92,6 +92,9 @@ class QualitySettings:
     ablation_format: str = "int3_g32"
     kd_losses: tuple[str, ...] = ("origin", "kl", "rkl", "cakld")
     lrs: tuple[float, ...] = (1e-4, 2e-4, 1e-3)  # 1e-3: recorded as stopped by the guard if it is
+    # FP8 weight scales are amax / 448 (~1e-4 here), ~100x an int3 scale: Adam's ~lr step must stay
+    # well below them (2e-4 took them below 0 at step 1); the repo's fp8 configs train at 1e-6
+    fp8_lr: float = 1e-6
     lwc: bool = True
     lwc_init: float = 4.0
     lwc_lr: float = 1e-2
@@ -442,6 +445,8 @@ class Lab:
         s = self.s
         steps = steps or s.qat_steps
         loss_type = loss_type or s.loss_type
+        if lr is None and scheme.weight is not None and scheme.weight.is_fp8:
+            lr = s.fp8_lr
         m = start if start is not None else self.rtn(scheme, lwc_init=s.lwc_init if lwc else None)
         args = TrainingArguments(
             output_dir=str(self.work / "trainer"),
