@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -348,9 +349,30 @@ def training_data_from_config(cfg, tokenizer) -> TokenizedDataset:
     if not source:
         raise ValueError("no training data: set dataset.data_path or compression.QAT.hf_dataset")
     prompt_loss = ds is not None and ds.is_sft_data is False
-    return load_training_data(
+    data = load_training_data(
         source, tokenizer, max_len, num, hf_cache_dir=cfg.qat.hf_cache_dir, prompt_loss=prompt_loss
     )
+    check_samples_for_ranks(len(data), source, num)
+    return data
+
+
+def world_size() -> int:
+    """The ranks of this run: the process group's, else torchrun's ``WORLD_SIZE`` (1 without)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_samples_for_ranks(n: int, source, num_samples: int | None, world: int | None = None) -> None:
+    """DataError when there are fewer training samples than ranks: the distributed sampler would
+    hand some ranks copies of other ranks' samples (a silently different run), so it is refused,
+    naming the file and ``dataset.num_samples``."""
+    world = world_size() if world is None else world
+    if n < world:
+        raise DataError(
+            f"{source}: {n} training sample(s) (dataset.num_samples={num_samples}) for {world} ranks: "
+            "every rank needs at least one; raise dataset.num_samples or use fewer ranks"
+        )
 
 
 # --------------------------------------------------------------------------- batching

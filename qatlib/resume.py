@@ -83,6 +83,38 @@ def classify_resume_dir(path: str | os.PathLike) -> tuple[Literal["hf", "saved"]
     )
 
 
+def saved_world_size(ckpt: Path) -> int | None:
+    """How many ranks wrote an HF Trainer checkpoint: DeepSpeed's per-rank optimizer partitions
+    (``global_step*/zero_pp_rank_<r>_mp_rank_*_optim_states.pt``), else the Trainer's RNG states
+    (``rng_state.pth`` for one process, ``rng_state_<r>.pth`` per rank); None when neither is there."""
+    zero = {p.name.split("_")[3] for p in ckpt.glob("global_step*/zero_pp_rank_*_mp_rank_*_optim_states.pt")}
+    if zero:
+        return len(zero)
+    ranked = list(ckpt.glob("rng_state_*.pth"))
+    if ranked:
+        return len(ranked)
+    return 1 if (ckpt / "rng_state.pth").is_file() else None
+
+
+def check_resume_world_size(path: str | os.PathLike, world_size: int) -> None:
+    """ResumeError when ``resume_ckpt_dir`` is an HF checkpoint written by another number of ranks.
+
+    ZeRO-3 partitions the optimizer state per rank (DeepSpeed reads back exactly its own
+    partition), and the data position and RNG state are per rank: another world size would fail
+    deep inside DeepSpeed's loader, or silently train on a different batch order. A saved model
+    (consolidated save / fake export) holds no per-rank state and resumes at any world size."""
+    kind, ckpt = classify_resume_dir(path)
+    if kind != "hf":
+        return
+    saved = saved_world_size(ckpt)
+    if saved is not None and saved != world_size:
+        raise ResumeError(
+            f"resume_ckpt_dir {ckpt}: written by {saved} rank(s), this run has {world_size}: resume with "
+            f"{saved} rank(s), or start a new run from a saved model (the consolidated QAT save) at "
+            "any world size"
+        )
+
+
 def _quantizer_prefixes(model: nn.Module) -> tuple[str, ...]:
     return tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, Quantizer))
 

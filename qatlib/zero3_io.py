@@ -425,6 +425,7 @@ def save_consolidated(
     scheme: QuantScheme | None = None,
     max_shard_bytes: int = 2 << 30,
     overwrite: bool = True,
+    add_files: Callable[[Path], None] | None = None,
 ) -> Path | None:
     """Save a (prepared, maybe partitioned) model so that it reloads WITHOUT DeepSpeed:
 
@@ -435,7 +436,9 @@ def save_consolidated(
       under the docs/design.md keys (LWC: the derived ``weight_scale`` and the clip factors), so the
       directory is also a PTQ checkpoint: ``prepare(model, scheme)`` + `stream_load_scales` restores
       the exact QAT model;
-    - ``run_metadata.json`` (`run_metadata`).
+    - ``run_metadata.json`` (`run_metadata`);
+    - whatever ``add_files(tmp_dir)`` writes (rank 0; e.g. the tokenizer and the train log), in
+      the same temporary folder, so they are part of the one atomic commit.
 
     Every rank runs the same gathers unit by unit; rank 0 alone keeps CPU copies and flushes a shard
     once ``max_shard_bytes`` accumulate, writing into a temporary sibling directory renamed at the end
@@ -506,6 +509,8 @@ def save_consolidated(
                 if scheme is not None:
                     write_json(tmp / SCHEME_FILE, scheme.to_dict())
             write_json(tmp / RUN_METADATA_FILE, meta)
+            if add_files is not None:
+                add_files(tmp)
             target.commit()
         except BaseException:
             target.abort()  # no half-written output

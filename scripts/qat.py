@@ -41,6 +41,17 @@ def main(argv=None) -> int:
     blockwise = cfg.qat.training_mode == "blockwise"
     if blockwise and cfg.zero3_enabled:
         ap.error("blockwise QAT runs in one process: remove the ZeRO-3 DeepSpeed config (hf_args.deepspeed)")
+    from qatlib.data import DataError, check_samples_for_ranks
+    from qatlib.resume import ResumeError, check_resume_world_size
+
+    try:  # before any model is loaded
+        if cfg.dataset is not None:
+            n = cfg.dataset.num_samples
+            check_samples_for_ranks(n, cfg.dataset.data_path or "the training set", n)
+        if cfg.qat.resume_ckpt_dir:
+            check_resume_world_size(cfg.qat.resume_ckpt_dir, _common.world_size())
+    except (DataError, ResumeError) as e:
+        ap.error(str(e))
 
     with _common.stage("zero3_qat", args) as record:
         from qatlib import zero3_io
@@ -81,12 +92,15 @@ def main(argv=None) -> int:
                     cfg, model, tok, data, scales_loaded=bool(ptq), args_overrides=overrides, scheme=scheme
                 )
                 done = {"steps": trainer.state.global_step}
-            zero3_io.save_consolidated(model, save, scheme=scheme)
-            if zero3_io.get_rank() == 0:
-                tok.save_pretrained(str(save))
+
+            def add_files(tmp: Path) -> None:  # in the save's temporary folder: one atomic commit
+                tok.save_pretrained(str(tmp))
                 for name in (TRAIN_LOG_FILE, SCALE_LOAD_FILE):
                     if (run_dir / name).is_file():
-                        shutil.copyfile(run_dir / name, save / name)
+                        shutil.copyfile(run_dir / name, tmp / name)
+
+            zero3_io.save_consolidated(model, save, scheme=scheme, add_files=add_files)
+            if zero3_io.get_rank() == 0:
                 record.update(done, samples=len(data), scheme=scheme.name, zero3=cfg.zero3_enabled)
                 what = ", ".join(f"{v} {k}" for k, v in done.items())
                 print(f"QAT checkpoint ({cfg.qat.training_mode}, {scheme.name}, {what}): {save}")

@@ -18,6 +18,16 @@ from pathlib import Path
 import _common
 
 
+def _products(cfg) -> dict:
+    """The inputs made outside the experiment folder, for the report's content hashes."""
+    data = cfg.dataset.data_path
+    return {
+        "corpus": Path(data).parent if data else None,
+        "tokenizer": cfg.model.model_path,
+        "base_model": cfg.model.model_path,
+    }
+
+
 def main(argv=None) -> int:
     ap = _common.parser(__doc__.splitlines()[0], save=False, model=False)
     ap.add_argument("--exp-dir", required=True, help="results/<exp>")
@@ -67,6 +77,7 @@ def main(argv=None) -> int:
                 config=config_out,
                 base_weights=args.base_weights,
                 extra_timings=args.shared_timings,
+                products=_products(cfg),
             )
         except ReportError as e:
             ap.exit(2, f"error: {e}\n")

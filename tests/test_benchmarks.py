@@ -84,7 +84,7 @@ def test_quick_quality(tmp_path):
         for key in ("bf16_ppl", "rtn_ppl", "qat_ppl"):
             assert math.isfinite(r[key]) and r[key] > 1
     assert [r["variant"] for r in doc["ablation_kd_loss_equal_steps"]] == ["origin", "kl"]
-    assert [r["lr"] for r in doc["ablation_lr_equal_steps"]] == [1e-4, 1e-3]
+    assert [r["lr"] for r in doc["ablation_lr_equal_steps"]] == [1e-4, 2e-4]
     assert len(doc["ablation_lwc_equal_steps"]) == 2 and len(doc["ablation_e2e_vs_blockwise_equal_wall"]) == 2
     assert len(doc["ablation_norm_equal_steps"]) == 2
     assert "errors" not in doc

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -309,6 +310,15 @@ def test_end_to_end_on_the_test_config(tmp_path):
         assert math.isfinite(acc) and 0 <= acc <= 1
     metrics = json.loads((exp / "metrics.json").read_text())
     assert all(math.isfinite(metrics[f"ppl/corpus/test/{v}"]) for v in ("bf16", "ptq", "qat", "export"))
+    # content hashes of every product (qatlib.checkpoint.hashes) and the pinned CPU kernels
+    from qatlib.checkpoint.hashes import content_hash
+
+    assert metrics["hash/qat"] == content_hash(exp / "qat") and metrics["hash/corpus"].startswith("sha256:")
+    assert {f"hash/{k}" for k in ("corpus", "tokenizer", "base_model", "ptq", "qat", "export")} <= set(
+        metrics
+    )
+    if platform.machine().lower() in ("x86_64", "amd64") and "ATEN_CPU_CAPABILITY" not in os.environ:
+        assert metrics["cpu/aten_cpu_capability"] == "avx2" and metrics["cpu/aten_capability"] == "AVX2"
     sqnr = (exp / "analysis/sqnr.csv").read_text().splitlines()
     assert sqnr[0] == "layer,layer_type,ptq_db,qat_db,delta_db" and len(sqnr) > 1
     for stage in ("ptq_calibrate", "zero3_qat", "convert_export", "sqnr", "report", "evaluate-qat"):

@@ -78,9 +78,9 @@ def test_override_items_are_the_scripts_set_pairs():
 
 
 def test_overrides_apply_to_the_active_experiment_only(tmp_path):
-    exps = experiments(tmp_path, {"compression": {"QAT": {"hf_args": {"learning_rate": "2e-4"}}}})
-    assert xp.section(exps.get("tiny-test"), LR) == 2e-4
-    assert xp.section(exps.get("tiny-qwen3"), LR) == 1e-3
+    exps = experiments(tmp_path, {"compression": {"QAT": {"hf_args": {"learning_rate": "3e-4"}}}})
+    assert xp.section(exps.get("tiny-test"), LR) == 3e-4
+    assert xp.section(exps.get("tiny-qwen3"), LR) == 2e-4
     assert xp.section(load_yaml(exps.yaml_path("tiny-test")), LR) == 1e-4
 
 

@@ -75,6 +75,7 @@ def build_report(
     config: str | os.PathLike | None = None,
     base_weights: str | os.PathLike | None = None,
     extra_timings: Sequence[str | os.PathLike] = (),
+    products: Mapping[str, str | os.PathLike | None] | None = None,
 ) -> Path:
     """Write the report of ``exp_dir`` to ``out_html``, and ``metrics.json`` + ``plots/*.csv`` beside it.
 
@@ -84,6 +85,10 @@ def build_report(
     scales, for computing SQNR when ``analysis/sqnr.csv`` is absent (which weights are used:
     `qatlib.analysis.checkpoint_sqnr`). ``extra_timings``: timing JSONs of stages shared between
     experiments (corpus, base model), listed in the wall-time table with the experiment's own.
+    ``products``: ``{label: path}`` of the inputs made outside ``exp_dir`` (``corpus``,
+    ``tokenizer``, ``base_model``); their content hashes and those of ``exp_dir``'s ``ptq``,
+    ``qat`` and ``export`` (`qatlib.checkpoint.hashes`) go into ``metrics.json`` (``hash/<label>``)
+    and the metadata, with the CPU arithmetic settings (``cpu/*``) that decide the last bits.
     Raises `ReportError` (before anything is written) when the experiment directory, a required
     ``eval/*.json`` or a file of ``extra_timings`` is missing.
     """
@@ -99,6 +104,10 @@ def build_report(
     base = Path(base_weights) if base_weights is not None else None
     timings = [Path(t) for t in extra_timings]
     commit = inputs.git_commit()
+    hashes = inputs.stage_hashes(exp, products or {})
+    cpu = inputs.cpu_arithmetic()
+    dvc.metrics.update({f"hash/{k}": v for k, v in hashes.items()})
+    dvc.metrics.update({f"cpu/{k}": v for k, v in cpu.items()})
 
     rows = eval_rows(evals)
     secs = [
@@ -107,7 +116,11 @@ def build_report(
         _optional("Scales", "scales", lambda: sections.scales_section(exp, dvc)),
         _optional("Per-layer SQNR", "sqnr", lambda: sections.sqnr_section(exp, dvc, base)),
         _optional("Scale warm start", "scale-load", lambda: sections.scale_load_section(exp)),
-        _optional("Run metadata", "run", lambda: sections.metadata_section(exp, commit, cfg, evals, timings)),
+        _optional(
+            "Run metadata",
+            "run",
+            lambda: sections.metadata_section(exp, commit, cfg, evals, timings, hashes, cpu),
+        ),
         _optional("Benchmarks", "bench", lambda: sections.bench_section(bench)),
     ]
     for s in secs:

@@ -9,11 +9,12 @@ import json
 import math
 import os
 import subprocess
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from .. import analysis
+from ..checkpoint.hashes import product_hashes
 from ..checkpoint.layout import NESTED_DIR, TRAIN_LOG_FILE
 
 VARIANTS = ("bf16", "ptq", "qat", "export")
@@ -31,6 +32,12 @@ STAGES = (
     "report",
 )
 SQNR_CSV = Path("analysis") / "sqnr.csv"
+# The products of one experiment, in workflow order (``exp_dir/<name>``); corpus, tokenizer and
+# base model come from outside it (build_report's ``products``).
+STAGE_PRODUCTS = ("ptq", "qat", "export")
+PRODUCT_ORDER = ("corpus", "tokenizer", "base_model", *STAGE_PRODUCTS)
+# The environment that picks the CPU kernels (workflow/lib/launch.py pins it for every stage).
+CPU_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 class ReportError(RuntimeError):
@@ -148,6 +155,27 @@ def read_timings(exp: Path, extra_timings: Sequence[Path] = ()) -> list[tuple[st
             continue
         t = t if isinstance(t, dict) else {}
         out.append((path.stem, t.get("wall_s"), t.get("world_size")))
+    return out
+
+
+def stage_hashes(exp: Path, products: Mapping[str, Any]) -> dict[str, str]:
+    """Content hashes (`qatlib.checkpoint.hashes.content_hash`) of ``products`` and of the
+    experiment's own products that exist, in workflow order."""
+    paths = {**dict(products), **{n: exp / n for n in STAGE_PRODUCTS}}
+    hashes = product_hashes(paths)
+    order = {k: i for i, k in enumerate(PRODUCT_ORDER)}
+    return dict(sorted(hashes.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
+
+
+def cpu_arithmetic() -> dict[str, Any]:
+    """What decides the last bits of CPU arithmetic in this process (the same launcher env as
+    every stage): the ATen kernel level torch picked, the kernel-selecting env vars, the threads."""
+    import torch
+
+    out: dict[str, Any] = {"aten_capability": torch.backends.cpu.get_cpu_capability()}
+    for k in CPU_ENV:
+        out[k.lower()] = os.environ.get(k, "unset")
+    out["torch_threads"] = torch.get_num_threads()
     return out
 
 

@@ -231,7 +231,7 @@ class DvcOutputs:
     def __init__(self, plots_dir: Path) -> None:
         self.plots_dir = plots_dir
         self.plots: list[str] = []
-        self.metrics: dict[str, float | None] = {}
+        self.metrics: dict[str, Any] = {}  # numbers, and the hash/* and cpu/* strings
         plots_dir.mkdir(parents=True, exist_ok=True)  # always there: the workflow declares it as an output
 
     def plot(

@@ -327,7 +327,13 @@ def _zero3_blocks(meta: Mapping[str, Any]) -> list[dict]:
 
 
 def metadata_section(
-    exp: Path, commit: str, config: Path | None, evals: Mapping[str, dict], extra_timings: Sequence[Path] = ()
+    exp: Path,
+    commit: str,
+    config: Path | None,
+    evals: Mapping[str, dict],
+    extra_timings: Sequence[Path] = (),
+    hashes: Mapping[str, str] | None = None,
+    cpu: Mapping[str, Any] | None = None,
 ) -> dict:
     sec = {"id": "run", "title": "Run metadata", "blocks": []}
     sec["blocks"].append(
@@ -341,6 +347,17 @@ def metadata_section(
     sec["blocks"].append(
         table(["package", "version"], inputs.package_versions().items(), "Package versions", 2)
     )
+    if hashes:
+        sec["blocks"].append(
+            table(
+                ["product", "content hash"],
+                list(hashes.items()),
+                "Content hashes (qatlib.checkpoint.hashes: the first that differs between two runs is "
+                "where they diverged)",
+            )
+        )
+    if cpu:
+        sec["blocks"].append(table(["setting", "value"], list(cpu.items()), "CPU arithmetic", 2))
     timings = inputs.read_timings(exp, extra_timings)
     if timings:
         total = sum(w for _, w, _ in timings if isinstance(w, (int, float)))

@@ -70,6 +70,24 @@ def _dist_world() -> int:
     return 1
 
 
+def _vocab(model: nn.Module) -> int | None:
+    """The width of the model's logits (its output embedding's rows; ZeRO-3 keeps ``out_features``)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return getattr(head, "out_features", None) or getattr(getattr(model, "config", None), "vocab_size", None)
+
+
+def _check_teacher_vocab(teacher: nn.Module, model: nn.Module) -> None:
+    """KD compares logits token by token: a teacher with another vocabulary would fail at the first
+    step's loss with a shape error (or, padded alike, compare unrelated tokens). Refused here."""
+    t, s = _vocab(teacher), _vocab(model)
+    if t is not None and s is not None and t != s:
+        raise ValueError(
+            f"teacher vocabulary ({t} logits, teacher config vocab_size "
+            f"{getattr(teacher.config, 'vocab_size', '?')}) differs from the student's ({s}, model.model_path's "
+            "vocab_size): KD needs the same tokenizer; use a teacher of the same model family"
+        )
+
+
 class QATTrainer(Trainer):
     """HF Trainer for QAT (see the module docstring).
 
@@ -108,6 +126,7 @@ class QATTrainer(Trainer):
         self.norm_lr = norm_lr
         self.teacher = teacher
         if teacher is not None:
+            _check_teacher_vocab(teacher, model)
             teacher.eval()
             teacher.requires_grad_(False)
         self.teacher_forwards = 0
@@ -315,7 +334,7 @@ def train_end2end(
     ``checkpoint-N`` folder, or an output dir holding them: the last one is used) or a saved model
     with scales (a ``fake`` export or a consolidated save, `qatlib.resume.load_saved_model`). Returns the trainer (trained when ``do_train``).
     """
-    from ..resume import classify_resume_dir, load_saved_model
+    from ..resume import check_resume_world_size, classify_resume_dir, load_saved_model
 
     qat = cfg.qat
     qc = qat.plugin_config.quant_config
@@ -328,6 +347,7 @@ def train_end2end(
     if qat.resume_ckpt_dir:
         kind, path = classify_resume_dir(qat.resume_ckpt_dir)
         if kind == "hf":
+            check_resume_world_size(path, args.world_size)
             resume_from = str(path)
         else:
             rep = load_saved_model(model, path, scheme)

@@ -10,8 +10,10 @@ raises the same `GuardError` at the same step (no rank is left waiting in a coll
   the ranks;
 - the gradients of the trainable parameters before the optimizer step (plain models; under
   DeepSpeed the engine steps inside backward, so its global gradient norm is checked after it);
-- every quantizer parameter after the step: finite, and no scale exactly 0 (a scale below 0 is
-  reported, not an error: `qatlib.quant.health.negative_scales` says why).
+- every quantizer parameter after the step: finite, and every scale in (0, inf)
+  (`qatlib.quant.health.bad_quant_params`); a scale the update took to 0 or below names the
+  tensor and its layer and says to lower the scales' learning rate (Adam moves each element by
+  about the learning rate per step, whatever its size).
 
 The check after the step runs before the Trainer's checkpoint of that step, so the last
 checkpoint written is the last good one (the resumable state). ZeRO-3 parameters are checked on
@@ -29,13 +31,13 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from ..quant.health import bad_quant_params, describe_non_finite, negative_scales
+from ..quant.health import bad_quant_params, describe_non_finite, layer_of
 
 log = logging.getLogger(__name__)
 
 
 class GuardError(RuntimeError):
-    """Training produced a non-finite loss / gradient / quantizer parameter or a zero scale (named)."""
+    """Training produced a non-finite loss / gradient / quantizer parameter or a scale <= 0 (named)."""
 
 
 def _dist() -> bool:
@@ -97,7 +99,6 @@ class TrainingGuard(TrainerCallback):
         self.trainable = trainable_params
         self.step = 0  # the optimizer step being computed, 1-based (the train log's numbering)
         self.trainer = None  # set by QATTrainer: its ``model_wrapped`` is the DeepSpeed engine
-        self._negative = 0  # negative scales reported so far
 
     def _device(self):
         return next(self.model.parameters()).device
@@ -148,16 +149,21 @@ class TrainingGuard(TrainerCallback):
             grad_norm = engine.get_global_grad_norm()
             grad_norm = None if grad_norm is None else float(grad_norm)
         bad = bad_quant_params(self.model)
-        neg = negative_scales(self.model)
-        if len(neg) > self._negative:  # reported, not an error (`qatlib.quant.health.negative_scales`)
-            self._negative = len(neg)
-            log.warning("step %d: %d scale(s) below 0 (e.g. %s)", step, len(neg), "; ".join(neg[:3]))
         norm_bad = grad_norm is not None and not math.isfinite(grad_norm)
         if _any_rank(bool(bad) or norm_bad, self._device()):
-            lines = _ranked(_gather(bad))
+            per_rank = _gather(bad)
+            lines = _ranked(per_rank)
+            layers = sorted({layer_of(x) for items in per_rank for x in items})
             what = f"non-finite gradient (global norm {grad_norm}); " if norm_bad else ""
-            raise GuardError(
-                f"step {step}: {what}quantizer parameters left their range after the update: "
-                f"{'; '.join(lines[:5]) or 'none named'}. No checkpoint of this step was written: "
-                "resume from the last one."
-            )
+            msg = f"step {step}: {what}quantizer parameters left their range after the update: "
+            msg += f"{'; '.join(lines[:5]) or 'none named'}"
+            if layers:
+                msg += f" (layers: {', '.join(layers[:5])}{', ...' if len(layers) > 5 else ''})"
+            if any("<= 0" in x for x in lines):
+                lr = getattr(args, "learning_rate", None)
+                msg += (
+                    f". A scale <= 0: the update was too large for it; lower the scales' learning rate "
+                    f"(compression.QAT.hf_args.learning_rate, now {lr}; Adam moves every element by "
+                    "about the learning rate per step, so keep it well below the smallest scale)"
+                )
+            raise GuardError(msg + ". No checkpoint of this step was written: resume from the last one.")

@@ -13,11 +13,23 @@ Three shapes, one decision (`QatLaunch.from_config`):
 
 Ranks per node are the GPUs per node on a GPU cluster (``gpus_per_node``; each rank binds
 ``cuda:LOCAL_RANK``, `qatlib.device`), else config ``ranks`` CPU processes (gloo).
+
+Every stage's CPU kernels are pinned here too (`pin_cpu_arithmetic`, called once by the Snakefile
+before any job starts; jobs inherit its environment): torch picks its ATen kernels (AVX-512 or
+AVX2), MKL its GEMM code path and oneDNN its ISA from the CPU it runs on, and each choice changes
+the last bits of a matmul. Measured on this repository's CI CPU (README, Reproducibility): 20
+pre-training steps give the same bytes twice and with ``ATEN_CPU_CAPABILITY=avx2`` (what torch
+detects there), other bytes with ``default`` or with another ``MKL_CBWR`` branch. Pinning every
+x86 machine to the AVX2 kernels (present on every x86 CPU since 2013) makes the choice the same
+on all of them; the threads per job are already fixed by config ``threads`` / ``threads_per_rank``
+(Snakemake exports them as ``OMP_NUM_THREADS``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import platform
 import shlex
 from collections.abc import Mapping
 from typing import Any
@@ -25,6 +37,21 @@ from typing import Any
 RDZV_PORT = 29500
 # the first host of the Slurm allocation, evaluated inside the job (c10d rendezvous endpoint)
 FIRST_NODE = '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
+
+
+# The kernel choice of every stage on x86 (a value the user exported already wins).
+CPU_ARITHMETIC_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def pin_cpu_arithmetic(environ: dict | None = None, machine: str | None = None) -> dict[str, str]:
+    """Set `CPU_ARITHMETIC_ENV` in ``environ`` (default ``os.environ``) where unset, on x86-64 only
+    (ATen, MKL and oneDNN pick other kernels on ARM; nothing to pin there). Returns what it set."""
+    environ = os.environ if environ is None else environ
+    if (machine or platform.machine()).lower() not in ("x86_64", "amd64"):
+        return {}
+    added = {k: v for k, v in CPU_ARITHMETIC_ENV.items() if k not in environ}
+    environ.update(added)
+    return added
 
 
 class LaunchError(ValueError):

@@ -17,7 +17,10 @@ sys.path.insert(0, workflow.basedir)
 from qatlib.yamlio import load_yaml
 from workflow.lib import experiment as xp
 from workflow.lib.code_deps import stage_code
-from workflow.lib.launch import LaunchError, QatLaunch
+from workflow.lib.launch import LaunchError, QatLaunch, pin_cpu_arithmetic
+
+# the same CPU kernels for every job, whatever CPU runs it (workflow/lib/launch.py says why)
+pin_cpu_arithmetic()
 
 RESULTS = config["results"]
 EXP = config["experiment"]
