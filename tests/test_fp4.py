@@ -21,6 +21,7 @@ from qatlib.export import ExportError, compressed_tensors_format, export
 from qatlib.ptq import calibrate, save_ptq_checkpoint
 from qatlib.quant import QuantScheme, QuantSpec, prepare, preset, quant_linears
 from qatlib.quant import functional as F
+from qatlib.quant.calibration import calibrate_activations
 from qatlib.quant.spec import Granularity, SpecError
 from qatlib.zero3_load import stream_load_scales
 
@@ -252,6 +253,12 @@ def test_calibration_sets_global_scales_and_key_table_round_trip(tmp_path):
     assert report["misses"] == 0
     got = scale_state_dict(fresh)
     assert set(got) == set(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+    # the warm start marks every quantizer initialised, the dynamic NVFP4 inputs too (their only
+    # parameter is the global scale), so the blockwise trainer's calibration leaves them alone
+    assert all(bool(q.initialized) for _, ql in quant_linears(fresh) for _, q in ql.quantizers())
+    again = calibrate_activations(fresh, _batches(1, seed=9), only_uninitialized=True)
+    assert again.static_activation_quantizers == 0
+    assert all(torch.equal(v, sd[k]) for k, v in scale_state_dict(fresh).items())
     x = _batches(1, seed=5)[0]
     with torch.no_grad():
         assert torch.equal(fresh(x).logits, model(x).logits)
