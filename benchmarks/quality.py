@@ -113,9 +113,12 @@ class QualitySettings:
     seed: int = 0
 
 
-# The FP4 rows alone (no ablations): ``python -m benchmarks.quality --fp4`` -> quality_fp4.json.
+# The FP4 rows alone: ``python -m benchmarks.quality --fp4`` -> quality_fp4.json. No ablations and
+# no MC task (its stderr, ~0.03, dwarfs every quantization effect here, and its lm-eval pass is most
+# of a row's time); perplexity and RTN / GPTQ / QAT as in the full run.
 FP4_ROWS = QualitySettings(
     formats=FP4_FORMATS,
+    mc=False,
     kd_losses=(),
     lrs=(),
     lwc=False,

@@ -311,3 +311,90 @@ def test_fp4_export_refuses_mixed_formats():
         compressed_tensors_format(QuantScheme("x", weight=preset("nvfp4").weight, input=QuantSpec("fp8")))
     with pytest.raises(SpecError):
         QuantScheme("x", weight=preset("nvfp4").weight, input=preset("mxfp4").input)
+
+
+# --------------------------------------------------------------------------- upstream FOCUS FP4 keys
+FOCUS = "configs/qwen3/fp4/qwen3-4b_focus_{}_w4a4_zero3.yaml"
+QC = "compression.QAT.plugin_config.quant_config"
+# qatlib's ZeRO-3 rules (not FP4 keys): a PTQ checkpoint to start from, the real export
+ZERO3_FIX = {"compression.QAT.from_ptq_ckpt": "/local/ptq", "compression.QAT.save_format": "real"}
+
+
+def _upstream_e2m1(x: torch.Tensor, mode: str) -> torch.Tensor:
+    """Upstream's `_quant_fp4_element` (angelslim/compressor/qat/modules/quantizer.py l.91-118,
+    ebits 2, mbits 3, max_norm 6), forward only, re-typed here to check "even" / "nearest"."""
+    exp = torch.floor(torch.log2(x.abs() + (x == 0).float())).clip(min=0.0)
+    t = x / 2.0**exp * 2.0
+    a = t.abs()
+    if mode == "even":
+        t = torch.sign(t) * (torch.floor(a + 0.5) - ((a - 0.5) % 2 == 0).float())
+    elif mode == "nearest":
+        t = torch.sign(t) * torch.round(a)
+    else:  # floor
+        t = torch.sign(t) * torch.floor(a)
+    return torch.clamp(t / 2.0 * 2.0**exp, -6, 6)
+
+
+def test_upstream_mantissa_roundings_are_qatlibs_e2m1():
+    x = torch.cat([torch.linspace(-6, 6, 4801), torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])])
+    for mode in ("even", "nearest"):
+        assert torch.equal(_upstream_e2m1(x, mode), F.round_e2m1(x)), mode
+    # floor truncates (0.9 -> 0.5, 5.9 -> 4): another rounding, refused below
+    assert _upstream_e2m1(torch.tensor([0.9, 5.9]), "floor").tolist() == [0.5, 4.0]
+    assert F.round_e2m1(torch.tensor([0.9, 5.9])).tolist() == [1.0, 6.0]
+
+
+def test_upstream_focus_configs_with_honoured_keys_load():
+    """Upstream's FOCUS YAMLs (byte-identical copies) with their refused FP4 keys set to what qatlib
+    honours: NVFP4 is qatlib's nvfp4 preset (mantissa_rounding nearest, num_sub and
+    quant_max_scale_lr accepted); MXFP4 (qtype mxfp4 for mxfp4_rceil, over the w4a8_fp8 base
+    upstream names) is the mxfp4 preset's weight and input, fp8_recast dropped."""
+    import upstream_compat as uc
+
+    nv = uc.load(FOCUS.format("nvfp4"), **{f"{QC}.weight.use_subgroup_scale": False}, **ZERO3_FIX)
+    assert nv.quant_scheme() == preset("nvfp4") and nv.zero3_enabled
+    assert nv.learnable().weight_scale and not nv.learnable().act_scale
+    mx = uc.load(
+        FOCUS.format("mxfp4"),
+        **{
+            f"{QC}.weight.use_subgroup_scale": False,
+            f"{QC}.weight.qtype": "mxfp4",
+            f"{QC}.activation.qtype": "mxfp4",
+        },
+        **ZERO3_FIX,
+    )
+    s = mx.quant_scheme()
+    assert (s.weight, s.input) == (preset("mxfp4").weight, preset("mxfp4").input)
+    # "even" (the MXFP4 file's) and "nearest" (the NVFP4 file's) give the same scheme
+    nv_even = uc.load(
+        FOCUS.format("nvfp4"),
+        **{f"{QC}.weight.use_subgroup_scale": False, f"{QC}.weight.mantissa_rounding": "even"},
+        **ZERO3_FIX,
+    )
+    assert nv_even.quant_scheme() == nv.quant_scheme()
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "fragment"),
+    [
+        ("weight.mantissa_rounding", "floor", "upstream AngelSlim feature mantissa_rounding 'floor'"),
+        ("activation.mantissa_rounding", "up", "'up' is not one of upstream's values (even, nearest, floor)"),
+        ("weight.num_sub", 0, "must be a positive integer (got 0)"),
+        ("activation.use_subgroup_scale", True, "upstream AngelSlim feature use_subgroup_scale"),
+        ("activation.qtype", "mxfp4_rceil", "set qtype: mxfp4"),
+    ],
+)
+def test_upstream_fp4_keys_refused_by_name(key, value, fragment):
+    import upstream_compat as uc
+
+    from qatlib.config import ConfigError
+
+    with pytest.raises(ConfigError) as ei:
+        uc.load(
+            FOCUS.format("nvfp4"),
+            **{f"{QC}.weight.use_subgroup_scale": False, f"{QC}.{key}": value},
+            **ZERO3_FIX,
+        )
+    path, msg = ei.value.issues[0]
+    assert path == f"{QC}.{key}" and fragment in msg
+    assert "unknown key" not in msg and "did you mean" not in msg
