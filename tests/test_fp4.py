@@ -398,3 +398,71 @@ def test_upstream_fp4_keys_refused_by_name(key, value, fragment):
     path, msg = ei.value.issues[0]
     assert path == f"{QC}.{key}" and fragment in msg
     assert "unknown key" not in msg and "did you mean" not in msg
+
+
+# --------------------------------------------------------------------------- runtime facts
+def test_fp4_layouts_and_load_refusals(tmp_path):
+    """Each FP4 preset has its own runtime layout (before: NVFP4 W4A16 was taken for int WNA16 and
+    W4A4 for int8 dynamic); SGLang 0.5.23 refuses MXFP4 W4A4 (dense and MoE), at parse time too."""
+    import json
+
+    from qatlib.config import ConfigError, parse_config
+    from qatlib.runtime.facts import Layout, layout_of, load_refusal
+
+    want = {
+        "nvfp4": Layout.NVFP4,
+        "nvfp4_weight_only": Layout.NVFP4_A16,
+        "mxfp4": Layout.MXFP4,
+        "mxfp4_weight_only": Layout.MXFP4_A16,
+    }
+    for name, layout in want.items():
+        assert layout_of(preset(name)) is layout
+        for moe in (False, True):
+            assert load_refusal("vllm", layout, moe=moe) is None
+            refused = load_refusal("sglang", layout, moe=moe)
+            assert (refused is not None) == (layout is Layout.MXFP4), (name, moe)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    data = {
+        "model": {"model_path": str(tmp_path)},
+        "compression": {"name": "PTQ", "quantization": {"name": "mxfp4"}},
+    }
+    with pytest.raises(ConfigError) as e:
+        parse_config({**data, "deploy": {"target": "sglang"}})
+    assert e.value.issues[0][0] == "deploy.target" and "NVFP4 layout" in e.value.issues[0][1]
+    parse_config({**data, "deploy": {"target": "vllm"}})
+
+
+def test_fp4_global_scale_facts_count_the_fused_groups():
+    """vLLM / SGLang keep one NVFP4 weight global scale per fused linear (q/k/v, gate/up): the
+    deployment report counts the fused groups whose shards' global scales differ (every one after
+    PTQ: each projection's is 448 * 6 / its own absmax), and none once they are made equal."""
+    from qatlib.runtime.differences import deployment_differences
+    from qatlib.runtime.facts import Transform
+
+    model, scheme = _calibrated("nvfp4_weight_only")
+    n_groups = 2 * tiny_qwen3_config().num_hidden_layers  # q/k/v and gate/up per layer
+
+    def lines(target):
+        d = deployment_differences(model, scheme)
+        return [ln for k, v in d.items() if k.startswith(target) for ln in v["differences"]]
+
+    vl = [ln for ln in lines("vllm") if ln.startswith(Transform.FP4_GLOBAL_SCALE_MAX.value)]
+    assert len(vl) == 1 and vl[0].endswith(
+        f"{n_groups} of {n_groups} fused groups have different weight global scales, 0 different input ones"
+    )
+    sg = [ln for ln in lines("sglang") if ln.startswith(Transform.FP4_GLOBAL_SCALE_MUST_MATCH.value)]
+    assert len(sg) == 1 and f"{n_groups} of {n_groups} fused groups" in sg[0]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for group in (
+                (layer.self_attn, ("q_proj", "k_proj", "v_proj")),
+                (layer.mlp, ("gate_proj", "up_proj")),
+            ):
+                mods = [getattr(group[0], n) for n in group[1]]
+                shared = torch.stack([m.weight_quantizer.global_scale for m in mods]).amin(0)
+                for m in mods:
+                    m.weight_quantizer.global_scale.copy_(shared)
+    vl = [ln for ln in lines("vllm") if ln.startswith(Transform.FP4_GLOBAL_SCALE_MAX.value)]
+    assert vl[0].endswith(
+        f"0 of {n_groups} fused groups have different weight global scales, 0 different input ones"
+    )
