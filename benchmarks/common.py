@@ -159,6 +159,13 @@ FORMATS: dict[str, str] = {
     "int8_w8a8": "int8 per-channel weights + int8 per-token dynamic activations",
     "int3_g32": "int3 sym weight-only, groups of 32",
     "int2_g32": "int2 sym weight-only, groups of 32",
+    # the 4-bit floats (#14) and int4 at equal storage: int4 g32 = NVFP4 = 4.5 bits per weight
+    # (16-bit scale per 32 vs E4M3 per 16), int4 g16 = 5, MXFP4 = 4.25 (E8M0 per 32)
+    "int4_g16": "int4 sym weight-only, groups of 16",
+    "nvfp4": "NVFP4 W4A4: E2M1 weights and dynamic activations, E4M3 scale per 16, FP32 global scales",
+    "nvfp4_w4a16": "NVFP4 weight-only (W4A16: vLLM's Marlin path on pre-Blackwell GPUs)",
+    "mxfp4": "MXFP4 W4A4: E2M1 weights and dynamic activations, E8M0 scale per 32",
+    "mxfp4_w4a16": "MXFP4 weight-only",
 }
 
 
@@ -187,6 +194,16 @@ def format_scheme(name: str):
         return weight_only(4, None)
     if name in ("int4_g32", "int3_g32", "int2_g32"):
         return weight_only(int(name[3]), 32)
+    if name == "int4_g16":
+        return weight_only(4, 16)
+    fp4 = {
+        "nvfp4": "nvfp4",
+        "nvfp4_w4a16": "nvfp4_weight_only",
+        "mxfp4": "mxfp4",
+        "mxfp4_w4a16": "mxfp4_weight_only",
+    }
+    if name in fp4:
+        return PRESETS[fp4[name]].replace(name=name)
     raise KeyError(f"unknown benchmark format {name!r}; choose from {', '.join(FORMATS)}")
 
 

@@ -62,6 +62,10 @@ from .common import (
 )
 
 QUALITY_FORMATS = ("fp8_static", "int4_g32", "int4_ch", "w4a8_fp8_g32", "int3_g32", "int2_g32")
+# The 4-bit float rows (#14) beside int4 at equal storage bits (`bits_per_weight` in each row); a
+# list of format names, so they rerun unchanged on any default model whose linear input widths
+# divide by 32 (NVFP4 groups 16, MXFP4 32; SmolLM2-135M's 576 and 1536 do).
+FP4_FORMATS = ("int4_g16", "int4_g32", "nvfp4_w4a16", "nvfp4", "mxfp4_w4a16", "mxfp4")
 TARGET_RECOVERY = 0.70
 TARGET_FP8_REL = 0.005
 MC_TASK = "qat_local_mc"
@@ -111,6 +115,20 @@ class QualitySettings:
     micro: bool = False  # --quick: a micro model pre-trained here in seconds (numbers meaningless)
     seed: int = 0
 
+
+# The FP4 rows alone: ``python -m benchmarks.quality --fp4`` -> quality_fp4.json. No ablations and
+# no MC task (its stderr, ~0.03, dwarfs every quantization effect here, and its lm-eval pass is most
+# of a row's time); perplexity and RTN / GPTQ / QAT as in the full run.
+FP4_ROWS = QualitySettings(
+    formats=FP4_FORMATS,
+    mc=False,
+    kd_losses=(),
+    lrs=(),
+    lwc=False,
+    norm=False,
+    blockwise=False,
+    ablation_format="int4_g32",
+)
 
 QUICK = QualitySettings(
     formats=("fp8_static", "w4a8_fp8_g32"),
@@ -562,6 +580,7 @@ def format_row(
     row: dict[str, Any] = {
         "format": name,
         "description": FORMATS[name],
+        "bits_per_weight": format_scheme(name).weight.bits_per_element,
         "bf16_ppl": bf16["ppl"],
         "rtn_ppl": rtn["ppl"],
         "gptq_ppl": gq["ppl"] if gq else None,
@@ -646,7 +665,7 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
 
         def one_format(name: str) -> None:
             scheme = format_scheme(name)
-            is_int = scheme.weight is not None and not scheme.weight.is_fp8
+            is_int = scheme.weight is not None and not scheme.weight.is_float  # GPTQ: integer grids only
             log(f"quality: {name} RTN")
             rtn = ev(lab.rtn(scheme), mc=s.mc)
             variants[f"{name}/rtn"] = rtn
@@ -829,3 +848,28 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
     if errors:
         out["errors"] = errors
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.quality --fp4 [--results DIR] [--out DIR]``: the FP4 rows alone
+    (`FP4_ROWS`) into ``<out>/quality_fp4.json``; the full benchmark runs from `benchmarks.run`."""
+    import argparse
+
+    from .common import DEFAULT_OUT, machine, write_result
+
+    ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    ap.add_argument("--fp4", action="store_true", required=True, help="the FP4 rows (FP4_FORMATS)")
+    ap.add_argument("--results", default="results", help="the workflow's results folder (base model, corpus)")
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--base-model", default=None, help="a pre-trained model folder instead of the default")
+    a = ap.parse_args(argv)
+    from dataclasses import replace
+
+    s = replace(FP4_ROWS, base_model_path=a.base_model) if a.base_model else FP4_ROWS
+    body = run(s, results=a.results)
+    log(f"quality_fp4: wrote {write_result(a.out, 'quality_fp4', {'machine': machine(), **body})}")
+    return 1 if body.get("errors") else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -259,7 +259,10 @@ def stream_load_scales(
     _execute_plan(model, plan, comm, chunk_bytes=64 << 20, cast=lambda t: t.float())
     loaded = {a.target for e in plan for a in e.assigns}
     for name, q in model.named_modules():
-        if isinstance(q, Quantizer) and any(f"{name}.{p}" in loaded for p in ("scale", "clip_factor_w_max")):
+        # any parameter: an NVFP4 input quantizer (dynamic groups) stores only its global scale
+        if isinstance(q, Quantizer) and any(
+            f"{name}.{p}" in loaded for p, _ in q.named_parameters(recurse=False)
+        ):
             q.initialized.fill_(True)
     report["seconds"] = round(time.perf_counter() - t0, 3)
     if comm.is_main:

@@ -120,7 +120,18 @@ def test_formats_are_what_they_say():
     assert s.weight.qtype == "int4" and s.weight.group_size == 32 and s.weight.fp8_recast and s.input.is_fp8
     assert common.format_scheme("int4_ch").weight.granularity.value == "per-channel"
     assert common.format_scheme("int2_g32").weight.qtype == "int2"
-    assert set(common.FORMATS) >= set(quality.QUALITY_FORMATS)
+    assert set(common.FORMATS) >= set(quality.QUALITY_FORMATS) | set(quality.FP4_FORMATS)
+    # the FP4 rows (#14) at their storage bits: int4 g32 = NVFP4 = 4.5, int4 g16 = 5, MXFP4 = 4.25
+    bits = {n: common.format_scheme(n).weight.bits_per_element for n in quality.FP4_FORMATS}
+    assert bits == {
+        "int4_g16": 5.0,
+        "int4_g32": 4.5,
+        "nvfp4_w4a16": 4.5,
+        "nvfp4": 4.5,
+        "mxfp4_w4a16": 4.25,
+        "mxfp4": 4.25,
+    }
+    assert common.format_scheme("nvfp4").input.dynamic and common.format_scheme("mxfp4_w4a16").input is None
     with pytest.raises(KeyError):
         common.format_scheme("int5_g7")
 

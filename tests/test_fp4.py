@@ -21,6 +21,7 @@ from qatlib.export import ExportError, compressed_tensors_format, export
 from qatlib.ptq import calibrate, save_ptq_checkpoint
 from qatlib.quant import QuantScheme, QuantSpec, prepare, preset, quant_linears
 from qatlib.quant import functional as F
+from qatlib.quant.calibration import calibrate_activations
 from qatlib.quant.spec import Granularity, SpecError
 from qatlib.zero3_load import stream_load_scales
 
@@ -252,6 +253,12 @@ def test_calibration_sets_global_scales_and_key_table_round_trip(tmp_path):
     assert report["misses"] == 0
     got = scale_state_dict(fresh)
     assert set(got) == set(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+    # the warm start marks every quantizer initialised, the dynamic NVFP4 inputs too (their only
+    # parameter is the global scale), so the blockwise trainer's calibration leaves them alone
+    assert all(bool(q.initialized) for _, ql in quant_linears(fresh) for _, q in ql.quantizers())
+    again = calibrate_activations(fresh, _batches(1, seed=9), only_uninitialized=True)
+    assert again.static_activation_quantizers == 0
+    assert all(torch.equal(v, sd[k]) for k, v in scale_state_dict(fresh).items())
     x = _batches(1, seed=5)[0]
     with torch.no_grad():
         assert torch.equal(fresh(x).logits, model(x).logits)
@@ -304,3 +311,158 @@ def test_fp4_export_refuses_mixed_formats():
         compressed_tensors_format(QuantScheme("x", weight=preset("nvfp4").weight, input=QuantSpec("fp8")))
     with pytest.raises(SpecError):
         QuantScheme("x", weight=preset("nvfp4").weight, input=preset("mxfp4").input)
+
+
+# --------------------------------------------------------------------------- upstream FOCUS FP4 keys
+FOCUS = "configs/qwen3/fp4/qwen3-4b_focus_{}_w4a4_zero3.yaml"
+QC = "compression.QAT.plugin_config.quant_config"
+# qatlib's ZeRO-3 rules (not FP4 keys): a PTQ checkpoint to start from, the real export
+ZERO3_FIX = {"compression.QAT.from_ptq_ckpt": "/local/ptq", "compression.QAT.save_format": "real"}
+
+
+def _upstream_e2m1(x: torch.Tensor, mode: str) -> torch.Tensor:
+    """Upstream's `_quant_fp4_element` (angelslim/compressor/qat/modules/quantizer.py l.91-118,
+    ebits 2, mbits 3, max_norm 6), forward only, re-typed here to check "even" / "nearest"."""
+    exp = torch.floor(torch.log2(x.abs() + (x == 0).float())).clip(min=0.0)
+    t = x / 2.0**exp * 2.0
+    a = t.abs()
+    if mode == "even":
+        t = torch.sign(t) * (torch.floor(a + 0.5) - ((a - 0.5) % 2 == 0).float())
+    elif mode == "nearest":
+        t = torch.sign(t) * torch.round(a)
+    else:  # floor
+        t = torch.sign(t) * torch.floor(a)
+    return torch.clamp(t / 2.0 * 2.0**exp, -6, 6)
+
+
+def test_upstream_mantissa_roundings_are_qatlibs_e2m1():
+    x = torch.cat([torch.linspace(-6, 6, 4801), torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])])
+    for mode in ("even", "nearest"):
+        assert torch.equal(_upstream_e2m1(x, mode), F.round_e2m1(x)), mode
+    # floor truncates (0.9 -> 0.5, 5.9 -> 4): another rounding, refused below
+    assert _upstream_e2m1(torch.tensor([0.9, 5.9]), "floor").tolist() == [0.5, 4.0]
+    assert F.round_e2m1(torch.tensor([0.9, 5.9])).tolist() == [1.0, 6.0]
+
+
+def test_upstream_focus_configs_with_honoured_keys_load():
+    """Upstream's FOCUS YAMLs (byte-identical copies) with their refused FP4 keys set to what qatlib
+    honours: NVFP4 is qatlib's nvfp4 preset (mantissa_rounding nearest, num_sub and
+    quant_max_scale_lr accepted); MXFP4 (qtype mxfp4 for mxfp4_rceil, over the w4a8_fp8 base
+    upstream names) is the mxfp4 preset's weight and input, fp8_recast dropped."""
+    import upstream_compat as uc
+
+    nv = uc.load(FOCUS.format("nvfp4"), **{f"{QC}.weight.use_subgroup_scale": False}, **ZERO3_FIX)
+    assert nv.quant_scheme() == preset("nvfp4") and nv.zero3_enabled
+    assert nv.learnable().weight_scale and not nv.learnable().act_scale
+    mx = uc.load(
+        FOCUS.format("mxfp4"),
+        **{
+            f"{QC}.weight.use_subgroup_scale": False,
+            f"{QC}.weight.qtype": "mxfp4",
+            f"{QC}.activation.qtype": "mxfp4",
+        },
+        **ZERO3_FIX,
+    )
+    s = mx.quant_scheme()
+    assert (s.weight, s.input) == (preset("mxfp4").weight, preset("mxfp4").input)
+    # "even" (the MXFP4 file's) and "nearest" (the NVFP4 file's) give the same scheme
+    nv_even = uc.load(
+        FOCUS.format("nvfp4"),
+        **{f"{QC}.weight.use_subgroup_scale": False, f"{QC}.weight.mantissa_rounding": "even"},
+        **ZERO3_FIX,
+    )
+    assert nv_even.quant_scheme() == nv.quant_scheme()
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "fragment"),
+    [
+        ("weight.mantissa_rounding", "floor", "upstream AngelSlim feature mantissa_rounding 'floor'"),
+        ("activation.mantissa_rounding", "up", "'up' is not one of upstream's values (even, nearest, floor)"),
+        ("weight.num_sub", 0, "must be a positive integer (got 0)"),
+        ("activation.use_subgroup_scale", True, "upstream AngelSlim feature use_subgroup_scale"),
+        ("activation.qtype", "mxfp4_rceil", "set qtype: mxfp4"),
+    ],
+)
+def test_upstream_fp4_keys_refused_by_name(key, value, fragment):
+    import upstream_compat as uc
+
+    from qatlib.config import ConfigError
+
+    with pytest.raises(ConfigError) as ei:
+        uc.load(
+            FOCUS.format("nvfp4"),
+            **{f"{QC}.weight.use_subgroup_scale": False, f"{QC}.{key}": value},
+            **ZERO3_FIX,
+        )
+    path, msg = ei.value.issues[0]
+    assert path == f"{QC}.{key}" and fragment in msg
+    assert "unknown key" not in msg and "did you mean" not in msg
+
+
+# --------------------------------------------------------------------------- runtime facts
+def test_fp4_layouts_and_load_refusals(tmp_path):
+    """Each FP4 preset has its own runtime layout (before: NVFP4 W4A16 was taken for int WNA16 and
+    W4A4 for int8 dynamic); SGLang 0.5.23 refuses MXFP4 W4A4 (dense and MoE), at parse time too."""
+    import json
+
+    from qatlib.config import ConfigError, parse_config
+    from qatlib.runtime.facts import Layout, layout_of, load_refusal
+
+    want = {
+        "nvfp4": Layout.NVFP4,
+        "nvfp4_weight_only": Layout.NVFP4_A16,
+        "mxfp4": Layout.MXFP4,
+        "mxfp4_weight_only": Layout.MXFP4_A16,
+    }
+    for name, layout in want.items():
+        assert layout_of(preset(name)) is layout
+        for moe in (False, True):
+            assert load_refusal("vllm", layout, moe=moe) is None
+            refused = load_refusal("sglang", layout, moe=moe)
+            assert (refused is not None) == (layout is Layout.MXFP4), (name, moe)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    data = {
+        "model": {"model_path": str(tmp_path)},
+        "compression": {"name": "PTQ", "quantization": {"name": "mxfp4"}},
+    }
+    with pytest.raises(ConfigError) as e:
+        parse_config({**data, "deploy": {"target": "sglang"}})
+    assert e.value.issues[0][0] == "deploy.target" and "NVFP4 layout" in e.value.issues[0][1]
+    parse_config({**data, "deploy": {"target": "vllm"}})
+
+
+def test_fp4_global_scale_facts_count_the_fused_groups():
+    """vLLM / SGLang keep one NVFP4 weight global scale per fused linear (q/k/v, gate/up): the
+    deployment report counts the fused groups whose shards' global scales differ (every one after
+    PTQ: each projection's is 448 * 6 / its own absmax), and none once they are made equal."""
+    from qatlib.runtime.differences import deployment_differences
+    from qatlib.runtime.facts import Transform
+
+    model, scheme = _calibrated("nvfp4_weight_only")
+    n_groups = 2 * tiny_qwen3_config().num_hidden_layers  # q/k/v and gate/up per layer
+
+    def lines(target):
+        d = deployment_differences(model, scheme)
+        return [ln for k, v in d.items() if k.startswith(target) for ln in v["differences"]]
+
+    vl = [ln for ln in lines("vllm") if ln.startswith(Transform.FP4_GLOBAL_SCALE_MAX.value)]
+    assert len(vl) == 1 and vl[0].endswith(
+        f"{n_groups} of {n_groups} fused groups have different weight global scales, 0 different input ones"
+    )
+    sg = [ln for ln in lines("sglang") if ln.startswith(Transform.FP4_GLOBAL_SCALE_MUST_MATCH.value)]
+    assert len(sg) == 1 and f"{n_groups} of {n_groups} fused groups" in sg[0]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for group in (
+                (layer.self_attn, ("q_proj", "k_proj", "v_proj")),
+                (layer.mlp, ("gate_proj", "up_proj")),
+            ):
+                mods = [getattr(group[0], n) for n in group[1]]
+                shared = torch.stack([m.weight_quantizer.global_scale for m in mods]).amin(0)
+                for m in mods:
+                    m.weight_quantizer.global_scale.copy_(shared)
+    vl = [ln for ln in lines("vllm") if ln.startswith(Transform.FP4_GLOBAL_SCALE_MAX.value)]
+    assert vl[0].endswith(
+        f"0 of {n_groups} fused groups have different weight global scales, 0 different input ones"
+    )

@@ -26,10 +26,21 @@ from conftest import (
 )
 from safetensors.torch import load_file, save_file
 
+from qatlib import ptq as qptq
 from qatlib import zero3_io as z
 from qatlib import zero3_load as zl
+from qatlib.checkpoint.keys import scale_keys
 from qatlib.checkpoint.layout import RUN_METADATA_FILE, SCALES_FILE, WEIGHTS_INDEX_FILE
-from qatlib.quant import Granularity, PrepareOptions, QuantLinear, QuantScheme, QuantSpec, prepare, quantizers
+from qatlib.quant import (
+    Granularity,
+    PrepareOptions,
+    QuantLinear,
+    QuantScheme,
+    QuantSpec,
+    prepare,
+    preset,
+    quantizers,
+)
 from qatlib.trainers.params import Learnable, param_groups, select_trainable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +64,7 @@ STEPS, BATCH, SEQ, LR, EPS = 2, 2, 16, 1e-4, 1e-8
 # whose values crowd rounding boundaries. MoE diverges faster (fp8 roundings and router decisions
 # flip: 2 steps: 3e-6 on scales, 2e-3 on logits), so MoE is compared after 1 step.
 MOE_STEPS = 1
+NVFP4 = preset("nvfp4")
 RTOL, ATOL = 1e-5, 2e-7
 # Llama (tied embeddings): after 1 step one of 48 scales differed by 2.5e-7 (2.5e-3 of its 1e-4
 # Adam step: the same nearly-cancelling-gradient effect), the others within ATOL; a wrong
@@ -132,18 +144,20 @@ def quant_params(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if "_quantizer." in n}
 
 
-def prepared_from(model_dir: Path, ptq_dir: Path):
+def prepared_from(model_dir: Path, ptq_dir: Path, scheme: QuantScheme = SCHEME):
     model = load_plain(model_dir)
-    prepare(model, SCHEME, options=PrepareOptions(init_from_weight=False))
-    report = zl.stream_load_scales(model, ptq_dir, SCHEME)
+    prepare(model, scheme, options=PrepareOptions(init_from_weight=False))
+    report = zl.stream_load_scales(model, ptq_dir, scheme)
     return model, report
 
 
-def reference_run(model_dir: Path, ptq_dir: Path, data: dict, steps: int) -> dict:
+def reference_run(
+    model_dir: Path, ptq_dir: Path, data: dict, steps: int, scheme: QuantScheme = SCHEME
+) -> dict:
     """The single-process QAT the ZeRO-3 run must equal: rank r's micro-batch r, the mean of the
     per-rank losses (what ZeRO-3's gradient averaging optimises), torch AdamW on the scales."""
     with one_thread():
-        model, report = prepared_from(model_dir, ptq_dir)
+        model, report = prepared_from(model_dir, ptq_dir, scheme)
         init_params = quant_params(model)
         for p in model.parameters():
             p.requires_grad_(id(p) in _quant_ids(model))
@@ -211,6 +225,14 @@ def ckpts(tmp_path_factory):
         out[f"{name}_ref"] = reference_run(
             mdir, out[f"{name}_ptq"], data, STEPS if name == "dense" else MOE_STEPS
         )
+    # NVFP4 (W4A4: E4M3 group scales + global weight scale, dynamic inputs with a static global
+    # scale) through qatlib's own PTQ, the issue's warm start (#14)
+    with one_thread():
+        pm = load_plain(out["dense"])
+        qptq.calibrate(pm, NVFP4, [calib])
+        qptq.save_ptq_checkpoint(pm, NVFP4, tmp / "nvfp4_ptq")
+    out["nvfp4_ptq"] = tmp / "nvfp4_ptq"
+    out["nvfp4_ref"] = reference_run(out["dense"], out["nvfp4_ptq"], data, STEPS, NVFP4)
     return out
 
 
@@ -268,6 +290,14 @@ def zero3_run(ckpts):
             },
             {
                 **phase,
+                "name": "nvfp4",
+                "model": str(ckpts["dense"]),
+                "ptq": str(ckpts["nvfp4_ptq"]),
+                "compare_ckpt": str(ckpts["dense"]),
+                "scheme": NVFP4.to_dict(),
+            },
+            {
+                **phase,
                 "name": "dense_bf16",
                 "model": str(ckpts["dense"]),
                 "ptq": str(ckpts["dense_ptq"]),
@@ -290,7 +320,7 @@ def zero3_run(ckpts):
 # --------------------------------------------------------------------------- multi-rank tests
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", ["dense", "moe", "moe_noleaf", "dense_bf16", "llama"])
+@pytest.mark.parametrize("name", ["dense", "moe", "moe_noleaf", "dense_bf16", "llama", "nvfp4"])
 def test_partitioned_and_loaded_exactly(zero3_run, name):
     results, _, _ = zero3_run
     r = results[name]
@@ -322,7 +352,7 @@ def test_scales_report(zero3_run, ckpts):
 
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", ["dense", "moe", "moe_noleaf", "llama"])
+@pytest.mark.parametrize("name", ["dense", "moe", "moe_noleaf", "llama", "nvfp4"])
 def test_qat_steps_match_single_process(zero3_run, ckpts, name):
     results, _, _ = zero3_run
     r, ref = results[name], ckpts[f"{name.removesuffix('_noleaf')}_ref"]
@@ -339,14 +369,14 @@ def test_qat_steps_match_single_process(zero3_run, ckpts, name):
 
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", ["dense", "moe", "llama"])
+@pytest.mark.parametrize("name", ["dense", "moe", "llama", "nvfp4"])
 def test_consolidated_save_reloads_without_deepspeed(zero3_run, name):
     results, run_dir, _ = zero3_run
     saved = run_dir / f"{name}_saved"
     assert (saved / "config.json").is_file() and (saved / SCALES_FILE).is_file()
     assert json.loads((saved / RUN_METADATA_FILE).read_text())["world_size"] == 2
     with one_thread():
-        model, report = prepared_from(saved, saved)
+        model, report = prepared_from(saved, saved, NVFP4 if name == "nvfp4" else SCHEME)
         with torch.no_grad():
             logits = model(input_ids=torch.load(run_dir.parent / "data.pt")["eval"]).logits
     assert report["misses"] == 0
@@ -380,6 +410,42 @@ def test_bf16_engine_keeps_fp32_scales(zero3_run, ckpts):
     )
     assert moved > len(r["quant_params"]) // 2
     assert all(torch.isfinite(torch.tensor(step)).all() for step in r["losses"])
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_nvfp4_warm_start_loads_every_scale(zero3_run, ckpts):
+    """The ZeRO-3 warm start from qatlib's NVFP4 PTQ checkpoint: every group scale, weight global
+    scale and input global scale is a hit, the gathered values before the first step equal the
+    checkpoint's tensors bit for bit, and no quantizer is left uninitialised on either rank."""
+    results, run_dir, _ = zero3_run
+    r = results["nvfp4"]
+    ckpt = load_file(str(ckpts["nvfp4_ptq"] / SCALES_FILE))
+    rep = json.loads((run_dir / "nvfp4_scales.json").read_text())
+    assert rep["misses"] == 0 and rep["hits"] == len(ckpt) == len(r["init_quant_params"])
+    kinds = {}
+    for k in ckpt:
+        kind = k.rsplit(".", 1)[1]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    n_linear = 7 * tiny_qwen3_config().num_hidden_layers
+    assert kinds == {
+        "weight_scale": n_linear,
+        "weight_global_scale": n_linear,
+        "input_global_scale": n_linear,
+    }
+    with one_thread():
+        model = load_plain(ckpts["dense"])
+        prepare(model, NVFP4, options=PrepareOptions(init_from_weight=False))
+    keys = scale_keys(model)
+    assert set(keys) == set(r["init_quant_params"])
+    for name, key in keys.items():
+        assert torch.equal(
+            r["init_quant_params"][name], ckpt[key].reshape(r["init_quant_params"][name].shape)
+        ), name
+    assert [c["uninitialized"] for c in r["checks"]] == [[], []]
+    # the single-process reference loaded the same values (its init) and the steps moved them
+    for name, v in ckpts["nvfp4_ref"]["init_params"].items():
+        assert torch.equal(v, r["init_quant_params"][name]), name
 
 
 # --------------------------------------------------------------------------- bad inputs (2 ranks)

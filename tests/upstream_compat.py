@@ -59,6 +59,21 @@ for _m in ("0_6b", "14b", "1_7b", "32b", "4b", "8b", "a22b"):
     if _m != "a22b":
         REFUSED[f"configs/qwen3/ptq/smooth_int8/qwen3-{_m}_int8_dynamic_smooth.yaml"] = SMOOTH
 
+# Upstream FOCUS (configs/qwen3/fp4): NVFP4 / MXFP4 W4A4 QAT with FP4 keys qatlib refuses
+# (qatlib.config.upstream.fp4_key_issues); tests/test_fp4.py loads them with those keys set to
+# what qatlib honours.
+_FOCUS = "configs/qwen3/fp4/qwen3-4b_focus_"
+_QC = "compression.QAT.plugin_config.quant_config"
+for _v in ("", "_real"):
+    REFUSED[f"{_FOCUS}nvfp4_w4a4{_v}_zero3.yaml"] = (
+        f"{_QC}.weight.use_subgroup_scale",
+        "upstream AngelSlim feature use_subgroup_scale (FOCUS's learned FP4 sub-group scales",
+    )
+    REFUSED[f"{_FOCUS}mxfp4_w4a4{_v}_zero3.yaml"] = (
+        f"{_QC}.weight.qtype",
+        "upstream AngelSlim feature MXFP4 with ceil-rounded E8M0 scales (qtype mxfp4_rceil",
+    )
+
 # Files whose first stage (scripts/ptq.py) the tests run: every QAT config, and one PTQ config
 # per algorithm and architecture. Hy3 runs with hf_args.deepspeed pointed at its copied JSON.
 _QAT = "configs/qwen3/qat"
@@ -176,14 +191,23 @@ def counts() -> dict[str, int]:
     return {k: outcomes.count(k) for k in KINDS}
 
 
+def focus_files() -> list[str]:
+    """Upstream's FOCUS FP4 QAT configs (configs/qwen3/fp4): refused, `REFUSED` says at which key."""
+    return [f for f in yaml_files() if "/fp4/" in f]
+
+
 def totals() -> str:
     """The one-line summary the table ends with and the README quotes (a test checks both)."""
     c = counts()
     qat = c["DAG runs"] + c["DAG builds"]
+    focus = focus_files()
+    n_ptq = len(yaml_files()) - len(qat_files()) - len(focus)
+    refused_ptq = c["refused"] - sum(outcome(f)[0] == "refused" for f in focus)
     return (
         f"{qat} of {len(qat_files())} QAT configs build the full DAG ({c['DAG runs']} run it end to end "
-        f"in the tests); of {len(yaml_files()) - len(qat_files())} Qwen3 PTQ configs {c['PTQ runs']} run, "
-        f"{c['loads']} load, {c['refused']} are refused."
+        f"in the tests); the {len(focus)} FOCUS FP4 QAT configs are refused (sub-group scales, ceil-rounded "
+        f"MXFP4 scales); of {n_ptq} Qwen3 PTQ configs {c['PTQ runs']} run, "
+        f"{c['loads']} load, {refused_ptq} are refused."
     )
 
 
@@ -212,6 +236,13 @@ def render() -> str:
         "not have (the JSON sits in `configs/Hy3/...`), so the file as shipped is refused (by `load_config`, and "
         "by the workflow at DAG time); with `hf_args.deepspeed` pointed at the JSON beside it, it builds the DAG "
         "and its first stage runs on a tiny `HYV3ForCausalLM`.",
+        "",
+        "FOCUS FP4 (`configs/qwen3/fp4`, NVFP4 / MXFP4 W4A4, ZeRO-3): refused at the first FP4 key qatlib cannot "
+        "honour (`use_subgroup_scale: true`, `qtype: mxfp4_rceil`). `mantissa_rounding: even / nearest` (both "
+        "round to nearest, ties to even, as qatlib, compressed-tensors and vLLM do), `num_sub` beside "
+        "`use_subgroup_scale: false`, and `learnable.quant_max_scale_lr` are accepted; with "
+        "`use_subgroup_scale: false`, `qtype: mxfp4` and qatlib's ZeRO-3 rules (`from_ptq_ckpt` set, "
+        "`save_format: real`) the files load as NVFP4 / MXFP4 W4A4 (`tests/test_fp4.py`).",
         "",
         "| file | architecture | result | detail |",
         "|---|---|---|---|",

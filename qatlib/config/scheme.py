@@ -96,9 +96,9 @@ class _SchemeBuilder:
             kw["symmetric"] = changes["symmetric"]
         if "dynamic" in changes:
             kw["dynamic"] = changes["dynamic"]
-        if qtype == "fp8":
+        if qtype == "fp8" or qtype in FP4_FORMATS:
             kw["fp8_recast"] = False  # recasting to fp8 is what an *integer* weight does in W4A8-FP8
-            kw.setdefault("symmetric", True)  # fp8 is symmetric by construction
+            kw.setdefault("symmetric", True)  # fp8 / fp4 are symmetric by construction
         try:
             self.specs[role] = spec.replace(**kw)
         except SpecError as e:
@@ -178,6 +178,18 @@ def build_quant_scheme(comp: CompressionConfig) -> QuantScheme:
         b.set("weight", QuantSpec(f"int{bits}"), where, {"qtype": where})
         b.set("input", QuantSpec(f"int{bits}"), where, {"qtype": where})
 
+    # upstream FOCUS's FP4 keys, before anything is built from them (qatlib.config.upstream)
+    for role, key in (("weight", "weight"), ("input", "activation")):
+        o = getattr(qc, key)
+        if o is None:
+            continue
+        values = {k: getattr(o, k) for k in o.model_fields_set}
+        base = b.specs[role]
+        qtype = values.get("qtype") or (base.qtype if base is not None else None)
+        issues = upstream.fp4_key_issues(f"{QC}.{key}", values, qtype in FP4_FORMATS)
+        if issues:
+            raise Violation(*issues[0])
+
     # per-block is the FP4 formats' block spelling (quant.spec); anywhere else it is upstream's
     # block-scaled FP8, which qatlib does not run.
     fp4 = {r: (sp := b.specs.get(r)) is not None and sp.qtype in FP4_FORMATS for r in ("weight", "input")}
@@ -194,7 +206,15 @@ def build_quant_scheme(comp: CompressionConfig) -> QuantScheme:
     if qm.zero_point is not None:
         w_changes["symmetric"] = not qm.zero_point
         w_paths["symmetric"] = f"{QP}.quant_method.zero_point"
-    if qm.weight is not None:
+    overrides = {r: getattr(qc, k) for r, k in (("weight", "weight"), ("input", "activation"))}
+
+    def plugin_sets_granularity(role: str) -> bool:
+        """Upstream's quantizer reads only the plugin block's granularity when it has one; applying
+        quant_method's first could build an invalid interim spec (NVFP4 inputs per-tensor)."""
+        o = overrides[role]
+        return o is not None and o.granularity is not None
+
+    if qm.weight is not None and not plugin_sets_granularity("weight"):
         w_changes["granularity"] = qm.weight
         w_paths["granularity"] = f"{QP}.quant_method.weight"
     w_paths["group_size"] = level_gs_path  # where a missing per-group size belongs
@@ -204,7 +224,7 @@ def build_quant_scheme(comp: CompressionConfig) -> QuantScheme:
         b.apply("weight", f"{QP}.quant_method", w_changes, w_paths, fallback_group_size=level_gs)
     # quant_method.activation only re-grains an activation format the preset already has: it
     # names no qtype (upstream's defaults carry `activation: per-tensor` even for weight-only).
-    if qm.activation is not None and b.specs["input"] is not None:
+    if qm.activation is not None and b.specs["input"] is not None and not plugin_sets_granularity("input"):
         b.apply(
             "input",
             f"{QP}.quant_method.activation",

@@ -187,8 +187,14 @@ class TensorQuantOverride(Section):
     group_size: int | None = None
     is_sym: bool | None = None
     dynamic: bool | None = None
+    # upstream FOCUS's FP4 keys (qatlib.config.upstream.FP4_KEYS: honoured or refused by the scheme builder)
+    mantissa_rounding: str | None = None
+    use_subgroup_scale: bool | None = None
+    num_sub: int | None = None
 
     _gs = field_validator("group_size")(_group_size_value)
+    # upstream's FP4 qtype spellings (``mxfp4_rceil``) are refused by name, not as unknown values
+    _fp4_qtype = field_validator("qtype", mode="before")(lambda cls, v: upstream.check_fp4_qtype(v))
 
 
 class OutputQuantConfig(Section):
@@ -216,6 +222,9 @@ class LearnableConfig(Section):
     kv_scale: bool = _LEARN.kv_scale
     norm: bool = _LEARN.norm
     lwc: bool = _LEARN.lwc
+    # upstream FOCUS: the learning rate of its FP4 sub-group scales (quant_max_scale). qatlib has
+    # none (use_subgroup_scale is refused), so, as upstream without them, it sets nothing.
+    quant_max_scale_lr: float | None = Field(None, exclude=True)
 
 
 class LwcConfig(Section):

@@ -95,6 +95,66 @@ TOP_LEVEL_FEATURES: dict[str, tuple[Any, str]] = {
 }
 
 
+# Upstream FOCUS's FP4 keys of ``quant_config.weight / activation`` (read from
+# angelslim/compressor/qat/modules/quantizer.py at 67394ce: `_apply_settings` l.197-218 reads them,
+# `_quant_fp4_element` l.91-118 rounds, `_fake_quant_mxfp4` / `_fake_quant_nvfp4` l.796-891 scale).
+# Upstream parses any qtype containing "mxfp" / "nvfp" as its MXFP4 / NVFP4 (`_parse_bits_and_dtype`).
+FP4_QTYPES: dict[str, str] = {
+    "mxfp4_rceil": "MXFP4 with ceil-rounded E8M0 scales (qtype mxfp4_rceil: 2**ceil(log2(amax / 6)))",
+}
+FP4_QTYPE_HINT = (
+    "qatlib's mxfp4 uses compressed-tensors' E8M0 rule, the one vLLM applies to the activations at run "
+    "time (2**(floor(log2 amax) - 2), one up from mantissa 1.75): set qtype: mxfp4"
+)
+# "nearest" is torch.round (ties to even) on the scaled mantissa, "even" an explicit ties-to-even:
+# both are qatlib's E2M1 rounding (round to nearest, ties to even, as compressed-tensors and vLLM).
+MANTISSA_ROUNDING_HONOURED = ("even", "nearest")
+MANTISSA_ROUNDING_VALUES = ("even", "nearest", "floor")
+
+
+def check_fp4_qtype(v: Any) -> Any:
+    """A ``quant_config.weight / activation.qtype`` value: upstream's FP4 spellings qatlib does not
+    run are refused by name (before the type check would call them unknown)."""
+    if isinstance(v, str) and v in FP4_QTYPES:
+        raise unsupported(FP4_QTYPES[v], FP4_QTYPE_HINT)
+    return v
+
+
+def fp4_key_issues(block: str, values: dict[str, Any], role_is_fp4: bool) -> list[tuple[str, str]]:
+    """``(key path, message)`` for each upstream FP4 key of one ``quant_config.weight / activation``
+    block (``values``: the keys the YAML set) that qatlib cannot honour (the qtype:
+    `check_fp4_qtype`). Honoured: ``mantissa_rounding`` even / nearest (and any value on a non-FP4 role, where upstream
+    never reads it), ``use_subgroup_scale: false`` and ``num_sub`` beside it (read only with
+    sub-group scales)."""
+    out = []
+    mr = values.get("mantissa_rounding")
+    if mr is not None and role_is_fp4 and mr not in MANTISSA_ROUNDING_HONOURED:
+        if mr in MANTISSA_ROUNDING_VALUES:
+            msg = unsupported_message(
+                f"mantissa_rounding {mr!r} (E2M1 values truncated toward zero)",
+                "compressed-tensors and vLLM's FP4 kernels round to nearest, ties to even: use 'even' or 'nearest'",
+            )
+        else:
+            msg = f"{mr!r} is not one of upstream's values ({', '.join(MANTISSA_ROUNDING_VALUES)})"
+        out.append((f"{block}.mantissa_rounding", msg))
+    if values.get("use_subgroup_scale"):
+        out.append(
+            (
+                f"{block}.use_subgroup_scale",
+                unsupported_message(
+                    "use_subgroup_scale (FOCUS's learned FP4 sub-group scales: sigmoid(quant_max_scale) per "
+                    "group_size / num_sub elements, folded into the FP4 codes)",
+                    "qatlib's QuantSpec and checkpoint keys have no sub-group scale; set it to false (the group "
+                    "and global scales stay learnable)",
+                ),
+            )
+        )
+    num_sub = values.get("num_sub")
+    if num_sub is not None and (not isinstance(num_sub, int) or num_sub <= 0):
+        out.append((f"{block}.num_sub", f"must be a positive integer (got {num_sub!r})"))
+    return out
+
+
 def feature_issues(data: Any, features: dict[str, tuple[Any, str]]) -> list[tuple[str, str]]:
     """``(key, message)`` for each feature key of ``data`` set to something other than its off value."""
     if not isinstance(data, dict):

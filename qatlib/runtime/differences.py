@@ -27,16 +27,27 @@ def _static_scale(ql: QuantLinear | None, role: str) -> torch.Tensor | None:
     return q.scale.detach().float().cpu()
 
 
-def _differing(model: nn.Module, kinds: set[GroupKind], role: str) -> tuple[int, int]:
+def _global_scale(ql: QuantLinear | None, role: str) -> torch.Tensor | None:
+    """NVFP4's weight / input global scale of ``ql`` (None for other formats)."""
+    if ql is None:
+        return None
+    if role == "weight":
+        gs = ql.weight_global_scale() if ql.weight_quantizer is not None else None
+    else:
+        gs = None if ql.input_quantizer is None else ql.input_quantizer.global_scale
+    return None if gs is None else gs.detach().float().cpu().reshape(1)
+
+
+def _differing(model: nn.Module, kinds: set[GroupKind], role: str, scale_of=None) -> tuple[int, int]:
     """``(groups whose members' scales differ, groups with such scales)`` over ``kinds``."""
+    scale_of = scale_of or _static_scale
     mods = dict(model.named_modules())
     n = bad = 0
     for g in fused_groups(model):
         if g.kind not in kinds:
             continue
         scales = [
-            _static_scale(mods.get(m) if isinstance(mods.get(m), QuantLinear) else None, role)
-            for m in g.members
+            scale_of(mods.get(m) if isinstance(mods.get(m), QuantLinear) else None, role) for m in g.members
         ]
         if any(s is None or s.numel() != 1 for s in scales):
             continue
@@ -59,6 +70,12 @@ def _measure(model: nn.Module, t: Transform, dtype: torch.dtype) -> str:
     if t is Transform.EXPERT_INPUT_SCALE_MAX:
         bad, n = _differing(model, {GroupKind.EXPERTS_W13, GroupKind.EXPERTS_W2}, "input")
         return f"{bad} of {n} expert groups (w13 / w2 per layer) have different input scales"
+    if t in (Transform.FP4_GLOBAL_SCALE_MAX, Transform.FP4_GLOBAL_SCALE_MUST_MATCH):
+        bad, n = _differing(model, {GroupKind.QKV, GroupKind.GATE_UP}, "weight", _global_scale)
+        bad_in, _ = _differing(model, {GroupKind.QKV, GroupKind.GATE_UP}, "input", _global_scale)
+        return f"{bad} of {n} fused groups have different weight global scales, {bad_in} different input ones"
+    if t in (Transform.EXPERT_W13_GLOBAL_SCALE, Transform.FP4_ACTIVATIONS_UNQUANTIZED):
+        return "not counted"
     if t is Transform.DYNAMIC_PER_TOKEN:
         experts = _expert_names(model)
         n = sum(1 for name, m in model.named_modules() if isinstance(m, QuantLinear) and name not in experts)

@@ -48,6 +48,10 @@ class Layout(enum.Enum):
     WNA16_ODD_BITS = "int2/3/5/6/7 weight only"
     INT8_DYNAMIC = "int8 weight + int8 dynamic per-token input"
     INT8_STATIC = "int8 weight + static per-tensor int8 input"
+    NVFP4 = "nvfp4 weight + dynamic nvfp4 input (W4A4, static input global scale)"
+    NVFP4_A16 = "nvfp4 weight only (W4A16)"
+    MXFP4 = "mxfp4 weight + dynamic mxfp4 input (W4A4)"
+    MXFP4_A16 = "mxfp4 weight only (W4A16)"
     OTHER = "other"
 
 
@@ -56,6 +60,10 @@ def layout_of(scheme: QuantScheme, *, w4a8_activation: str = "runtime") -> Layou
     w, a = scheme.weight, scheme.input
     if w is None:
         return Layout.OTHER
+    if w.is_fp4:  # quant.spec allows FP4 weights with the same FP4 input format or none
+        if w.has_global_scale:
+            return Layout.NVFP4 if a is not None else Layout.NVFP4_A16
+        return Layout.MXFP4 if a is not None else Layout.MXFP4_A16
     if w.is_fp8:
         if a is None:
             return Layout.FP8_WEIGHT_ONLY
@@ -137,6 +145,12 @@ _REFUSALS: dict[tuple[str, Layout, bool | None], Fact] = {
         "no compressed-tensors scheme matches int4 weights with a static fp8 input",
         "SG CT compressed_tensors.py:721-862",
     ),
+    # MXFP4 W4A4: the dense linears (attention at least) find no scheme, MoE or not
+    ("sglang", Layout.MXFP4, None): Fact(
+        "activation-quantized float4 only in the NVFP4 layout (tensor_group, group 16): NotImplementedError "
+        "for MXFP4 W4A4 dense linears (MXFP4 experts alone would take Mxfp4MoEMethod)",
+        "SG CT compressed_tensors.py:786-799 (experts :231-242)",
+    ),
     ("sglang", Layout.W4A8, None): Fact(
         "no dense compressed-tensors W4A8-FP8 scheme (the attention linears fail: 'No compressed-tensors "
         "compatible scheme')",
@@ -186,6 +200,18 @@ class Transform(enum.Enum):
     SCALE_MODEL_DTYPE = "weight scales stored in the model dtype (bf16 / fp16), not fp32"
     W4A8_FP8_GROUP_SCALES = (
         "int4 group scales -> model dtype -> fp8 per output row with an fp32 channel factor"
+    )
+    FP4_GLOBAL_SCALE_MAX = (
+        "fused shards' NVFP4 global scales (weight; input for W4A4) -> their max, one per fused linear: a "
+        "shard with another weight global scale dequantizes off by its ratio to the max"
+    )
+    FP4_GLOBAL_SCALE_MUST_MATCH = (
+        "fused shards must share one NVFP4 weight global scale: ValueError at load when they differ"
+    )
+    EXPERT_W13_GLOBAL_SCALE = "each expert's w3 (up) NVFP4 weight global scale -> its w1's (gate's)"
+    FP4_ACTIVATIONS_UNQUANTIZED = (
+        "below SM100 (no FP4 tensor cores) a W4A4 FP4 checkpoint is served weight-only (Marlin W4A16): "
+        "activations are not quantized, the trained input global scales are dropped"
     )
 
 
@@ -249,6 +275,66 @@ _TRANSFORMS: list[tuple[str, Transform, tuple[Layout, ...], Fact]] = [
             "quant_utils.py:931-973, kernels/linear/mixed_precision/cutlass.py:66-85",
         ),
     ),
+    # FP4 (vLLM 0.33; schemes/compressed_tensors_w4a4_nvfp4.py serves both NVFP4 W4A4 and W4A16)
+    (
+        "vllm",
+        Transform.FP4_GLOBAL_SCALE_MAX,
+        (Layout.NVFP4, Layout.NVFP4_A16),
+        Fact(
+            "weight_global_scale.max() / input_global_scale.max() over the fused shards (warns when they differ)",
+            "vLLM CT schemes/compressed_tensors_w4a4_nvfp4.py:100-135",
+        ),
+    ),
+    (
+        "vllm",
+        Transform.EXPERT_W13_GLOBAL_SCALE,
+        (Layout.NVFP4, Layout.NVFP4_A16),
+        Fact(
+            "a single w13 gscale: w13_weight_global_scale[:, 0] (warns unless w1's == w3's)",
+            "vLLM CT compressed_tensors_moe/compressed_tensors_moe_w4a4_nvfp4.py:223-231",
+        ),
+    ),
+    (
+        "vllm",
+        Transform.FP4_ACTIVATIONS_UNQUANTIZED,
+        (Layout.NVFP4, Layout.MXFP4),
+        Fact(
+            "NVFP4: CUTLASS / FlashInfer FP4 GEMMs need SM100+, then the weight-only Marlin fallback (SM75+) is "
+            "picked; MXFP4: FlashInfer needs SM100+, else Marlin (warns, activations unquantized) or emulation",
+            "kernels/linear/__init__.py:592-608,625-632, kernels/linear/mxfp4/flashinfer.py:26-30, "
+            "kernels/linear/mxfp4/marlin.py:16-30, quantization/utils/marlin_utils_fp4.py:34-35",
+        ),
+    ),
+    (
+        "sglang",
+        Transform.FP4_GLOBAL_SCALE_MAX,
+        (Layout.NVFP4,),
+        Fact(
+            "input_global_scale.max() / weight_global_scale.max() over fused shards (SM100 W4A4 path)",
+            "SG CT schemes/compressed_tensors_w4a4_nvfp4.py:95-99",
+        ),
+    ),
+    (
+        "sglang",
+        Transform.FP4_GLOBAL_SCALE_MUST_MATCH,
+        (Layout.NVFP4, Layout.NVFP4_A16),
+        Fact(
+            "CompressedTensorsW4A16Fp4 (weight-only, and W4A4 below SM100) raises unless torch.unique(global_scale) "
+            "has one value",
+            "SG CT schemes/compressed_tensors_w4a16_nvfp4.py:205-214",
+        ),
+    ),
+    (
+        "sglang",
+        Transform.FP4_ACTIVATIONS_UNQUANTIZED,
+        (Layout.NVFP4,),
+        Fact(
+            "CompressedTensorsW4A4Fp4 needs SM100; below it (or with --fp4-gemm-backend marlin) the dense "
+            "linears are served by CompressedTensorsW4A16Fp4 (FP4 Marlin, SM80+), input_global_scale dropped",
+            "SG CT compressed_tensors.py:757-782, schemes/compressed_tensors_w4a4_nvfp4.py:37-38, "
+            "schemes/compressed_tensors_w4a16_nvfp4.py:135-137",
+        ),
+    ),
     (
         "sglang",
         Transform.WEIGHT_SCALE_MAX,
@@ -286,7 +372,7 @@ _TRANSFORMS: list[tuple[str, Transform, tuple[Layout, ...], Fact]] = [
 
 # Transforms that only touch dense (non-expert) layers / only MoE experts.
 DENSE_ONLY = frozenset({Transform.DYNAMIC_PER_TOKEN, Transform.INPUT_SCALE_LAST})
-EXPERTS_ONLY = frozenset({Transform.EXPERT_INPUT_SCALE_MAX})
+EXPERTS_ONLY = frozenset({Transform.EXPERT_INPUT_SCALE_MAX, Transform.EXPERT_W13_GLOBAL_SCALE})
 
 
 def transforms(target: str, layout: Layout) -> list[tuple[Transform, Fact]]:

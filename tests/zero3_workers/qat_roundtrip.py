@@ -4,9 +4,10 @@ Usage: torchrun --standalone --nproc_per_node=2 qat_roundtrip.py SPEC.json
 
 SPEC: {"out": dir, "scheme": QuantScheme dict, "data": file (torch.save'd {"train": [S, 2, B, T],
 "eval": [B, T]}), "lr": float, "phases": [{"name", "ds_config", "model", "ptq", "compare_ckpt",
-"also_load", "leaf": bool, "steps": int, "skewed_routing": bool}]}.
-Rank 0 writes ``{out}/{name}.pt`` (losses, quantizer params, eval logits, checks) and the
-consolidated save ``{out}/{name}_saved``.
+"also_load", "leaf": bool, "steps": int, "skewed_routing": bool, "scheme": a phase's own scheme
+(default: the spec's)}]}.
+Rank 0 writes ``{out}/{name}.pt`` (losses, quantizer params after the build and after the steps,
+eval logits, checks) and the consolidated save ``{out}/{name}_saved``.
 """
 
 from __future__ import annotations
@@ -62,11 +63,11 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
     from qatlib.device import current as current_device
     from qatlib.models import load_model
     from qatlib.moe import LinearizedMoeExperts
-    from qatlib.quant import QuantScheme
+    from qatlib.quant import Quantizer, QuantScheme
     from qatlib.trainers.params import Learnable, param_groups, select_trainable
 
     out = Path(spec["out"])
-    scheme = QuantScheme.from_dict(spec["scheme"])
+    scheme = QuantScheme.from_dict(ph.get("scheme", spec["scheme"]))
     ds_config = json.loads(Path(ph["ds_config"]).read_text())
     ds_config.update(ph.get("ds_overrides", {}))
     ds_config["zero_optimization"].update(ph.get("zero_overrides", {}))
@@ -104,6 +105,11 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
         )
         del m2
     meta_before = z.run_metadata(model)
+    # the warm start's values before any step, and quantizers it left uninitialised (every rank)
+    init_quant = {k: v for k, v in z.consolidated_state_dict(model).items() if "_quantizer." in k}
+    checks["uninitialized"] = sorted(
+        n for n, q in model.named_modules() if isinstance(q, Quantizer) and not bool(q.initialized)
+    )
 
     for p in model.parameters():
         p.requires_grad_(id(p) in _quant_ids(model))
@@ -163,6 +169,7 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
             {
                 "losses": losses,
                 "quant_params": {k: v for k, v in sd.items() if "_quantizer." in k},
+                "init_quant_params": init_quant,
                 "n_state": len(sd),
                 "logits": logits,
                 "checks": all_checks,
