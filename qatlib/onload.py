@@ -355,3 +355,28 @@ def carry(outputs: list[Batch], layer: nn.Module, batch: Batch) -> None:
 def layer_prefix(model: nn.Module, index: int) -> str:
     path, _ = decoder_layers(model)
     return f"{path}.{index}."
+
+
+def iter_onloaded_modules(model: nn.Module, loader: Onloader) -> Iterator[tuple[str, nn.Module]]:
+    """``model.named_modules()`` with each module's weights onloaded while it is yielded: a decoder
+    layer from its first module to its last, any other module owning parameters on its own. The
+    walk `qatlib.export.export` takes as ``modules`` (one layer resident at a time)."""
+    _, layers = decoder_layers(model)
+    layer_ids = {id(m) for m in layers}
+    current: tuple[str, nn.Module] | None = None
+    try:
+        for name, m in model.named_modules():
+            if current is not None and not name.startswith(current[0] + "."):
+                loader.offload(current[1])
+                current = None
+            if id(m) in layer_ids:
+                loader.onload(m)
+                current = (name, m)
+            if current is not None or not any(True for _ in m.parameters(recurse=False)):
+                yield name, m
+                continue
+            with loader.onloaded(m, recurse=False):
+                yield name, m
+    finally:
+        if current is not None:
+            loader.offload(current[1])
