@@ -124,7 +124,7 @@ def calibrate_layerwise(
     _, layers = decoder_layers(model)
     inside = {id(m) for layer in layers for m in layer.modules()}
     outer = [(n, ql) for n, ql in quant_linears(model) if id(ql) not in inside]
-    bad = [f"{n}.{r}" for n, ql in outer for r, _ in static_quantizers(ql)]
+    bad = [f"{n}.{r.lstrip('.')}" for n, ql in outer for r, _ in static_quantizers(ql)]
     if bad:
         raise ValueError(
             f"layer-by-layer calibration runs the decoder layers only; static activation quantizers outside them: "
