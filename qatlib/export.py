@@ -256,7 +256,12 @@ def iter_export_tensors(
         if not isinstance(module, QuantLinear):
             if weights is not None:
                 for k, t in _own_tensors(module, prefix).items():
-                    if id(t) not in seen and not (skip is not None and skip(k)):  # tied weights once
+                    # tied weights once: by name when ``skip`` is given (a streamed tensor is freed
+                    # once written, so its id may come back), else by tensor identity
+                    if skip is not None:
+                        if not skip(k):
+                            yield k, t.cpu().contiguous()
+                    elif id(t) not in seen:
                         seen.add(id(t))
                         yield k, t.cpu().contiguous()
             continue
