@@ -153,10 +153,18 @@ class Onloader:
     ``device``). Quantizers move with their module and come back to the CPU."""
 
     def __init__(
-        self, model: nn.Module, source: str | os.PathLike | None, device: torch.device | str = "cpu"
+        self, model: nn.Module, source: str | os.PathLike | None, device: torch.device | str | None = "cpu"
     ):
         self.model = model
-        self.device = torch.device(device)
+        # device None (resident only): nothing moves (a model dispatched by device_map keeps its placement)
+        self.moves = device is not None
+        if device is None and source is not None:
+            raise ValueError("Onloader: a checkpoint source needs a device")
+        self.device = (
+            torch.device(device)
+            if device is not None
+            else next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
+        )
         self.source = None if source is None else Path(source)
         self.refresh()
         self._entries: dict[str, list[st.PlanEntry]] = {}
@@ -174,6 +182,8 @@ class Onloader:
 
     @classmethod
     def resident(cls, model: nn.Module, device="cpu") -> Onloader:
+        """Onloading of a model in host memory; ``device`` None: nothing moves (the model computes
+        where it is, e.g. dispatched by ``device_map``)."""
         return cls(model, None, device)
 
     def refresh(self) -> None:
@@ -206,7 +216,8 @@ class Onloader:
     def onload(self, module: nn.Module, *, recurse: bool = True) -> None:
         """``module``'s weights (its own only, without ``recurse``) and quantizers on the device."""
         if self.source is None:
-            _move(module, self.device, recurse)
+            if self.moves:
+                _move(module, self.device, recurse)
             return
         todo = {}
         for p in self._weights(module, recurse):
@@ -236,7 +247,8 @@ class Onloader:
         """Undo `onload`: weights back to meta (checkpoint source) or to the CPU, quantizers to the CPU."""
         cpu = torch.device("cpu")
         if self.source is None:
-            _move(module, cpu, recurse)
+            if self.moves:
+                _move(module, cpu, recurse)
             return
         for p in self._weights(module, recurse):
             if not p.is_meta:
@@ -274,7 +286,7 @@ class Onloader:
             self.onload(m, recurse=False)
         _, layers = decoder_layers(self.model)
         inside = {id(m) for layer in layers for m in layer.modules()}
-        for m in self.model.modules():
+        for m in self.model.modules() if self.moves else ():
             if id(m) not in inside:
                 for k, b in m._buffers.items():
                     if b is not None and not b.is_meta and b.device != self.device:
