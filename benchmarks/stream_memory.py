@@ -26,7 +26,16 @@ SHARD = 300 << 20  # the streamed export's max_shard_size (the input checkpoint'
 
 
 def _rss() -> int:
+    """Peak resident set so far (bytes)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _rss_now() -> int:
+    """Current resident set (bytes): the baseline (imports may have peaked higher and freed)."""
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _batches():
@@ -48,7 +57,7 @@ def worker(mode: str, model_dir: Path, work: Path, out: Path) -> None:
 
     torch.set_num_threads(2)
     scheme = preset("fp8_static")
-    before = _rss()
+    before = _rss_now()
     t0 = time.perf_counter()
     ptq_dir = work / "ptq"
     if mode == "ptq_whole":

@@ -45,6 +45,7 @@ def main(argv=None) -> int:
         gptq = cfg.ptq_algorithm == "gptq"
         if args.layerwise and gptq:
             raise SystemExit("error: --layerwise: GPTQ changes the weights; run it on the loaded model")
+        args.layerwise |= cfg.quantization.low_memory and not gptq  # upstream's layer-by-layer PTQ
         m = cfg.model
         common = dict(
             torch_dtype=m.torch_dtype,
