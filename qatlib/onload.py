@@ -169,6 +169,12 @@ class Onloader:
         self.refresh()
         self._entries: dict[str, list[st.PlanEntry]] = {}
         if self.source is not None:
+            # each onload allocates a layer's tensors and each offload frees them: without a fixed
+            # mmap threshold glibc raises its dynamic one to their size and keeps the freed layers
+            # in the heap, so the RSS grows layer by layer (the ZeRO-3 loader's remedy, zero3_io)
+            from .zero3_io import _mmap_large_allocations
+
+            _mmap_large_allocations()
             files = weight_files(self.source)
             if not files:
                 raise CheckpointError(f"{self.source}: no {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}")
