@@ -50,9 +50,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
@@ -65,7 +65,9 @@ from .checkpoint.layout import (
     FAKE_EXPORT_SCALES_FILE,
     KV_SCALES_FILE,
     SCHEME_FILE,
+    WEIGHTS_FILE,
     AtomicDir,
+    name_weight_shards,
     write_json,
 )
 from .export_format import CTFormat, ExportError, compressed_tensors_format
@@ -76,6 +78,9 @@ from .quant.health import bad_quant_params
 from .quant.linear import attention_role, is_router, weight_readable
 from .quant.quantizer import Quantizer
 from .quant.spec import Granularity
+
+if TYPE_CHECKING:
+    from .onload import Onloader
 
 log = logging.getLogger(__name__)
 
@@ -208,12 +213,41 @@ def export_tensors(
     `QuantLinear` together with its quantizers (ZeRO-3: ``iter_gathered_modules``).
     ``keep=False`` (non-main ranks) walks the units without computing anything.
     """
+    kv_scales: dict[str, torch.Tensor] = {}
+    state = dict(
+        iter_export_tensors(
+            model,
+            weights,
+            fmt,
+            kv_scales=kv_scales if kv else None,
+            modules=modules,
+            verify=verify,
+            keep=keep,
+        )
+    )
+    return state, kv_scales
+
+
+def iter_export_tensors(
+    model: nn.Module,
+    weights: str | None,
+    fmt: CTFormat | None = None,
+    *,
+    kv_scales: dict[str, torch.Tensor] | None = None,
+    resume_scales: dict[str, torch.Tensor] | None = None,
+    modules: Iterable[tuple[str, nn.Module]] | None = None,
+    verify: bool = True,
+    keep: bool = True,
+    skip: Callable[[str], bool] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`export_tensors` one tensor at a time, in module order (what the streaming export writes
+    shard by shard). ``kv_scales`` / ``resume_scales`` (dicts) collect the KV-cache scales / the
+    PTQ-key scales of each `QuantLinear` while it is yielded. ``skip(name)``: parameters not to
+    write (the alias names of tied weights on a streamed model)."""
     if weights not in ("real", "fake", None):
         raise ExportError(f"weights must be 'real', 'fake' or None, not {weights!r}")
     if weights == "real" and fmt is None:
         raise ExportError("a 'real' export needs the compressed-tensors format (compressed_tensors_format)")
-    state: dict[str, torch.Tensor] = {}
-    kv_scales: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, module in model.named_modules() if modules is None else modules:
         if not keep or isinstance(module, Quantizer):
@@ -222,12 +256,19 @@ def export_tensors(
         if not isinstance(module, QuantLinear):
             if weights is not None:
                 for k, t in _own_tensors(module, prefix).items():
-                    if id(t) not in seen:  # tied weights once, under their first name
+                    # tied weights once: by name when ``skip`` is given (a streamed tensor is freed
+                    # once written, so its id may come back), else by tensor identity
+                    if skip is not None:
+                        if not skip(k):
+                            yield k, t.cpu().contiguous()
+                    elif id(t) not in seen:
                         seen.add(id(t))
-                        state[k] = t.cpu().contiguous()
+                        yield k, t.cpu().contiguous()
             continue
         role = kv_role(name, model)
-        if kv and role is not None:
+        if resume_scales is not None:
+            resume_scales.update(scale_state_dict(model, linears=[(name, module)]))
+        if kv_scales is not None and role is not None:
             kv_scales.update(
                 {
                     k: v
@@ -239,14 +280,15 @@ def export_tensors(
             if not weight_readable(module.weight):
                 raise ExportError(f"weight of {name} is not readable (ZeRO-3 shard or meta): gather it first")
             with torch.no_grad():
-                state[f"{prefix}weight"] = (
-                    module.fake_quant_weight().detach().to(module.weight.dtype).cpu().contiguous()
+                yield (
+                    f"{prefix}weight",
+                    module.fake_quant_weight().detach().to(module.weight.dtype).cpu().contiguous(),
                 )
             if module.bias is not None:
-                state[f"{prefix}bias"] = module.bias.detach().cpu().contiguous()
+                yield f"{prefix}bias", module.bias.detach().cpu().contiguous()
         elif weights == "real":
-            state.update(
-                {f"{prefix}{k}": v for k, v in compress_linear(module, fmt, name=name, verify=verify).items()}
+            yield from (
+                (f"{prefix}{k}", v) for k, v in compress_linear(module, fmt, name=name, verify=verify).items()
             )
             oq = module.output_quantizer
             if fmt.kv_cache is not None and oq is not None and role is not None:
@@ -257,9 +299,40 @@ def export_tensors(
                 # (vllm 0.33 weight_utils.py:1743 `if name in params_dict`, base_config.py:249
                 # `(?<!\.attn)`). Both hold the same values; the runtime loads one parameter.
                 attn = name.rpartition(".")[0]
-                state[f"{attn}.{role}_scale"] = _ct_kv_scale(oq)
-                state[f"{attn}.attn.{role}_scale"] = state[f"{attn}.{role}_scale"].clone()
-    return state, kv_scales
+                ks = _ct_kv_scale(oq)
+                yield f"{attn}.{role}_scale", ks
+                yield f"{attn}.attn.{role}_scale", ks.clone()
+
+
+def write_shards(
+    directory: Path, tensors: Iterable[tuple[str, torch.Tensor]], max_shard_bytes: int
+) -> list[tuple[Path, list[str]]]:
+    """Write ``tensors`` (in order) into safetensors shards of at most ``max_shard_bytes`` (a
+    tensor larger than that gets a shard of its own; huggingface_hub's greedy split), each written
+    as soon as it is full, so only one shard is ever held; named as ``save_pretrained`` names them
+    (`qatlib.checkpoint.layout.name_weight_shards`). Hand-written because ``save_pretrained``
+    needs the whole state dict up front."""
+    shards: list[tuple[Path, list[str]]] = []
+    cur: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        path = directory / f".shard-{len(shards):05d}.safetensors"
+        save_file(cur, str(path), metadata={"format": "pt"})  # save_pretrained's metadata
+        shards.append((path, list(cur)))
+        cur.clear()
+
+    for key, t in tensors:
+        n = t.numel() * t.element_size()
+        if cur and size + n > max_shard_bytes:
+            flush()
+            size = 0
+        cur[key] = t
+        size += n
+    if cur or not shards:
+        flush()
+    name_weight_shards(directory, shards)
+    return shards
 
 
 def ignore_list(model: nn.Module, extra: Sequence[str] = ()) -> list[str]:
@@ -379,6 +452,8 @@ def export(
     modules: Iterable[tuple[str, nn.Module]] | None = None,
     is_main_process: bool = True,
     verify: bool = True,
+    onload: Onloader | None = None,
+    max_shard_size: int = 5 << 30,
 ) -> Path | None:
     """Export a prepared model by ``save_format`` (``real``, ``fake``, ``save_kvcache_only``,
     ``real_and_kvcache``) to ``out_dir``; returns the directory (None on non-main processes).
@@ -389,6 +464,12 @@ def export(
     ``overwrite``). ``ignore`` adds entries to the checkpoint's ignore list (the unquantized
     linears, embeddings and routers are always listed). ``modules`` / ``is_main_process``: see
     `export_tensors`; every process iterates, only the main one writes.
+
+    ``onload`` (a `qatlib.onload.Onloader` over a skeleton model, `qatlib.models.load_prepared`
+    with ``skeleton=True``): the streaming export. Each decoder layer is onloaded in turn, its codes
+    computed tensor by tensor and written into shards of at most ``max_shard_size`` bytes as they
+    fill, so host memory holds one shard and one layer, never the model. Same tensors (and, for a
+    model within one shard, the same bytes) as the in-memory export.
     """
     if save_format not in SAVE_FORMATS:
         raise ExportError(f"save_format must be one of {', '.join(SAVE_FORMATS)}; got {save_format!r}")
@@ -424,6 +505,7 @@ def export(
     if fmt is not None:
         from .runtime.differences import deployment_differences
 
+        # measured on the scales; a streamed skeleton holds every scale (only weights are offloaded)
         info["deployment"] = deployment_differences(
             model, scheme, w4a8_activation=w4a8_activation, measure=modules is None
         )
@@ -437,6 +519,22 @@ def export(
     # A `fake` save is also a warm-start / resume checkpoint (`resume_ckpt_dir`): it carries the
     # scales in the PTQ key format + quant_scheme.json. Plain in-memory models only: the ZeRO-3
     # path (`modules`) streams each layer once, for the weights.
+    if onload is not None:
+        return _export_streaming(
+            model,
+            scheme,
+            fmt,
+            target,
+            info,
+            onload,
+            weights,
+            want_kv,
+            save_format,
+            tokenizer,
+            ignore,
+            verify,
+            max_shard_size,
+        )
     resume_scales = scale_state_dict(model) if save_format == "fake" and modules is None else None
     state, kv = export_tensors(
         model, weights, fmt, kv=want_kv, modules=modules, verify=verify, keep=is_main_process
@@ -446,26 +544,82 @@ def export(
     with target as tmp:
         if weights is not None:
             model.save_pretrained(str(tmp), state_dict=state)
-            if fmt is not None:
-                from compressed_tensors.compressors import ModelCompressor
-
-                ModelCompressor(
-                    quantization_config=quantization_config(model, fmt, ignore=ignore)
-                ).update_config(str(tmp))
-            if tokenizer is not None:
-                tokenizer.save_pretrained(str(tmp))
-        if want_kv:
-            kv_file = tmp / (KV_SCALES_FILE if weights is None else EXPORT_KV_SCALES_FILE)
-            kv_file.parent.mkdir(exist_ok=True)
-            save_file(kv, str(kv_file), metadata={"format": "pt"})
-        if resume_scales:
-            (tmp / FAKE_EXPORT_SCALES_FILE).parent.mkdir(exist_ok=True)
-            save_file(
-                resume_scales,
-                str(tmp / FAKE_EXPORT_SCALES_FILE),
-                metadata={"format": "pt", "qatlib": "fake-export-scales"},
-            )
-            write_json(tmp / SCHEME_FILE, scheme.to_dict())
-        write_json(tmp / EXPORT_INFO_FILE, info, sort_keys=True)
+        _write_side_files(
+            tmp, model, scheme, fmt, info, weights, kv if want_kv else None, resume_scales, tokenizer, ignore
+        )
     log.info("exported %s (%s) to %s", scheme.name, save_format, out_dir)
     return Path(out_dir)
+
+
+def _write_side_files(tmp, model, scheme, fmt, info, weights, kv, resume_scales, tokenizer, ignore) -> None:
+    """Everything of an export but the weight files: the config's quantization_config, the
+    tokenizer, the KV-cache and resume scales, ``qatlib_export.json``."""
+    if weights is not None:
+        if fmt is not None:
+            from compressed_tensors.compressors import ModelCompressor
+
+            ModelCompressor(quantization_config=quantization_config(model, fmt, ignore=ignore)).update_config(
+                str(tmp)
+            )
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+    if kv is not None:
+        kv_file = tmp / (KV_SCALES_FILE if weights is None else EXPORT_KV_SCALES_FILE)
+        kv_file.parent.mkdir(exist_ok=True)
+        save_file(kv, str(kv_file), metadata={"format": "pt"})
+    if resume_scales:
+        (tmp / FAKE_EXPORT_SCALES_FILE).parent.mkdir(exist_ok=True)
+        save_file(
+            resume_scales,
+            str(tmp / FAKE_EXPORT_SCALES_FILE),
+            metadata={"format": "pt", "qatlib": "fake-export-scales"},
+        )
+        write_json(tmp / SCHEME_FILE, scheme.to_dict())
+    write_json(tmp / EXPORT_INFO_FILE, info, sort_keys=True)
+
+
+def _export_streaming(
+    model,
+    scheme,
+    fmt,
+    target,
+    info,
+    loader,
+    weights,
+    want_kv,
+    save_format,
+    tokenizer,
+    ignore,
+    verify,
+    max_shard_size,
+):
+    """The ``onload`` branch of `export`: layer by layer, shard by shard, inside the atomic target
+    (a failure midway leaves no output)."""
+    from .checkpoint.safetensors import model_tensors
+    from .onload import iter_onloaded_modules
+
+    aliases = model_tensors(model).aliases  # tied names: save_pretrained writes the first only
+    kv: dict[str, torch.Tensor] | None = {} if want_kv else None
+    resume: dict[str, torch.Tensor] | None = {} if save_format == "fake" else None
+    tensors = iter_export_tensors(
+        model,
+        weights,
+        fmt,
+        kv_scales=kv,
+        resume_scales=resume,
+        modules=iter_onloaded_modules(model, loader),
+        verify=verify,
+        skip=aliases.__contains__,
+    )
+    with target as tmp:
+        if weights is not None:
+            # config.json / generation_config.json exactly as save_pretrained writes them
+            model.save_pretrained(str(tmp), state_dict={})
+            (tmp / WEIGHTS_FILE).unlink(missing_ok=True)
+            write_shards(tmp, tensors, max_shard_size)
+        else:
+            for _ in tensors:
+                pass
+        _write_side_files(tmp, model, scheme, fmt, info, weights, kv, resume, tokenizer, ignore)
+    log.info("exported %s (%s, streamed layer by layer) to %s", scheme.name, save_format, target.out)
+    return Path(target.out)

@@ -26,11 +26,11 @@ import torch
 from torch import nn
 
 from .models import decoder_layers
+from .onload import Onloader, capture_layer_inputs, carry, run_layer
 from .quant import QuantLinear, QuantScheme, QuantSpec, quant_linears
 from .quant import functional as F
 from .quant.calibration import (
     CalibrationReport,
-    batch_inputs,
     calibrate_activations,
     prepare_for_calibration,
 )
@@ -38,10 +38,6 @@ from .quant.linear import PrepareOptions, weight_readable
 from .quant.spec import Granularity
 
 log = logging.getLogger(__name__)
-
-
-class _Stop(Exception):
-    pass
 
 
 # --------------------------------------------------------------------------- one weight matrix
@@ -162,17 +158,6 @@ class _HessianHook:
         self.H += x.t() @ x
 
 
-def _run_layer(layer: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
-    out = layer(*args, **kwargs)
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
-def _run_and_keep(outputs: list, layer: nn.Module, batch: tuple[tuple, dict]) -> None:
-    """Run ``layer`` on one captured ``(args, kwargs)`` and keep the next layer's inputs."""
-    args, kwargs = batch
-    outputs.append(((_run_layer(layer, args, kwargs), *args[1:]), kwargs))
-
-
 @torch.no_grad()
 def gptq(
     model: nn.Module,
@@ -186,6 +171,7 @@ def gptq(
     percdamp: float = 0.01,
     act_order: bool = False,
     min_tokens: int = 1,
+    onload: Onloader | None = None,
 ) -> CalibrationReport:
     """GPTQ PTQ of ``model`` for ``scheme``, in place (prepares it if needed).
 
@@ -193,7 +179,17 @@ def gptq(
     calibrated (`qatlib.quant.calibration`) on that layer's inputs with its weights quantized.
     Linears that saw fewer than ``min_tokens`` tokens (MoE experts no token was routed to) are
     rounded to nearest instead (counted in the report's ``fallbacks``).
+
+    ``onload`` (`qatlib.onload.Onloader.resident`): the model stays in host memory and each layer
+    is moved to the loader's device while it is quantized (the layer inputs are captured and
+    carried exactly as `qatlib.ptq.calibrate_layerwise` does). A checkpoint-streamed skeleton is
+    refused: GPTQ changes the weights, and an offloaded layer would lose them.
     """
+    if onload is not None and onload.source is not None:
+        raise ValueError(
+            "GPTQ changes the weights: onload from host memory (Onloader.resident), not a checkpoint"
+        )
+    loader = onload if onload is not None else Onloader.resident(model, None)  # nothing moves
     if scheme.weight is None:
         raise ValueError("GPTQ needs a weight format")
     scheme = prepare_for_calibration(model, scheme, ignore=ignore, kv=kv, options=options)
@@ -208,24 +204,8 @@ def gptq(
     model.eval()
 
     # 1. Inputs of the first layer, one entry per batch.
-    inputs: list[tuple[tuple, dict]] = []
-
-    def catch(module, args, kwargs):
-        inputs.append((args, kwargs))
-        raise _Stop
-
-    handle = layers[0].register_forward_pre_hook(catch, with_kwargs=True)
-    try:
-        for batch in batches:
-            kwargs, n = batch_inputs(model, batch)
-            try:
-                model(**kwargs, use_cache=False)
-            except _Stop:
-                pass
-            report.num_tokens += n
-            report.num_batches += 1
-    finally:
-        handle.remove()
+    with loader.outer_onloaded():
+        inputs, report.num_batches, report.num_tokens = capture_layer_inputs(model, batches, loader.device)
     if not inputs:
         raise ValueError("GPTQ: no calibration batch")
 
@@ -237,55 +217,61 @@ def gptq(
             report.weight_quantizers += 1
 
     for li, layer in enumerate(layers):
-        qls = [(n, m) for n, m in layer.named_modules() if isinstance(m, QuantLinear)]
-        # 2. Hessians from the float weights of this layer (inputs come from quantized layers).
-        hooks = {}
-        handles = []
-        for n, ql in qls:
-            hooks[n] = _HessianHook(ql.in_features, ql.weight.device)
-            handles.append(ql.register_forward_pre_hook(hooks[n]))
-        states = [(q, q.enabled) for _, ql in qls for _, q in ql.quantizers()]
-        try:
-            for q, _ in states:
-                q.enabled = False
-            for args, kwargs in inputs:
-                _run_layer(layer, args, kwargs)
-        finally:
-            for h in handles:
-                h.remove()
-            for q, e in states:
-                q.enabled = e
-        # 3. GPTQ every linear.
-        for n, ql in qls:
-            wq = ql.weight_quantizer
-            if wq is None:
-                continue
-            report.weight_quantizers += 1
-            hk = hooks[n]
-            if hk.n < min_tokens:
-                wq.init_from(ql.weight)
-                report.fallbacks[f"layers.{li}.{n}.weight_quantizer"] = (
-                    f"round-to-nearest ({hk.n} calibration tokens)"
-                )
-                continue
-            Q, scale, zp = gptq_quantize_weight(
-                ql.weight, hk.H, wq.spec, block_size=block_size, percdamp=percdamp, act_order=act_order
-            )
-            ql.weight.data.copy_(Q.to(ql.weight.dtype))
-            wq.set_qparams(scale.to(ql.weight.device), None if zp is None else zp.to(ql.weight.device))
-        del hooks
-        # 4. Static activation scales of this layer; the same pass gives the next layer's inputs.
-        new_inputs: list[tuple[tuple, dict]] = []
-        forward = functools.partial(_run_and_keep, new_inputs)
-        seen = calibrate_activations(layer, inputs, forward=forward, prefix=f"layers.{li}.")
-        report.static_activation_quantizers += seen.static_activation_quantizers
-        report.fallbacks.update(seen.fallbacks)
-        if not new_inputs:  # nothing to calibrate: nothing ran
-            for batch in inputs:
-                forward(layer, batch)
-        inputs = new_inputs
-        log.info("GPTQ: layer %d/%d done (%d linears)", li + 1, len(layers), len(qls))
+        with loader.onloaded(layer):
+            inputs = _gptq_layer(li, layer, inputs, report, block_size, percdamp, act_order, min_tokens)
+        log.info("GPTQ: layer %d/%d done", li + 1, len(layers))
     model.train(was_training)
     if report.fallbacks:
         log.warning("GPTQ: %d quantizer(s) fell back (see report.fallbacks)", len(report.fallbacks))
     return report
+
+
+def _gptq_layer(li, layer, inputs, report, block_size, percdamp, act_order, min_tokens):
+    """GPTQ of one (onloaded) decoder layer; returns the next layer's inputs."""
+    qls = [(n, m) for n, m in layer.named_modules() if isinstance(m, QuantLinear)]
+    # 2. Hessians from the float weights of this layer (inputs come from quantized layers).
+    hooks = {}
+    handles = []
+    for n, ql in qls:
+        hooks[n] = _HessianHook(ql.in_features, ql.weight.device)
+        handles.append(ql.register_forward_pre_hook(hooks[n]))
+    states = [(q, q.enabled) for _, ql in qls for _, q in ql.quantizers()]
+    try:
+        for q, _ in states:
+            q.enabled = False
+        for batch in inputs:
+            run_layer(layer, batch)
+    finally:
+        for h in handles:
+            h.remove()
+        for q, e in states:
+            q.enabled = e
+    # 3. GPTQ every linear.
+    for n, ql in qls:
+        wq = ql.weight_quantizer
+        if wq is None:
+            continue
+        report.weight_quantizers += 1
+        hk = hooks[n]
+        if hk.n < min_tokens:
+            wq.init_from(ql.weight)
+            report.fallbacks[f"layers.{li}.{n}.weight_quantizer"] = (
+                f"round-to-nearest ({hk.n} calibration tokens)"
+            )
+            continue
+        Q, scale, zp = gptq_quantize_weight(
+            ql.weight, hk.H, wq.spec, block_size=block_size, percdamp=percdamp, act_order=act_order
+        )
+        ql.weight.data.copy_(Q.to(ql.weight.dtype))
+        wq.set_qparams(scale.to(ql.weight.device), None if zp is None else zp.to(ql.weight.device))
+    del hooks
+    # 4. Static activation scales of this layer; the same pass gives the next layer's inputs.
+    new_inputs: list[tuple[tuple, dict]] = []
+    forward = functools.partial(carry, new_inputs)
+    seen = calibrate_activations(layer, inputs, forward=forward, prefix=f"layers.{li}.")
+    report.static_activation_quantizers += seen.static_activation_quantizers
+    report.fallbacks.update(seen.fallbacks)
+    if not new_inputs:  # nothing to calibrate: nothing ran
+        for batch in inputs:
+            forward(layer, batch)
+    return new_inputs

@@ -115,6 +115,7 @@ def load_prepared(
     report_path: str | os.PathLike | None = None,
     complete: bool = False,
     device_map: str | None = None,
+    skeleton: bool = False,
 ) -> tuple[nn.Module, dict[str, Any] | None]:
     """The model prepared for the experiment ``cfg``: loaded from ``path``, prepared with
     ``cfg.quant_scheme()``, its ignore layers and prepare options, and the quantizer parameters of
@@ -124,6 +125,8 @@ def load_prepared(
     where the report goes to ``report_path`` only). ``complete``: a quantizer parameter the
     checkpoint has no value for is an error (evaluation and export never use init values). With
     ``zero3`` the model is built partitioned (`qatlib.zero3_load.build_qat_model`; ``scales`` required).
+    ``skeleton``: the weights stay on the meta device (`qatlib.onload.load_skeleton`; the scales are
+    real), for the layer-by-layer stages (`qatlib.onload.Onloader`).
     """
     from .checkpoint.layout import CheckpointError
     from .quant import prepare
@@ -146,8 +149,15 @@ def load_prepared(
             **common,
         )
         return model, None
-    model = load_model(path, torch_dtype=m.torch_dtype, device_map=device_map, **common)
-    prepare(model, scheme, ignore=cfg.ignore_layers, options=cfg.prepare_options())
+    if skeleton:
+        from .onload import load_skeleton, realize_quantizers
+
+        model = load_skeleton(path, torch_dtype=m.torch_dtype, **common)
+        prepare(model, scheme, ignore=cfg.ignore_layers, options=cfg.prepare_options())
+        realize_quantizers(model, cfg.prepare_options())
+    else:
+        model = load_model(path, torch_dtype=m.torch_dtype, device_map=device_map, **common)
+        prepare(model, scheme, ignore=cfg.ignore_layers, options=cfg.prepare_options())
     if scales is None:
         return model, None
     from .zero3_load import stream_load_scales  # the plan-then-execute loader, local without ZeRO-3

@@ -8,10 +8,16 @@ checkpoint.
 directory QAT warm-starts from: ``quant_scheme.json`` + ``scales.safetensors`` with the keys of
 `qatlib.checkpoint.keys`; a GPTQ run (`qatlib.gptq`) also writes its updated weights as a
 loadable HF checkpoint beside them.
+
+`calibrate_layerwise` is the same calibration one decoder layer at a time (`qatlib.onload`): the
+layer's weights onloaded, its inputs carried from the previous layer, its scales taken, the layer
+offloaded; `calibrate_from_checkpoint` runs it on a checkpoint folder without ever holding the
+model (PTQ of a model larger than the device, or than host RAM). Same scales, bit for bit.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -26,7 +32,12 @@ from . import __version__
 from .checkpoint.keys import scale_state_dict
 from .checkpoint.layout import SCALES_FILE, SCHEME_FILE, WEIGHTS_FILE, AtomicDir, write_json
 from .quant import QuantScheme, QuantSpec, quant_linears
-from .quant.calibration import CalibrationReport, calibrate_activations, prepare_for_calibration
+from .quant.calibration import (
+    CalibrationReport,
+    calibrate_activations,
+    prepare_for_calibration,
+    static_quantizers,
+)
 from .quant.linear import PrepareOptions, weight_readable
 from .quant.quantizer import Quantizer
 
@@ -72,6 +83,125 @@ def calibrate(
     return report
 
 
+# --------------------------------------------------------------------------- layer by layer
+def _init_weight_scales(name: str, ql, report: CalibrationReport) -> None:
+    wq = ql.weight_quantizer
+    if wq is not None:
+        if not weight_readable(ql.weight):
+            raise ValueError(f"calibrate: weight of {name} is not readable (ZeRO-3 shard or meta)")
+        wq.init_from(ql.weight)
+        report.weight_quantizers += 1
+
+
+def calibrate_layerwise(
+    model: nn.Module,
+    scheme: QuantScheme,
+    batches: Iterable[Any],
+    loader,
+    *,
+    ignore: Sequence[str] = ("lm_head",),
+    kv: str | QuantSpec | None = None,
+    options: PrepareOptions | None = None,
+    quantize_weights_during_calibration: bool = True,
+) -> tuple[CalibrationReport, dict[str, torch.Tensor]]:
+    """`calibrate`, one decoder layer on ``loader``'s device at a time; returns the report and the
+    scale tensors (`scale_state_dict`, taken while each layer is onloaded: an LWC scale needs its
+    weight). ``loader``: a `qatlib.onload.Onloader` over ``model`` (a skeleton from
+    `qatlib.onload.load_skeleton`, or a model in host memory).
+
+    Gives the scales of `calibrate` bit for bit: each layer computes on exactly the inputs the
+    whole-model forward gives it (`qatlib.onload.capture_layer_inputs`). With no static activation
+    quantizer nothing runs forward and no batch is read. A static activation quantizer outside the
+    decoder layers (an unignored ``lm_head`` with static inputs) is refused: the head is never run.
+    """
+    from .models import decoder_layers
+    from .onload import capture_layer_inputs, carry, layer_prefix, realize_quantizers
+
+    scheme = prepare_for_calibration(model, scheme, ignore=ignore, kv=kv, options=options)
+    realize_quantizers(model, options)
+    loader.refresh()
+    report = CalibrationReport(scheme=scheme)
+    _, layers = decoder_layers(model)
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    outer = [(n, ql) for n, ql in quant_linears(model) if id(ql) not in inside]
+    bad = [f"{n}.{r.lstrip('.')}" for n, ql in outer for r, _ in static_quantizers(ql)]
+    if bad:
+        raise ValueError(
+            f"layer-by-layer calibration runs the decoder layers only; static activation quantizers outside them: "
+            f"{', '.join(bad[:5])} (ignore those layers or calibrate the whole model)"
+        )
+    scales: dict[str, torch.Tensor] = {}
+    inputs = None
+    if static_quantizers(model):
+        with loader.outer_onloaded():
+            inputs, report.num_batches, report.num_tokens = capture_layer_inputs(
+                model, batches, loader.device
+            )
+        if not inputs:
+            raise ValueError("calibrate: no calibration batch, but the scheme has static activation scales")
+    was_training = model.training
+    model.eval()
+    for li, layer in enumerate(layers):
+        prefix = layer_prefix(model, li)
+        with loader.onloaded(layer):
+            qls = [(prefix + n, ql) for n, ql in quant_linears(layer)]
+            for name, ql in qls:
+                _init_weight_scales(name, ql, report)
+            if inputs is not None:
+                outputs: list = []
+                seen = calibrate_activations(
+                    layer,
+                    inputs,
+                    forward=functools.partial(carry, outputs),
+                    quantize_weights=quantize_weights_during_calibration,
+                    prefix=prefix,
+                )
+                report.static_activation_quantizers += seen.static_activation_quantizers
+                report.fallbacks.update(seen.fallbacks)
+                if not outputs:  # this layer has nothing to calibrate: it still feeds the next one
+                    with torch.no_grad():
+                        for batch in inputs:
+                            carry(outputs, layer, batch)
+                inputs = outputs
+            scales.update(scale_state_dict(model, linears=qls))
+        log.debug("calibrated layer %d/%d", li + 1, len(layers))
+    for name, ql in outer:
+        with loader.onloaded(ql):
+            _init_weight_scales(name, ql, report)
+            scales.update(scale_state_dict(model, linears=[(name, ql)]))
+    model.train(was_training)
+    if report.fallbacks:
+        log.warning("calibration: %d quantizer(s) fell back (see report.fallbacks)", len(report.fallbacks))
+    return report, scales
+
+
+def calibrate_from_checkpoint(
+    path: str | os.PathLike,
+    scheme: QuantScheme,
+    batches: Iterable[Any],
+    *,
+    device: torch.device | str = "cpu",
+    torch_dtype: str | torch.dtype | None = "auto",
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+    **kwargs: Any,
+) -> tuple[nn.Module, CalibrationReport, dict[str, torch.Tensor]]:
+    """`calibrate_layerwise` on the checkpoint folder ``path``, streamed: ``(skeleton model,
+    report, scales)``; pass both to `save_ptq_checkpoint` (``scales=``). Host memory holds one
+    decoder layer, the embeddings and the carried activations; never the model."""
+    from .onload import Onloader, load_skeleton
+
+    model = load_skeleton(
+        path,
+        torch_dtype=torch_dtype,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
+    )
+    loader = Onloader.from_checkpoint(model, path, device)
+    report, scales = calibrate_layerwise(model, scheme, batches, loader, **kwargs)
+    return model, report, scales
+
+
 # --------------------------------------------------------------------------- checkpoint
 def weights_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's own tensors under HF checkpoint names (no quantizer parameters), for GPTQ
@@ -93,13 +223,15 @@ def save_ptq_checkpoint(
     save_weights: bool = False,
     tokenizer: Any = None,
     overwrite: bool = False,
+    scales: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the PTQ checkpoint of docs/design.md to ``out_dir`` (atomically).
 
     ``quant_scheme.json`` holds ``scheme.to_dict()`` plus ``qatlib_version``, ``calibration``
     and ``weights`` (null, or the file holding the model's updated weights). ``save_weights``
     (GPTQ, which changes the weights) also writes the model with ``save_pretrained`` so the
-    directory is a loadable HF checkpoint whose weights QAT must start from.
+    directory is a loadable HF checkpoint whose weights QAT must start from. ``scales``: the
+    scale tensors when the model no longer holds its weights (`calibrate_layerwise`).
     """
     if not any(True for _ in quant_linears(model)):
         raise ValueError(
@@ -107,7 +239,11 @@ def save_ptq_checkpoint(
         )
     target = AtomicDir(out_dir, overwrite=overwrite)
     target.check()
-    scales = scale_state_dict(model)
+    if save_weights and scales is not None:
+        raise ValueError(
+            "save_ptq_checkpoint: save_weights needs the model's weights, not precomputed scales"
+        )
+    scales = scale_state_dict(model) if scales is None else dict(scales)
     calib = calibration.to_dict() if isinstance(calibration, CalibrationReport) else dict(calibration or {})
     meta = scheme.to_dict()
     meta.update(

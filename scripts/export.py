@@ -21,6 +21,9 @@ def main(argv=None) -> int:
         "--save-format", default=None, help="overrides compression.QAT.save_format (default real)"
     )
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --save-path")
+    ap.add_argument(
+        "--layerwise", action="store_true", help="stream one decoder layer at a time, write shard by shard"
+    )
     args = ap.parse_args(argv)
     cfg = _common.load_experiment(args)
     if not args.model_path:
@@ -32,7 +35,14 @@ def main(argv=None) -> int:
         from qatlib.models import load_prepared, load_tokenizer
 
         scheme = cfg.quant_scheme()
-        model, loaded = load_prepared(cfg, args.model_path, scales=args.model_path, complete=True)
+        model, loaded = load_prepared(
+            cfg, args.model_path, scales=args.model_path, complete=True, skeleton=args.layerwise
+        )
+        onload = None
+        if args.layerwise:  # host memory: one layer + one output shard, never the model
+            from qatlib.onload import Onloader
+
+            onload = Onloader.from_checkpoint(model, args.model_path)
         tok = load_tokenizer(args.model_path, trust_remote_code=cfg.model.trust_remote_code)
         out = export(
             model,
@@ -42,6 +52,7 @@ def main(argv=None) -> int:
             tokenizer=tok,
             overwrite=args.overwrite,
             ignore=cfg.quantization.ignore_layers,
+            onload=onload,
         )
         record.update(save_format=save_format, scheme=scheme.name, scales_loaded=loaded.get("hits"))
         print(f"exported {scheme.name} ({save_format}): {out}")

@@ -19,6 +19,11 @@ import _common
 def main(argv=None) -> int:
     ap = _common.parser(__doc__.splitlines()[0])
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --save-path")
+    ap.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="stream one decoder layer at a time (qatlib.onload; RTN only)",
+    )
     args = ap.parse_args(argv)
     cfg = _common.load_experiment(args)
     if cfg.dataset is None and not cfg.qat.hf_dataset:
@@ -36,19 +41,23 @@ def main(argv=None) -> int:
 
         scheme = cfg.quant_scheme()
         model_dir = resolve_model_dir(cfg.model.model_path, cache_dir=cfg.model.cache_dir)
-        model = load_model(
-            model_dir,
-            torch_dtype=cfg.model.torch_dtype,
-            trust_remote_code=cfg.model.trust_remote_code,
-            attn_implementation=cfg.model.attn_implementation,
-            device_map=device.device_map(cfg.model.device_map),
+        gptq = cfg.ptq_algorithm == "gptq"
+        if args.layerwise and gptq:
+            raise SystemExit("error: --layerwise: GPTQ changes the weights; run it on the loaded model")
+        args.layerwise |= cfg.quantization.low_memory and not gptq  # upstream's layer-by-layer PTQ
+        m = cfg.model
+        common = dict(
+            torch_dtype=m.torch_dtype,
+            trust_remote_code=m.trust_remote_code,
+            attn_implementation=m.attn_implementation,
         )
+        device_map = device.device_map(m.device_map)
+        model = None if args.layerwise else load_model(model_dir, device_map=device_map, **common)
         tok = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
         # Weight scales come from the weights; only static activation scales need calibration data.
         static_act = [
             r for r in ("input", "q", "k", "v") if (sp := getattr(scheme, r)) is not None and not sp.dynamic
         ]
-        gptq = cfg.ptq_algorithm == "gptq"
         batches = []
         if static_act or gptq:
             ds_cfg = cfg.dataset
@@ -77,6 +86,13 @@ def main(argv=None) -> int:
             from qatlib.gptq import gptq as run_gptq
 
             report = run_gptq(model, scheme, batches, ignore=cfg.ignore_layers, options=cfg.prepare_options())
+        elif args.layerwise:  # the model is never loaded: its layers are streamed from the shards
+            from qatlib.ptq import calibrate_from_checkpoint
+
+            model, report, scales = calibrate_from_checkpoint(
+                model_dir, scheme, batches, device=device.current(), ignore=cfg.ignore_layers,
+                options=cfg.prepare_options(), **common,
+            )  # fmt: skip
         else:
             report = calibrate(
                 model, scheme, batches, ignore=cfg.ignore_layers, options=cfg.prepare_options()
@@ -89,6 +105,7 @@ def main(argv=None) -> int:
             save_weights=gptq,
             tokenizer=tok,
             overwrite=args.overwrite,
+            scales=scales if args.layerwise else None,
         )
         record.update(scheme=scheme.name, batches=report.num_batches, tokens=report.num_tokens)
         print(f"PTQ checkpoint ({scheme.name}): {cfg.global_.save_path}")

@@ -125,3 +125,38 @@ def test_flatten_results_keeps_scores_only():
     assert flatten_results(raw) == {
         "piqa": {"acc": 0.75, "acc_stderr": 0.01, "acc_norm": 0.5, "exact_match,strict": 0.25}
     }
+
+
+def test_layerwise_perplexity_is_the_whole_model_perplexity(tiny_tokenizer, tmp_path):
+    """Evaluated one decoder layer at a time (weights streamed from the checkpoint folder, static
+    fp8 scales real), the perplexity is exactly the whole-model one."""
+    from conftest import build_model, tiny_qwen3_moe_config
+
+    from qatlib.checkpoint.keys import scale_state_dict
+    from qatlib.models import load_model
+    from qatlib.onload import Onloader, load_skeleton, realize_quantizers
+    from qatlib.ptq import calibrate
+    from qatlib.quant import prepare, preset
+
+    base = tmp_path / "base"
+    build_model(tiny_qwen3_moe_config(tie_word_embeddings=True)).save_pretrained(base)
+    ids = tokenize_text(tiny_tokenizer, "\n\n".join(local_texts(20)))
+    model = load_model(base)
+    calibrate(model, preset("fp8_static"), [ids[:64].view(2, 32)])
+    whole = perplexity_of_ids(model, ids, seq_len=32, batch_size=3, limit=7, progress=False)
+    skel = prepare(load_skeleton(base), preset("fp8_static"))
+    realize_quantizers(skel)
+    ref = scale_state_dict(model)
+    for name, p in skel.named_parameters():  # the calibrated scales, by their module names
+        if "quantizer" in name:
+            p.data.copy_(dict(model.named_parameters())[name].data)
+    assert scale_state_dict(skel).keys() == ref.keys()
+    loader = Onloader.from_checkpoint(skel, base)
+    streamed = perplexity_of_ids(skel, ids, seq_len=32, batch_size=3, limit=7, progress=False, onload=loader)
+    assert streamed["nll"] == whole["nll"] and streamed["tokens"] == whole["tokens"] == 7 * 31
+    assert all(p.is_meta for n, p in skel.named_parameters() if "quantizer" not in n)
+    # and on the unquantized model held in host memory
+    plain = load_model(base)
+    a = perplexity_of_ids(plain, ids, seq_len=32, limit=4, progress=False)
+    b = perplexity_of_ids(plain, ids, seq_len=32, limit=4, progress=False, onload=Onloader.resident(plain))
+    assert a["nll"] == b["nll"] and a["nll"] != whole["nll"]

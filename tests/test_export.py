@@ -497,3 +497,99 @@ def test_export_records_deployment_differences(tmp_path):
     info = json.loads((export(dyn, dscheme, tmp_path / "c", "real") / "qatlib_export.json").read_text())
     assert not info["deployment"]["vllm 0.33.0"]["loads"]
     assert "kFp8Dynamic128Sym" in info["deployment"]["vllm 0.33.0"]["refusal"]
+
+
+# --------------------------------------------------------------------------- streaming (qatlib.onload)
+def _files(d):
+    import hashlib
+
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(d.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _streamed(tmp_path, cfg, scheme, kv=None):
+    """(model calibrated in memory, its checkpoint folder, a skeleton of it with the scales loaded,
+    the Onloader streaming the skeleton's weights from the folder)."""
+    from qatlib.models import load_model
+    from qatlib.onload import Onloader, load_skeleton, realize_quantizers
+
+    base = tmp_path / "base"
+    build_model(cfg).save_pretrained(base)
+    model = load_model(base)
+    scheme = calibrate(model, scheme, _batches(), kv=kv).scheme
+    ptq_dir = save_ptq_checkpoint(model, scheme, tmp_path / "ptq")
+    skel = prepare(load_skeleton(base), scheme)
+    realize_quantizers(skel)
+    assert stream_load_scales(skel, ptq_dir, scheme)["misses"] == 0
+    return model, scheme, skel, Onloader.from_checkpoint(skel, base)
+
+
+@pytest.mark.parametrize(
+    "moe,name,save_format,kv",
+    [
+        (True, "fp8_static", "real_and_kvcache", "per-tensor"),
+        (True, "int4_g16_asym", "fake", None),
+        (False, "int4_g16_sym", "real", None),
+    ],
+    ids=["moe-fp8-real_and_kvcache", "moe-int4-fake", "dense-int4-real"],
+)
+def test_streaming_export_is_the_in_memory_export(tmp_path, moe, name, save_format, kv):
+    """Layer by layer from the checkpoint folder, the export writes the same files with the same
+    bytes as the in-memory export (the side scale file of a fake export: same tensors; its two
+    metadata entries have no fixed order), and it reloads to the same logits."""
+    cfg = tiny_qwen3_moe_config() if moe else tiny_qwen3_config(tie_word_embeddings=True)
+    model, scheme, skel, loader = _streamed(tmp_path, cfg, EXACT[name][0], kv)
+    a = export(model, scheme, tmp_path / "a", save_format)
+    b = export(skel, scheme, tmp_path / "b", save_format, onload=loader)
+    fa, fb = _files(a), _files(b)
+    assert fa.keys() == fb.keys()
+    side = "qatlib/scales.safetensors"
+    assert {k: v for k, v in fa.items() if k != side} == {k: v for k, v in fb.items() if k != side}
+    if side in fa:
+        sa, sb = _tensors(a / side), _tensors(b / side)
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert all(p.is_meta for n, p in skel.named_parameters() if "quantizer" not in n)
+    if save_format != "fake":
+        torch.testing.assert_close(
+            _logits(_reload(b, EXACT[name][1])), _logits(_reload(a, EXACT[name][1])), rtol=0, atol=0
+        )
+
+
+def test_streaming_export_writes_shards(tmp_path):
+    """A shard limit below the model's size: several shards (each written when full) and the
+    index, the same tensors as the one-file export, and transformers reloads them."""
+    model, scheme, skel, loader = _streamed(tmp_path, tiny_qwen3_moe_config(), preset("fp8_static"))
+    a = export(model, scheme, tmp_path / "a", "real")
+    b = export(skel, scheme, tmp_path / "b", "real", onload=loader, max_shard_size=64 << 10)
+    shards = sorted(b.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (b / "model.safetensors.index.json").is_file()
+    for p in shards:  # at most the limit, unless one tensor alone is larger (the fp32 embedding)
+        t = _tensors(p)
+        assert len(t) == 1 or sum(v.numel() * v.element_size() for v in t.values()) <= 64 << 10
+    ta = _tensors(a / "model.safetensors")
+    tb = {k: v for p in shards for k, v in _tensors(p).items()}
+    assert set(ta) ^ set(tb) == set()
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    index = json.loads((b / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == set(ta)
+    torch.testing.assert_close(_logits(_reload(b)), _logits(_reload(a)), rtol=0, atol=0)
+
+
+def test_streaming_export_failure_writes_nothing(tmp_path, monkeypatch):
+    model, scheme, skel, loader = _streamed(tmp_path, tiny_qwen3_config(), preset("fp8_static"))
+    calls = []
+
+    def boom(*a, **k):
+        calls.append(1)
+        if len(calls) == 5:
+            raise ExportError("boom")
+        return real(*a, **k)
+
+    real = export_mod.compress_linear
+    monkeypatch.setattr(export_mod, "compress_linear", boom)
+    with pytest.raises(ExportError, match="boom"):
+        export(skel, scheme, tmp_path / "out", "real", onload=loader)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))

@@ -291,3 +291,86 @@ def test_gptq_model_checkpoint_roundtrip(tmp_path):
     ids = _batches(n=1, seed=7)[0]
     with torch.no_grad():
         torch.testing.assert_close(fresh(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- layer by layer (qatlib.onload)
+def _saved(tmp_path, cfg):
+    """A checkpoint folder of ``cfg``'s model and the model loaded back the ordinary way."""
+    from qatlib.models import load_model
+
+    d = tmp_path / "base"
+    build_model(cfg).save_pretrained(d)
+    return d, load_model(d)
+
+
+def _st(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+class _NoBatches:
+    def __iter__(self):
+        raise AssertionError("a weight-only calibration must not read a batch")
+
+
+LAYERWISE = [
+    ("fp8_static", preset("fp8_static")),
+    ("fp8_static_kv", preset("fp8_static").replace(k=QuantSpec("fp8"), v=QuantSpec("fp8"))),
+    ("int4_g16_asym_wo", QuantScheme("int4_g16_asym", weight=G16.replace(symmetric=False))),
+]
+
+
+@pytest.mark.parametrize(
+    "moe,scheme",
+    [(False, LAYERWISE[1][1]), (False, LAYERWISE[2][1]), (True, LAYERWISE[0][1]), (True, LAYERWISE[2][1])],
+    ids=["dense-fp8_static_kv", "dense-int4_g16_asym_wo", "moe-fp8_static", "moe-int4_g16_asym_wo"],
+)
+def test_layerwise_calibration_gives_the_same_scales(tmp_path, moe, scheme):
+    """Streamed from the checkpoint, one decoder layer at a time, calibration sets every scale
+    bit for bit as the whole-model forward does, and the skeleton never holds a weight."""
+    from qatlib.checkpoint.keys import scale_state_dict
+    from qatlib.onload import Onloader
+    from qatlib.ptq import calibrate_from_checkpoint, calibrate_layerwise
+
+    d, model = _saved(tmp_path, tiny_qwen3_moe_config() if moe else tiny_qwen3_config())
+    static = scheme.input is not None
+    ref_report = calibrate(model, scheme, _batches())
+    ref = scale_state_dict(model)
+    skel, report, scales = calibrate_from_checkpoint(d, scheme, _batches() if static else _NoBatches())
+    assert scales.keys() == ref.keys()
+    assert [k for k in ref if not torch.equal(ref[k], scales[k])] == []
+    assert report.to_dict() == ref_report.to_dict()
+    assert report.num_batches == (2 if static else 0)
+    assert all(p.is_meta for n, p in skel.named_parameters() if "quantizer" not in n)
+    # the same loop over a model held in host memory (GPTQ's and small models' case)
+    resident, _ = _saved(tmp_path / "r", tiny_qwen3_moe_config() if moe else tiny_qwen3_config())
+    from qatlib.models import load_model
+
+    resident = load_model(resident)
+    _, scales2 = calibrate_layerwise(resident, scheme, _batches(), Onloader.resident(resident))
+    assert all(torch.equal(ref[k], scales2[k]) for k in ref)
+    # the PTQ checkpoint written from the streamed scales is the whole-model one
+    a = save_ptq_checkpoint(model, scheme, tmp_path / "a", calibration=ref_report)
+    b = save_ptq_checkpoint(skel, scheme, tmp_path / "b", calibration=report, scales=scales)
+    # (not the bytes: safetensors writes a two-entry metadata map in no fixed order)
+    ta, tb = (_st(x / "scales.safetensors") for x in (a, b))
+    assert (
+        ta[1] == tb[1]
+        and ta[0].keys() == tb[0].keys()
+        and all(torch.equal(ta[0][k], tb[0][k]) for k in ta[0])
+    )
+    assert json.loads((a / "quant_scheme.json").read_text()) == json.loads(
+        (b / "quant_scheme.json").read_text()
+    )
+
+
+def test_layerwise_calibration_refuses_what_it_cannot_run(tmp_path):
+    from qatlib.ptq import calibrate_from_checkpoint
+
+    d, _ = _saved(tmp_path, tiny_qwen3_config())
+    with pytest.raises(ValueError, match="lm_head.input_quantizer"):  # the head is never run
+        calibrate_from_checkpoint(d, preset("fp8_static"), _batches(), ignore=())
+    with pytest.raises(ValueError, match="no calibration batch"):
+        calibrate_from_checkpoint(d, preset("fp8_static"), [])

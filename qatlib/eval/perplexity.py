@@ -9,6 +9,11 @@ Sources: ``wikitext2`` (wikitext-2-raw-v1 test, joined with blank lines, as the 
 papers does), ``c4`` (the first validation shard of allenai/c4) -- both need the hub -- and a
 local text file (the offline default: the corpus test split). Works on a plain model and on a
 prepared (fake-quant) model alike; it only calls ``model(input_ids)``.
+
+``onload`` (a `qatlib.onload.Onloader`): a model larger than the device is evaluated layer by
+layer instead: every window goes through decoder layer ``i`` before layer ``i + 1`` is onloaded,
+then through the final norm and the head; the same logits as the whole-model forward, with one
+layer's weights (plus the hidden states of all windows) on the device.
 """
 
 from __future__ import annotations
@@ -89,10 +94,11 @@ def perplexity_of_ids(
     limit: int | None = None,
     progress: bool = True,
     desc: str = "perplexity",
+    onload=None,
 ) -> dict:
     """Perplexity of ``model`` on the token ids ``ids`` (see the module docstring)."""
     windows = make_windows(ids.flatten(), seq_len, limit)
-    device = _device_of(model)
+    device = _device_of(model) if onload is None else onload.device
     was_training = model.training
     model.eval()
     total_nll = 0.0
@@ -100,12 +106,18 @@ def perplexity_of_ids(
     t0 = time.perf_counter()
     from tqdm.auto import tqdm
 
+    starts = range(0, windows.shape[0], batch_size)
+    if onload is None:
+        scored = (
+            (batch, model(input_ids=batch, use_cache=False).logits)
+            for batch in (windows[s : s + batch_size].to(device) for s in starts)
+        )
+    else:
+        scored = layerwise_logits(model, onload, [windows[s : s + batch_size].to(device) for s in starts])
     try:
-        for start in tqdm(
-            range(0, windows.shape[0], batch_size), desc=desc, disable=not progress, mininterval=1.0
+        for batch, logits in tqdm(
+            scored, total=len(starts), desc=desc, disable=not progress, mininterval=1.0
         ):
-            batch = windows[start : start + batch_size].to(device)
-            logits = model(input_ids=batch, use_cache=False).logits
             # Score row by row in fp32: bounded memory for large vocabularies.
             for r in range(batch.shape[0]):
                 lg = logits[r, :-1].float()
@@ -124,6 +136,34 @@ def perplexity_of_ids(
     }
 
 
+def layerwise_logits(model, loader, batches: list[torch.Tensor]):
+    """``(input ids, logits)`` per batch of ``batches``, computed one decoder layer at a time with
+    ``loader`` (`qatlib.onload`): the model's own forward up to the first layer, each layer over
+    all batches, then the decoder's final ``norm`` and the output head (the Llama / Qwen / Mistral
+    layout: ``logits = lm_head(norm(h))``; other heads are refused)."""
+    from qatlib.models import decoder_layers
+    from qatlib.onload import capture_layer_inputs, carry
+
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    norm, head = getattr(decoder, "norm", None), model.get_output_embeddings()
+    if norm is None or head is None or getattr(model.config, "final_logit_softcapping", None):
+        raise ValueError(
+            f"layer-by-layer perplexity needs logits = head(decoder.norm(h)); {type(model).__name__} differs"
+        )
+    with loader.outer_onloaded():
+        inputs, _, _ = capture_layer_inputs(model, batches, loader.device)
+    _, layers = decoder_layers(model)
+    for layer in layers:
+        with loader.onloaded(layer):
+            outputs: list = []
+            for b in inputs:
+                carry(outputs, layer, b)
+        inputs = outputs
+    with loader.outer_onloaded(head=True):
+        for ids, (args, _) in zip(batches, inputs):
+            yield ids, head(norm(args[0]))
+
+
 def perplexity(
     model,
     tokenizer,
@@ -134,9 +174,11 @@ def perplexity(
     limit: int | None = None,
     progress: bool = True,
     cache_dir: str | None = None,
+    onload=None,
 ) -> dict:
     """Perplexity on ``source`` (``wikitext2``, ``c4`` or a text file); returns
-    ``{ppl, nll, tokens, windows, seq_len, seconds, source}``. ``limit`` caps the number of windows."""
+    ``{ppl, nll, tokens, windows, seq_len, seconds, source}``. ``limit`` caps the number of windows;
+    ``onload``: layer by layer (see the module docstring)."""
     text = load_eval_text(source, cache_dir=cache_dir)
     out = perplexity_of_ids(
         model,
@@ -146,6 +188,7 @@ def perplexity(
         limit=limit,
         progress=progress,
         desc=f"perplexity {Path(str(source)).name}",
+        onload=onload,
     )
     out["source"] = str(source)
     return out
