@@ -637,7 +637,7 @@ def test_fp8_cast_ste():
 # =========================================================================== fake-quant linear (issue #16)
 # `fq_linear.fake_quant_linear` keeps no fake-quantized weight for backward and writes the STE / LSQ
 # gradients out. Its values, input and (bf16) weight gradients must equal autograd through
-# `fake_quantize` bit for bit; scale / zero-point / global-scale gradients differ only in fp32
+# `fake_quantize` bit for bit (bf16 input gradients on the CPU: within one bf16 ulp); scale / zero-point / global-scale gradients differ only in fp32
 # summation order (autograd sums the division and multiplication paths separately): measured
 # <= 8e-7 of the largest entry, bound FQL_RTOL. A wrong term (sign, mask, missing 1/gs) is O(1).
 FQL_RTOL = 1e-5
@@ -697,7 +697,10 @@ def test_fake_quant_linear_equals_autograd_through_fake_quantize(spec, dtype, cl
         lambda: fake_quant_linear(x, w, bias, sc, zp, spec, clamp_grad=clamp_grad, global_scale=gsc), *case
     )
     assert torch.equal(out, ref_out)
-    assert torch.equal(got[0], ref[0])  # input gradient: grad @ W_q, the same W_q
+    if dtype is torch.float32:
+        assert torch.equal(got[0], ref[0])  # input gradient: grad @ W_q, the same W_q, the same mm
+    else:  # bf16 on the CPU: the product in fp32, rounded once (`_grad_input`): <= 1 bf16 ulp
+        torch.testing.assert_close(got[0], ref[0], rtol=2**-7, atol=1e-6 * ref[0].abs().max().item())
     assert torch.equal(got[2], ref[2])  # bias
     if dtype is torch.bfloat16:
         assert torch.equal(got[1], ref[1])  # weight (STE): identical once rounded to bf16
@@ -795,3 +798,24 @@ def test_fake_quant_linear_empty_input_gives_zero_scale_gradients():
     assert x.grad.shape == (0, 32)
     with pytest.raises(ValueError, match="clamp_grad"):
         fake_quant_linear(x, w, None, s, z, spec, clamp_grad="nope")
+
+
+def test_e4m3_values_equal_the_torch_cast_in_every_binade():
+    """`fq_linear._e4m3_values` (fp32 arithmetic) against ``.to(float8_e4m3fn).float()``: every E4M3
+    value, every midpoint between neighbours (ties to even), their fp32 neighbours, +-0, fp32
+    subnormals and a dense random sweep of [-448, 448] across all binades."""
+    from qatlib.quant.fq_linear import _e4m3_values
+
+    vals = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    vals = vals[torch.isfinite(vals)].unique()
+    mids = (vals[1:] + vals[:-1]) / 2
+    pts = torch.cat([vals, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1)])
+    g = torch.Generator().manual_seed(0)
+    sweep = torch.sign(torch.randn(200_000, generator=g)) * torch.exp2(
+        torch.rand(200_000, generator=g) * 24 - 15
+    )
+    x = torch.cat([pts, torch.tensor([0.0, -0.0, 1e-40, -1e-40, 448.0, -448.0]), sweep]).clamp(-448, 448)
+    ref = x.to(FP8).float()
+    got = _e4m3_values(x.clone())
+    assert torch.equal(got, ref)
+    assert torch.equal(torch.signbit(got), torch.signbit(ref))  # the sign of zero too
