@@ -35,7 +35,10 @@ class QuantLinear(nn.Module):
     """``nn.Linear`` with weight, input-activation and optional output (q/k/v) fake-quantizers.
 
     Holds the very same ``weight`` / ``bias`` Parameter objects as the linear it replaces, so
-    ZeRO-3 partitioned parameters (and optimizer references) survive the swap.
+    ZeRO-3 partitioned parameters (and optimizer references) survive the swap. The forward runs
+    the weight fake-quant and the matmul as one autograd Function (`fq_linear.fake_quant_linear`)
+    that keeps no fake-quantized weight for backward; calibration, a disabled quantizer and
+    ``compile_fake_quant`` take the plain `Quantizer` path (same values).
     """
 
     def __init__(
