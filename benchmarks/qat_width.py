@@ -172,6 +172,68 @@ def _rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def expert_layer(experts: int = 16, tokens: int = 32, rounds: int = 3) -> dict:
+    """One MoE experts layer at the true width (``experts`` of Qwen3-30B-A3B's 128, top-8 of them
+    per token), fp8_static, forward + backward on the scales, in this process with 1 thread:
+    qatlib's `QuantLinear.forward` ("after") vs the former forward through `Quantizer`
+    ("before", autograd through `fake_quantize`), alternated ``rounds`` times. Per variant: CPU
+    seconds and the bytes autograd keeps for backward beyond the parameters themselves."""
+    import torch
+    from torch import nn
+
+    from qatlib.moe import LinearizedMoeExperts
+    from qatlib.quant import PRESETS, QuantLinear, prepare
+    from qatlib.quant.linear import _linear
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    h, inter, k = WIDTH["hidden_size"], WIDTH["moe_intermediate_size"], WIDTH["num_experts_per_tok"]
+    holder = nn.Sequential(LinearizedMoeExperts(experts, h, inter, nn.SiLU(), torch.bfloat16))
+    for p in holder.parameters():
+        nn.init.normal_(p, std=0.02)
+    prepare(holder, PRESETS["fp8_static"], ignore=())
+    for n, p in holder.named_parameters():
+        p.requires_grad_("_quantizer." in n)
+    params = {p.untyped_storage().data_ptr() for p in holder.parameters()}
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, h, generator=g).bfloat16().requires_grad_(True)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, k, generator=g), -1).bfloat16()
+    after = QuantLinear.forward
+
+    def before(self, xin):
+        return _linear(self, xin, self.fake_quant_weight())
+
+    out: dict = {"experts": experts, "tokens": tokens, "before": [], "after": []}
+    for _ in range(rounds):
+        for name, fwd in (("before", before), ("after", after)):
+            QuantLinear.forward = fwd
+            kept: dict[int, int] = {}
+
+            def pack(t, kept=kept):
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in params:
+                    kept[ptr] = t.untyped_storage().nbytes()
+                return t
+
+            c0 = time.process_time()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = holder[0](x, idx, w)
+            y.float().square().sum().backward()
+            out[name].append(
+                {"cpu_seconds": round(time.process_time() - c0, 3), "kept_bytes": sum(kept.values())}
+            )
+            del y
+    QuantLinear.forward = after
+    med = {n: sorted(r["cpu_seconds"] for r in out[n])[len(out[n]) // 2] for n in ("before", "after")}
+    out["weight_bytes"] = sum(
+        p.numel() * p.element_size() for n, p in holder.named_parameters() if "_quantizer." not in n
+    )
+    out["speedup_cpu"] = round(med["before"] / med["after"], 2)
+    out["kept_bytes_ratio"] = round(out["after"][0]["kept_bytes"] / max(out["before"][0]["kept_bytes"], 1), 4)
+    return out
+
+
 def _tree_rss(pid: int) -> int:
     import psutil
 
@@ -262,6 +324,7 @@ def main() -> None:
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--build", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--layer-only", action="store_true", help="only the in-process expert-layer measurement")
     args = ap.parse_args()
     if args.build:
         Path(args.model_dir, "bytes.json").write_text(
@@ -271,6 +334,11 @@ def main() -> None:
     if args.worker:
         args.mode = args.worker
         worker(args)
+        return
+    if args.layer_only:  # the in-process expert-layer measurement alone (seconds, not minutes)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"expert_layer": expert_layer()}, indent=2) + "\n")
+        print(f"wrote {args.out}")
         return
     ref = (
         args.before_ref
@@ -284,6 +352,7 @@ def main() -> None:
     codes = {"before": str(before), "after": str(ROOT)}
     result: dict = {"before_ref": ref, "after_head": _head(), "cap_gb": args.cap_gb, "tokens": args.tokens}
     result["config"] = WIDTH
+    result["expert_layer"] = expert_layer()
     result["runs"] = []
     for entry in args.runs:
         experts, mode, *flag = entry.split(":")
