@@ -117,7 +117,7 @@ def worker(args) -> None:
     else:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, args.dtype))
         prepare(model, scheme)
     scales = {id(p) for _, p in role_parameters(model)}
     for p in model.parameters():
@@ -256,7 +256,9 @@ def run_variant(code: str, mode: str, checkpointing: bool, model_dir: Path, args
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env["PYTHONPATH"] = f"{code}{os.pathsep}{ROOT}"
     wargs = ["--worker", mode, "--model-dir", str(model_dir), "--tokens", str(args.tokens)]
-    wargs += ["--worker-out", str(out)] + (["--checkpointing"] if checkpointing else [])
+    wargs += ["--worker-out", str(out), "--dtype", args.dtype] + (
+        ["--checkpointing"] if checkpointing else []
+    )
     me = [str(Path(__file__).resolve())]
     cmd = [sys.executable, *me, *wargs]
     if mode == "zero3":
@@ -323,6 +325,14 @@ def main() -> None:
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="single-process model dtype; float32 on a CPU, where the bf16 lm_head input gradient "
+        "(grad @ W, 151,936 x 2048) takes minutes and hides everything else",
+    )
+    ap.add_argument("--skip-layer", action="store_true", help="skip the in-process expert-layer measurement")
     ap.add_argument("--build", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--layer-only", action="store_true", help="only the in-process expert-layer measurement")
     args = ap.parse_args()
@@ -350,9 +360,16 @@ def main() -> None:
         archive = subprocess.run(["git", "archive", ref, "qatlib"], cwd=ROOT, capture_output=True, check=True)
         subprocess.run(["tar", "-x", "-C", str(before)], input=archive.stdout, check=True)
     codes = {"before": str(before), "after": str(ROOT)}
-    result: dict = {"before_ref": ref, "after_head": _head(), "cap_gb": args.cap_gb, "tokens": args.tokens}
+    result: dict = {
+        "dtype": args.dtype,
+        "before_ref": ref,
+        "after_head": _head(),
+        "cap_gb": args.cap_gb,
+        "tokens": args.tokens,
+    }
     result["config"] = WIDTH
-    result["expert_layer"] = expert_layer()
+    if not args.skip_layer:
+        result["expert_layer"] = expert_layer()
     result["runs"] = []
     for entry in args.runs:
         experts, mode, *flag = entry.split(":")
