@@ -81,6 +81,14 @@ class QuantLinear(nn.Module):
         )
         if init_from_weight and self.weight_quantizer is not None and weight_readable(self.weight):
             self.weight_quantizer.init_from(self.weight)
+        if self.weight_quantizer is not None and hasattr(self.weight, "ds_id"):
+            # The forward reads the weight quantizer's scales without calling that module
+            # (`fq_linear`), and its backward needs them again: ZeRO-3 must gather them with this
+            # module's own parameters, forward and backward.
+            from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+            for p in self.weight_quantizer.parameters():
+                register_external_parameter(self, p)
 
     def quantizers(self) -> Iterator[tuple[str, Quantizer]]:
         for role in ("weight_quantizer", "input_quantizer", "output_quantizer"):
