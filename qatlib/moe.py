@@ -72,9 +72,15 @@ class ExpertMLP(nn.Module):
 class LinearizedMoeExperts(nn.ModuleList):
     """Drop-in replacement of a fused experts module with the same forward signature.
 
-    Every expert runs on every call, also with zero tokens: under ZeRO-3 each expert call gathers
-    its parameters, and ranks whose routing differs must still issue the same collectives in the
-    same order, or they deadlock. A zero-token expert call costs one empty matmul.
+    Every expert MODULE is called on every call, also with zero tokens: under ZeRO-3 each call
+    gathers its parameters (per expert, or per layer when this module is a leaf) and its scales
+    get a gradient, and ranks whose routing differs must still issue the same collectives in the
+    same order, or they deadlock. A zero-token call computes nothing (`fq_linear` skips the
+    weight fake-quant of an empty input and returns zero scale gradients).
+
+    The tokens are grouped by expert with one sort and one bincount per layer; the counts reach
+    the host once (``tolist``), not once per expert (a ``torch.where`` per expert syncs each time).
+    Within an expert the tokens keep their order, so the result equals a per-expert loop bit for bit.
     """
 
     def __init__(
@@ -89,11 +95,18 @@ class LinearizedMoeExperts(nn.ModuleList):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
-        for e, expert in enumerate(self):
-            token_idx, k_pos = torch.where(top_k_index == e)
-            y = expert(hidden_states[token_idx])
-            y = y * top_k_weights[token_idx, k_pos, None]
-            out.index_add_(0, token_idx, y.to(out.dtype))
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert, in token order
+        counts = torch.bincount(flat, minlength=len(self)).tolist()  # the layer's one host sync
+        token_idx = order // top_k_index.shape[-1]
+        x_sorted = hidden_states[token_idx]
+        w_sorted = top_k_weights.reshape(-1)[order]
+        start = 0
+        for expert, n in zip(self, counts):
+            rows = slice(start, start + n)
+            start += n
+            y = expert(x_sorted[rows]) * w_sorted[rows, None]
+            out.index_add_(0, token_idx[rows], y.to(out.dtype))
         return out
 
 
@@ -105,19 +118,31 @@ def linearize_moe_experts(
 ) -> int:
     """Replace every fused experts module in ``model`` in place; returns how many were replaced.
 
-    ``copy_weights`` copies the fused tensors into the new linears (plain models). The ZeRO-3
-    path passes ``copy_weights=False`` and ``init_context=zero.Init`` so the new linears are
-    partitioned at creation and later filled by the streaming loader.
+    ``copy_weights`` copies the fused tensors into the new linears (plain models), one layer at a
+    time, and drops each fused tensor as soon as its per-expert linears hold the copy: the peak
+    adds one layer's experts, not a second copy of every expert (issue #16: +58 GB on a 61 GB
+    Qwen3-30B-A3B). The new linears are allocated uninitialised on the fused tensors' device
+    (their random init would be overwritten; with a non-default ``init_context`` they are built
+    inside it as before). The ZeRO-3 path passes ``copy_weights=False`` and
+    ``init_context=zero.Init`` so the new linears are partitioned at creation and later filled
+    by the streaming loader.
     """
-    targets = [(name, m) for name, m in model.named_modules() if is_fused_experts(m)]
-    for name, fused in targets:
-        _check_layout(name, fused)
-    for name, fused in targets:
-        dtype = fused.gate_up_proj.dtype
-        with init_context():
-            lin = LinearizedMoeExperts(
-                fused.num_experts, fused.hidden_dim, fused.intermediate_dim, fused.act_fn, dtype
-            )
+    targets = [name for name, m in model.named_modules() if is_fused_experts(m)]
+    for name in targets:
+        _check_layout(name, model.get_submodule(name))
+    for name in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        fused = getattr(parent, child)
+        args = (fused.num_experts, fused.hidden_dim, fused.intermediate_dim, fused.act_fn)
+        dtype, device = fused.gate_up_proj.dtype, fused.gate_up_proj.device
+        if copy_weights and init_context is contextlib.nullcontext:
+            with torch.device("meta"):
+                lin = LinearizedMoeExperts(*args, dtype)
+            lin.to_empty(device=device)
+        else:
+            with init_context():
+                lin = LinearizedMoeExperts(*args, dtype)
         if copy_weights:
             inter = fused.intermediate_dim
             with torch.no_grad():
@@ -125,8 +150,10 @@ def linearize_moe_experts(
                     expert.gate_proj.weight.copy_(fused.gate_up_proj[e, :inter])
                     expert.up_proj.weight.copy_(fused.gate_up_proj[e, inter:])
                     expert.down_proj.weight.copy_(fused.down_proj[e])
-            lin.to(fused.gate_up_proj.device)
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
+            lin.to(device)
         setattr(parent, child, lin)
+        # drop the fused tensors now: the module may still be referenced (hooks, a caller)
+        for attr in ("gate_up_proj", "down_proj"):
+            delattr(fused, attr)
+        del fused
     return len(targets)

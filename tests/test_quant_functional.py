@@ -632,3 +632,190 @@ def test_fp8_cast_ste():
     assert torch.equal(y, x.detach().to(FP8).float())
     y.sum().backward()
     assert torch.equal(x.grad, torch.ones(3))
+
+
+# =========================================================================== fake-quant linear (issue #16)
+# `fq_linear.fake_quant_linear` keeps no fake-quantized weight for backward and writes the STE / LSQ
+# gradients out. Its values, input and (bf16) weight gradients must equal autograd through
+# `fake_quantize` bit for bit (bf16 input gradients on the CPU: within one bf16 ulp); scale / zero-point / global-scale gradients differ only in fp32
+# summation order (autograd sums the division and multiplication paths separately): measured
+# <= 8e-7 of the largest entry, bound FQL_RTOL. A wrong term (sign, mask, missing 1/gs) is O(1).
+FQL_RTOL = 1e-5
+FQL_SPECS = [
+    QuantSpec("int4", Granularity.GROUP, group_size=16),
+    QuantSpec("int4", Granularity.GROUP, group_size=16, symmetric=False),
+    QuantSpec("int8", Granularity.CHANNEL),
+    QuantSpec("int8", Granularity.CHANNEL, symmetric=False),
+    QuantSpec("int8", Granularity.TENSOR, symmetric=False),
+    QuantSpec("fp8", Granularity.TENSOR),
+    QuantSpec("fp8", Granularity.CHANNEL),
+    QuantSpec("int4", Granularity.GROUP, group_size=16, fp8_recast=True),  # w4a8_fp8
+    QuantSpec("nvfp4", Granularity.GROUP, group_size=16),
+    QuantSpec("mxfp4", Granularity.GROUP, group_size=32),
+]
+
+
+def _fql_case(spec: QuantSpec, dtype: torch.dtype, seed: int = 0):
+    """A weight, a batched input, trained-looking qparams (some elements clip) and an upstream grad."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(24, 64, generator=g) * 0.05).to(dtype).requires_grad_(True)
+    x = torch.randn(3, 5, 64, generator=g).to(dtype).requires_grad_(True)
+    gsc = QF.fp4_global_scale(w.detach().abs().amax()) if spec.has_global_scale else None
+    sc, zp = compute_qparams(w, spec, gsc)
+    sc = (sc * 0.7).requires_grad_(True)
+    zp = None if zp is None else (zp + 0.3).requires_grad_(True)
+    gsc = None if gsc is None else (gsc * 1.1).requires_grad_(True)
+    bias = torch.randn(24, generator=g).to(dtype).requires_grad_(True)
+    gout = torch.randn(3, 5, 24, generator=g).to(dtype)
+    return x, w, bias, sc, zp, gsc, gout
+
+
+def _fql_grads(fn, x, w, bias, sc, zp, gsc, gout):
+    leaves = [t for t in (x, w, bias, sc, zp, gsc) if t is not None]
+    for t in leaves:
+        t.grad = None
+    out = fn()
+    out.backward(gout)
+    return out.detach(), [t.grad.clone() for t in leaves]
+
+
+@pytest.mark.parametrize("spec", FQL_SPECS, ids=lambda s: s.describe())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("clamp_grad", ["mask", "pass"])
+def test_fake_quant_linear_equals_autograd_through_fake_quantize(spec, dtype, clamp_grad):
+    from qatlib.quant.fq_linear import fake_quant_linear
+
+    case = _fql_case(spec, dtype)
+    x, w, bias, sc, zp, gsc, gout = case
+    ref_out, ref = _fql_grads(
+        lambda: torch.nn.functional.linear(
+            x, fake_quantize(w, sc, zp, spec, clamp_grad=clamp_grad, global_scale=gsc), bias
+        ),
+        *case,
+    )
+    out, got = _fql_grads(
+        lambda: fake_quant_linear(x, w, bias, sc, zp, spec, clamp_grad=clamp_grad, global_scale=gsc), *case
+    )
+    assert torch.equal(out, ref_out)
+    if dtype is torch.float32:
+        assert torch.equal(got[0], ref[0])  # input gradient: grad @ W_q, the same W_q, the same mm
+    else:  # bf16 on the CPU: the product in fp32, rounded once (`_grad_input`): <= 1 bf16 ulp
+        torch.testing.assert_close(got[0], ref[0], rtol=2**-7, atol=1e-6 * ref[0].abs().max().item())
+    assert torch.equal(got[2], ref[2])  # bias
+    if dtype is torch.bfloat16:
+        assert torch.equal(got[1], ref[1])  # weight (STE): identical once rounded to bf16
+    else:  # fp32: autograd's (G * s) / s differs from G by <= 1 ulp
+        torch.testing.assert_close(got[1], ref[1], rtol=2.5e-7, atol=0)
+    for a, b in zip(got[3:], ref[3:]):  # scale, zero point, global scale
+        assert a.shape == b.shape
+        assert b.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=0, atol=FQL_RTOL * b.abs().max().item())
+
+
+def test_fake_quant_linear_finite_differences_where_defined():
+    """The output is linear in x (FD exact up to fp32), and with codes held fixed in s; where the
+    clamp is active LSQ's scale gradient IS the derivative, inside it LSQ adds -sum(G * w / s)."""
+    from qatlib.quant.fq_linear import fake_quant_linear
+
+    spec = QuantSpec("int4", Granularity.CHANNEL)
+    w = torch.tensor([[0.62, -1.13, 2.27, 4.4], [-9.1, 6.0, 0.13, -3.34]], dtype=torch.float64).float()
+    x = torch.tensor([[0.5, -1.0, 2.0, 0.25], [1.5, 0.75, -0.5, 1.0], [0.1, 0.2, 0.3, 0.4]])
+    s0 = torch.tensor([[0.3], [0.8]])  # row 0: 4.4 / 0.3 clips at 7; row 1: -9.1 / 0.8 clips at -8
+    gout = torch.tensor([[1.0, -2.0], [0.5, 1.0], [-1.0, 0.25]])
+    h = 1e-3
+
+    def loss(s, xx=x):
+        return (fake_quant_linear(xx, w, None, s, None, spec) * gout).sum()
+
+    q = quantize(w, s0, None, spec)
+    assert torch.equal(quantize(w, s0 + h, None, spec), q) and torch.equal(quantize(w, s0 - h, None, spec), q)
+    s = s0.clone().requires_grad_(True)
+    xx = x.clone().requires_grad_(True)
+    loss(s, xx).backward()
+    gq = gout.t() @ x  # dL/dW_q
+    inside = (q.float() > -8) & (q.float() < 7)
+    for r in range(2):
+        e = torch.zeros(2, 1)
+        e[r] = h
+        fd = (loss(s0 + e) - loss(s0 - e)) / (2 * h)  # = sum_j G_rj q_rj (codes fixed)
+        lsq = fd - (gq[r] * inside[r] * w[r] / s0[r]).sum()
+        assert (lsq - fd).abs() > 1.0  # the STE term matters here
+        torch.testing.assert_close(s.grad[r, 0], lsq, rtol=2e-4, atol=0)  # FD in fp32
+    fd_x = torch.zeros_like(x)
+    for i in range(x.numel()):
+        e = torch.zeros_like(x).view(-1)
+        e[i] = h
+        e = e.view_as(x)
+        fd_x.view(-1)[i] = (loss(s0, x + e) - loss(s0, x - e)) / (2 * h)
+    torch.testing.assert_close(xx.grad, fd_x, rtol=0, atol=2e-3)
+
+
+def test_fake_quant_linear_keeps_no_fake_quantized_weight():
+    """What the forward keeps for backward is the tensors it was given (the input, the weight itself,
+    the scale): no new storage. autograd through `fake_quantize` keeps three fp32 weight copies."""
+    from qatlib.quant.fq_linear import fake_quant_linear
+
+    spec = QuantSpec("fp8")
+    w = torch.randn(256, 512).bfloat16()
+    x = torch.randn(4, 512).bfloat16()
+    s = (w.float().abs().amax() / 448).reshape(1).requires_grad_(True)
+    given = {t.untyped_storage().data_ptr() for t in (w, x, s)}
+
+    def new_bytes(fn):
+        saved = {}
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in given:
+                saved[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn()
+        return sum(saved.values()), out
+
+    kept, out = new_bytes(lambda: fake_quant_linear(x, w, None, s, None, spec))
+    today, ref = new_bytes(lambda: torch.nn.functional.linear(x, fake_quantize(w, s, None, spec)))
+    assert torch.equal(out, ref)
+    assert kept == 0
+    assert today >= 3 * w.numel() * 4  # the old path: 3 fp32 weight copies (this test's point)
+
+
+def test_fake_quant_linear_empty_input_gives_zero_scale_gradients():
+    """An MoE expert with no token: nothing is computed, and the scales still get a gradient (zeros,
+    the true value), so ZeRO-3 reduces the same parameters on every rank whatever the routing."""
+    from qatlib.quant.fq_linear import fake_quant_linear
+
+    spec = QuantSpec("int4", Granularity.GROUP, group_size=16, symmetric=False)
+    w = torch.randn(8, 32)
+    s = torch.full((8, 2), 0.1, requires_grad=True)
+    z = torch.zeros(8, 2, requires_grad=True)
+    x = torch.zeros(0, 32, requires_grad=True)
+    out = fake_quant_linear(x, w, None, s, z, spec)
+    assert out.shape == (0, 8) and out.requires_grad
+    out.sum().backward()
+    assert torch.equal(s.grad, torch.zeros_like(s)) and torch.equal(z.grad, torch.zeros_like(z))
+    assert x.grad.shape == (0, 32)
+    with pytest.raises(ValueError, match="clamp_grad"):
+        fake_quant_linear(x, w, None, s, z, spec, clamp_grad="nope")
+
+
+def test_e4m3_values_equal_the_torch_cast_in_every_binade():
+    """`fq_linear._e4m3_values` (fp32 arithmetic) against ``.to(float8_e4m3fn).float()``: every E4M3
+    value, every midpoint between neighbours (ties to even), their fp32 neighbours, +-0, fp32
+    subnormals and a dense random sweep of [-448, 448] across all binades."""
+    from qatlib.quant.fq_linear import _e4m3_values
+
+    vals = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    vals = vals[torch.isfinite(vals)].unique()
+    mids = (vals[1:] + vals[:-1]) / 2
+    pts = torch.cat([vals, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1)])
+    g = torch.Generator().manual_seed(0)
+    sweep = torch.sign(torch.randn(200_000, generator=g)) * torch.exp2(
+        torch.rand(200_000, generator=g) * 24 - 15
+    )
+    x = torch.cat([pts, torch.tensor([0.0, -0.0, 1e-40, -1e-40, 448.0, -448.0]), sweep]).clamp(-448, 448)
+    ref = x.to(FP8).float()
+    got = _e4m3_values(x.clone())
+    assert torch.equal(got, ref)
+    assert torch.equal(torch.signbit(got), torch.signbit(ref))  # the sign of zero too

@@ -396,6 +396,11 @@ def test_moe_skewed_routing_completes(zero3_run, name):
         if n == 0 and counts[0][layer][e] > 0
     ]
     assert starved, counts  # some expert had tokens on rank 0 and none on rank 1, and the run went on
+    # every rank fake-quantized the weights of exactly the experts that had tokens there (forward
+    # and backward): starved experts' compute was skipped, their modules still ran on both ranks
+    for rank in (0, 1):
+        computed = {tuple(t) for t in results[name]["checks"][rank]["fake_quantized_experts"]}
+        assert computed == {(layer, e) for layer, c in counts[rank].items() for e, n in enumerate(c) if n > 0}
 
 
 @pytest.mark.slow

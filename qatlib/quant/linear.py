@@ -16,6 +16,7 @@ from torch import nn
 
 from ..moe import linearize_moe_experts
 from . import functional as F
+from .fq_linear import fake_quant_linear
 from .quantizer import Quantizer
 from .spec import Granularity, QuantScheme, QuantSpec
 
@@ -34,7 +35,10 @@ class QuantLinear(nn.Module):
     """``nn.Linear`` with weight, input-activation and optional output (q/k/v) fake-quantizers.
 
     Holds the very same ``weight`` / ``bias`` Parameter objects as the linear it replaces, so
-    ZeRO-3 partitioned parameters (and optimizer references) survive the swap.
+    ZeRO-3 partitioned parameters (and optimizer references) survive the swap. The forward runs
+    the weight fake-quant and the matmul as one autograd Function (`fq_linear.fake_quant_linear`)
+    that keeps no fake-quantized weight for backward; calibration, a disabled quantizer and
+    ``compile_fake_quant`` take the plain `Quantizer` path (same values).
     """
 
     def __init__(
@@ -77,6 +81,14 @@ class QuantLinear(nn.Module):
         )
         if init_from_weight and self.weight_quantizer is not None and weight_readable(self.weight):
             self.weight_quantizer.init_from(self.weight)
+        if self.weight_quantizer is not None and hasattr(self.weight, "ds_id"):
+            # The forward reads the weight quantizer's scales without calling that module
+            # (`fq_linear`), and its backward needs them again: ZeRO-3 must gather them with this
+            # module's own parameters, forward and backward.
+            from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+            for p in self.weight_quantizer.parameters():
+                register_external_parameter(self, p)
 
     def quantizers(self) -> Iterator[tuple[str, Quantizer]]:
         for role in ("weight_quantizer", "input_quantizer", "output_quantizer"):
@@ -115,7 +127,26 @@ class QuantLinear(nn.Module):
         return None if gs is None else gs.detach().float().reshape(1).clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(self, x, self.fake_quant_weight())
+        wq = self.weight_quantizer
+        if wq is None or not wq.enabled or wq.calibrating or wq.compile_fake_quant:
+            return _linear(self, x, self.fake_quant_weight())
+        # the fake-quantized weight is recomputed in backward, never kept (`fq_linear`)
+        w = self.weight
+        scale, zp = wq.qparams(w)
+
+        def weight_linear(xin: torch.Tensor) -> torch.Tensor:
+            return fake_quant_linear(
+                xin,
+                w,
+                self.bias if self.bias is None else self.bias.to(w.dtype),
+                scale,
+                zp,
+                wq.spec,
+                clamp_grad=wq.clamp_grad,
+                global_scale=wq.global_scale_for(w),
+            )
+
+        return _linear(self, x, None, weight_linear)
 
     def extra_repr(self) -> str:
         return (
@@ -168,16 +199,25 @@ class QDQLinear(nn.Module):
         return _linear(self, x, self.dequantized_weight())
 
 
-def _linear(layer: QuantLinear | QDQLinear, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """input quantizer -> linear with ``w`` -> output quantizer: the same order in training
-    (`QuantLinear`) and in the converted model (`QDQLinear`), so their parity holds by construction.
+def _linear(
+    layer: QuantLinear | QDQLinear,
+    x: torch.Tensor,
+    w: torch.Tensor | None,
+    weight_linear: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """input quantizer -> linear with ``w`` (or ``weight_linear(x)``, the fake-quant linear) ->
+    output quantizer: the same order in training (`QuantLinear`) and in the converted model
+    (`QDQLinear`), so their parity holds by construction.
 
     Computes in the weight's dtype: under DeepSpeed's autocast-wrapped linear an fp32 x against
     bf16 weights would otherwise mix dtypes.
     """
     if layer.input_quantizer is not None:
         x = layer.input_quantizer(x)
-    out = TF.linear(x.to(w.dtype), w, None if layer.bias is None else layer.bias.to(w.dtype))
+    if weight_linear is not None:
+        out = weight_linear(x.to(layer.weight.dtype))
+    else:
+        out = TF.linear(x.to(w.dtype), w, None if layer.bias is None else layer.bias.to(w.dtype))
     if layer.output_quantizer is not None and not layer.output_in_attention:
         out = layer.output_quantizer(out)
     return out

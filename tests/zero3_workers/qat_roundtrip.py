@@ -143,10 +143,27 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
             counts.setdefault(mod._qat_name, torch.zeros(len(mod), dtype=torch.long))
             counts[mod._qat_name] += torch.bincount(idx.flatten(), minlength=len(mod)).cpu()
 
+        # which expert weights get fake-quantized (forward, backward recompute): only experts with
+        # tokens on this rank, while every expert module still runs and gathers (issue #16)
+        from qatlib.quant import fq_linear
+
+        expert_of: dict[int, tuple[str, int]] = {}
         for n, mod in model.named_modules():
             if isinstance(mod, LinearizedMoeExperts):
                 mod._qat_name = n
                 mod.register_forward_pre_hook(hook)
+                for e, ex in enumerate(mod):
+                    for lin in (ex.gate_proj, ex.up_proj, ex.down_proj):
+                        expert_of[id(lin.weight)] = (n, e)
+        fq_computed: set[tuple[str, int]] = set()
+        orig_parts = fq_linear._fake_quant_parts
+
+        def counting_parts(w, *a, **k):
+            if id(w) in expert_of:
+                fq_computed.add(expert_of[id(w)])
+            return orig_parts(w, *a, **k)
+
+        fq_linear._fake_quant_parts = counting_parts
         x = (data["eval"] if rank == 0 else torch.full_like(data["eval"], 7)).to(dev)
         engine.train()
         loss = engine(input_ids=x, labels=x).loss
@@ -154,9 +171,11 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
         with torch.no_grad():
             engine.eval()
             engine(input_ids=x)
+        fq_linear._fake_quant_parts = orig_parts
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, {k: v.tolist() for k, v in counts.items()})
         checks["expert_token_counts"] = gathered
+        checks["fake_quantized_experts"] = sorted(fq_computed)
 
     sd = z.consolidated_state_dict(model)
     saved = z.save_consolidated(model, out / f"{ph['name']}_saved", scheme=scheme)
