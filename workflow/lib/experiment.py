@@ -72,6 +72,7 @@ STAGE_SECTIONS = {
         "compression.quantization",
         "compression.QAT.plugin_config",
     ],
+    "evaluate_deployed": ["model", "evaluation", "global.seed", "deploy"],
     "sqnr": ["compression.quantization", "compression.QAT.plugin_config"],
     "report": [""],
 }
