@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from qatlib.report.metrics import MIN_REL_GAP
+
 from .common import DEFAULT_OUT, IGNORE, format_scheme, load_avg, log, machine, write_result
 
 DEPLOYED_FORMATS = ("fp8_static", "fp8_dynamic", "int4_g32", "int8_w8a8", "w4a8_fp8_g32")
@@ -92,9 +94,11 @@ def _row(name: str, lab, s: DeployedSettings, work: Path, options=None) -> dict[
     row.update(ptq_deployed=ptq_d["ppl"], qat_deployed=qat_d["ppl"], applied=qat_d["applied"])
     gain_t, gain_d = ptq_t - qat_t, ptq_d["ppl"] - qat_d["ppl"]
     row["qat_gain_trained"], row["qat_gain_deployed"] = gain_t, gain_d
-    row["survives"] = gain_d / gain_t if gain_t > 0 else None
-    if gain_t <= 0:
-        row["note"] = "QAT did not improve on PTQ as trained: no gain to carry"
+    # the report's noise rule (`qatlib.report.metrics.MIN_REL_GAP`): a gain below 0.5% of PTQ's
+    # perplexity is noise, and a share of it says nothing
+    row["survives"] = gain_d / gain_t if gain_t > MIN_REL_GAP * ptq_t else None
+    if row["survives"] is None:
+        row["note"] = f"QAT's gain as trained ({gain_t:+.4f}) is below {MIN_REL_GAP:.1%} of PTQ's perplexity"
     return row
 
 

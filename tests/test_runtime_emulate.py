@@ -315,6 +315,15 @@ def test_w4a8_kernel_limits_refused(tmp_path):
     export(model, rep.scheme, tmp_path / "e", "real")
     with pytest.raises(E.RuntimeRefusal, match="group_size 16.*model dtype float32.*linears shaped"):
         E.emulate_export(tmp_path / "e", "vllm")
+    # the deployed evaluation records the refusal (and deploy.target none) as a skipped result
+    from types import SimpleNamespace
+
+    from qatlib.eval.variants import load_variant
+
+    for target, why in (("vllm", "group_size 16"), ("none", "deploy.target is none")):
+        cfg = SimpleNamespace(model=None, deploy=SimpleNamespace(target=target))
+        model, rec = load_variant(cfg, "deployed", str(tmp_path / "e"), None)
+        assert model is None and why in rec["skipped"] and rec["target"] == target
 
 
 def test_unquantized_linears_stay_plain(tmp_path):
