@@ -21,7 +21,16 @@ from transformers import AutoModelForCausalLM
 
 from qatlib.export import export
 from qatlib.ptq import calibrate
-from qatlib.quant import Granularity, PrepareOptions, Quantizer, QuantLinear, QuantSpec, preset, quant_linears
+from qatlib.quant import (
+    Granularity,
+    PrepareOptions,
+    Quantizer,
+    QuantLinear,
+    QuantScheme,
+    QuantSpec,
+    preset,
+    quant_linears,
+)
 from qatlib.runtime import emulate as E
 from qatlib.runtime.fusion import GroupKind, fused_groups
 
@@ -130,7 +139,11 @@ def test_scale_model_dtype_by_hand():
 
 # --------------------------------------------------------------------------- export -> emulate
 def _trained(name, *, moe=False, dtype=None, options=None, kv=None):
-    scheme = preset(name)
+    if name == "int4_asym":  # packed codes AND packed zero points (compressed-tensors' layout)
+        g = preset("int4_weight_only").weight
+        scheme = QuantScheme("int4_asym", weight=g.replace(symmetric=False))
+    else:
+        scheme = preset(name)
     big = name == "w4a8_fp8"  # the CUTLASS kernel: K, N % 128 (MoE % 256), bf16, group 128
     if big:
         kw = (
@@ -197,6 +210,7 @@ def _per_token_dense(model):
 UNCHANGED = [
     ("int4_weight_only", False, None),
     ("int4_weight_only", True, None),
+    ("int4_asym", False, None),
     ("int8", False, None),
     ("int8", True, None),
 ]
@@ -331,3 +345,19 @@ def test_unquantized_linears_stay_plain(tmp_path):
     dep = _deployed(model, scheme, tmp_path / "e")
     assert not isinstance(dep.model.lm_head, (E.DeployedLinear, QuantLinear))
     torch.testing.assert_close(dep.model.lm_head.weight, model.lm_head.weight, rtol=0, atol=0)
+
+
+def test_expert_input_scale_collapse_end_to_end(tmp_path):
+    """Tied by hand, then expert 0's gate input scale halved: vLLM serves the layer's max for it,
+    so the emulated model differs from this trained model and equals it with the scale restored."""
+    model, scheme = _trained("fp8_static", moe=True)
+    tie_by_hand(model)
+    q = model.model.layers[0].mlp.experts[0].gate_proj.input_quantizer
+    top = q.scale.detach().clone()
+    with torch.no_grad():
+        q.scale.mul_(0.5)
+    dep = _deployed(model, scheme, tmp_path / "e")
+    assert _diff(dep.model, model) > EQUAL_FP32
+    with torch.no_grad():
+        q.scale.copy_(top)
+    assert _diff(dep.model, model) <= EQUAL_FP32
