@@ -84,6 +84,12 @@ def _row(name: str, lab, s: DeployedSettings, work: Path, options=None) -> dict[
         calibrate(ptq, scheme, lab.calib, ignore=IGNORE, options=options)
     ptq_t = ev(ptq, mc=False)["ppl"]
     ptq_d = _deployed_ppl(ptq, scheme, ev, work, s.target)
+    if "refused" in ptq_d:  # nothing deployed to compare: no QAT run
+        return {"format": name, "ptq_trained": ptq_t, "qat_trained": None, "refused": ptq_d["refused"]} | {
+            "ptq_deployed": None,
+            "qat_deployed": None,
+            "survives": None,
+        }
     qat, _ = lab.qat(scheme, steps=s.qat_steps, start=ptq)
     qat_t = ev(qat, mc=False)["ppl"]
     qat_d = _deployed_ppl(qat, scheme, ev, work, s.target)
@@ -102,12 +108,16 @@ def _row(name: str, lab, s: DeployedSettings, work: Path, options=None) -> dict[
     return row
 
 
-def run(settings: DeployedSettings | None = None, *, results: str = "results") -> dict[str, Any]:
+def run(
+    settings: DeployedSettings | None = None, *, results: str = "results", partial: Path | None = None
+) -> dict[str, Any]:
+    """The rows of every format; ``partial``: rewrite this JSON after each row (a long run that is
+    cut short keeps what it measured)."""
     from .quality import Lab, QualitySettings, resolve_inputs
 
     s = settings or DeployedSettings()
     qs = QualitySettings(eval_windows=s.eval_windows, qat_steps=s.qat_steps, mc=False, gptq=False)
-    if s is QUICK or s.qat_steps < 10:
+    if s is QUICK:
         from .quality import QUICK as QQ
 
         qs = replace(QQ, qat_steps=s.qat_steps, eval_windows=s.eval_windows, mc=False, gptq=False)
@@ -132,6 +142,8 @@ def run(settings: DeployedSettings | None = None, *, results: str = "results") -
             except Exception as e:  # recorded; the other formats still run
                 traceback.print_exc()
                 errors.append({"format": name, "error": f"{type(e).__name__}: {e}"})
+            if partial is not None:
+                write_result(partial.parent, partial.stem, {"partial": True, "rows": rows, "errors": errors})
     tied = {r["format"]: r for r in tied_rows}
     for r in rows:
         t = tied.get(r["format"])
@@ -181,11 +193,22 @@ def main(argv=None) -> int:
     ap.add_argument("--no-tied", action="store_true")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--results", default="results")
+    ap.add_argument(
+        "--formats", default=None, help=f"comma-separated subset (default {','.join(DEPLOYED_FORMATS)})"
+    )
+    ap.add_argument("--eval-windows", type=int, default=None)
+    ap.add_argument("--qat-steps", type=int, default=None)
     args = ap.parse_args(argv)
     s = QUICK if args.quick else DeployedSettings()
     if args.no_tied:
         s = replace(s, tied=False)
-    doc = run(s, results=args.results)
+    if args.formats:
+        s = replace(s, formats=tuple(args.formats.split(",")))
+    if args.eval_windows:
+        s = replace(s, eval_windows=args.eval_windows)
+    if args.qat_steps:
+        s = replace(s, qat_steps=args.qat_steps)
+    doc = run(s, results=args.results, partial=Path(args.out) / "deployed.partial.json")
     path = write_result(args.out, "deployed", doc)
     print(table(doc))
     log(f"deployed: wrote {path}")

@@ -348,16 +348,20 @@ def test_unquantized_linears_stay_plain(tmp_path):
 
 
 def test_expert_input_scale_collapse_end_to_end(tmp_path):
-    """Tied by hand, then expert 0's gate input scale halved: vLLM serves the layer's max for it,
-    so the emulated model differs from this trained model and equals it with the scale restored."""
+    """Tied by hand, then expert 0's gate AND up input scales halved (so their own gate/up max
+    is halved too): vLLM serves the max over all experts for them, so the emulated model differs
+    from this trained model and equals it with the scales restored."""
     model, scheme = _trained("fp8_static", moe=True)
     tie_by_hand(model)
-    q = model.model.layers[0].mlp.experts[0].gate_proj.input_quantizer
-    top = q.scale.detach().clone()
+    e0 = model.model.layers[0].mlp.experts[0]
+    qs = [e0.gate_proj.input_quantizer, e0.up_proj.input_quantizer]
+    top = qs[0].scale.detach().clone()
     with torch.no_grad():
-        q.scale.mul_(0.5)
+        for q in qs:
+            q.scale.mul_(0.5)
     dep = _deployed(model, scheme, tmp_path / "e")
     assert _diff(dep.model, model) > EQUAL_FP32
     with torch.no_grad():
-        q.scale.copy_(top)
+        for q in qs:
+            q.scale.copy_(top)
     assert _diff(dep.model, model) <= EQUAL_FP32
