@@ -30,7 +30,7 @@ import torch
 
 from qatlib.report.metrics import MIN_REL_GAP
 
-from .common import DEFAULT_OUT, IGNORE, format_scheme, load_avg, log, machine, write_result
+from .common import DEFAULT_OUT, IGNORE, format_scheme, load_avg, log, machine, target, write_result
 
 DEPLOYED_FORMATS = ("fp8_static", "fp8_dynamic", "int4_g32", "int8_w8a8", "w4a8_fp8_g32")
 TARGET = "vllm"
@@ -149,9 +149,21 @@ def run(
         t = tied.get(r["format"])
         r["tied"] = t if t is not None else None
         r["tied_survives"] = None if t is None else t.get("survives")
+    targets = [
+        target(
+            f"{r['format']}: share of QAT's gain deployed with tied scales",
+            r["tied_survives"],
+            0.95,
+            higher_is_better=True,
+            note=(why_untied or "") if r["tied"] is None else "",
+        )
+        for r in rows
+        if not r.get("refused")
+    ]
     return {
         "machine": machine(),
         "settings": asdict(s),
+        "targets": targets,
         "base_model": inputs.get("base"),
         "target": s.target,
         "bf16_ppl": bf16,
