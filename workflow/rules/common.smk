@@ -151,7 +151,9 @@ def variant_inputs(wc):
         return {**base_inputs(wc.exp), "scales": f"{RESULTS}/{wc.exp}/ptq"}
     if wc.variant == "qat":
         return {"model": f"{RESULTS}/{wc.exp}/qat", "scales": f"{RESULTS}/{wc.exp}/qat"}
-    return {"model": f"{RESULTS}/{wc.exp}/export"}  # export, deployed (the export emulated)
+    return {
+        "model": f"{RESULTS}/{wc.exp}/export"
+    }  # export, deployed (the export emulated)
 
 
 def variant_args(wc, input):
