@@ -6,7 +6,8 @@
     python -m benchmarks.run --summary                # print the targets of the JSONs already there
 
 Writes ``<out>/<name>.json`` (default ``results/bench/``) for each benchmark run: ``speed``,
-``memory``, ``quality``, ``pipeline``. Each file holds the machine record (cores, threads,
+``memory``, ``quality``, ``pipeline``, ``deployed`` (PTQ vs QAT as trained and as the runtime
+deploys it). Each file holds the machine record (cores, threads,
 versions, git commit, date), the settings, the measurements and the targets met / not met.
 A benchmark that fails writes ``{"error": ...}`` in its file and the others still run; the exit
 status is then 1.
@@ -25,7 +26,7 @@ from typing import Any
 
 from .common import DEFAULT_OUT, log, machine, write_result
 
-BENCHMARKS = ("speed", "memory", "quality", "pipeline")
+BENCHMARKS = ("speed", "memory", "quality", "pipeline", "deployed")
 
 
 def run_one(
@@ -58,6 +59,10 @@ def run_one(
         return quality.run(
             replace(s, base_model_path=base_model) if base_model and not quick else s, results=results
         )
+    if name == "deployed":
+        from . import deployed
+
+        return deployed.run(deployed.QUICK if quick else None, results=results)
     if name == "pipeline":
         from . import pipeline
 

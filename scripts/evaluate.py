@@ -7,7 +7,8 @@
 Variants: ``bf16`` (the model as it is), ``ptq`` / ``qat`` (``--scales``: the model is prepared with
 the experiment's scheme and the scales are loaded: fake quantization in memory), ``export`` (the
 exported checkpoint reloaded from disk with ``AutoModelForCausalLM.from_pretrained``, which
-decompresses compressed-tensors weights and applies its activation quantization).
+decompresses compressed-tensors weights and applies its activation quantization), ``deployed``
+(the export as ``deploy.target`` computes it: `qatlib.runtime.emulate`; skipped under ``none``).
 ``evaluation.ppl``: ``wikitext2``, ``c4`` or local text files; ``evaluation.tasks``: lm-eval task
 names, or local task folders (``<dir>/<name>.yaml``, e.g. the corpus rule's multiple-choice task).
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import _common
 
-VARIANTS = ("bf16", "ptq", "qat", "export")
+VARIANTS = ("bf16", "ptq", "qat", "export", "deployed")
 
 
 def ppl_label(source: str) -> str:
@@ -47,22 +48,6 @@ def split_tasks(tasks: list[str]) -> tuple[list[str], list[str], list[str]]:
     return names, include, hub
 
 
-def load_variant(cfg, variant: str, model_path: str, scales: str | None):
-    from qatlib import device
-    from qatlib.models import load_model, load_prepared
-
-    m, device_map = cfg.model, device.device_map()
-    if variant == "export":  # compressed-tensors decompresses and quantizes activations itself
-        from transformers import AutoModelForCausalLM
-
-        kw = dict(trust_remote_code=m.trust_remote_code, device_map=device_map)
-        return AutoModelForCausalLM.from_pretrained(model_path, **kw).eval()
-    if scales:
-        return load_prepared(cfg, model_path, scales=scales, complete=True, device_map=device_map)[0].eval()
-    kw = dict(trust_remote_code=m.trust_remote_code, attn_implementation=m.attn_implementation)
-    return load_model(model_path, torch_dtype=m.torch_dtype, device_map=device_map, **kw)
-
-
 def main(argv=None) -> int:
     ap = _common.parser(__doc__.splitlines()[0], save=False)
     ap.add_argument("--variant", required=True, choices=VARIANTS)
@@ -81,14 +66,20 @@ def main(argv=None) -> int:
         from qatlib.checkpoint.layout import write_json
         from qatlib.eval.harness import evaluate_tasks
         from qatlib.eval.perplexity import perplexity
+        from qatlib.eval.variants import load_variant
         from qatlib.models import load_tokenizer, resolve_model_dir
 
         t0 = time.perf_counter()
         model_dir = resolve_model_dir(cfg.model.model_path, cache_dir=cfg.model.cache_dir)
-        model = load_variant(cfg, args.variant, model_dir, args.scales)
-        tok = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
         result = {"variant": args.variant, "model_path": str(model_dir), "scales": args.scales}
         result.update(ppl={}, tasks={})
+        model, extra = load_variant(cfg, args.variant, model_dir, args.scales)
+        result.update(extra)
+        if model is None:  # deployed, not evaluated (deploy.target none, or the runtime refuses)
+            print(f"{args.variant}: skipped ({extra['skipped']})")
+            write_json(args.out, result, sort_keys=True)
+            return 0
+        tok = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
         run = dict(batch_size=ev.batch_size, limit=ev.limit)
         for src in ev.ppl:
             kw = dict(seq_len=ev.max_seq_length, progress=not args.no_progress, cache_dir=args.hf_home)

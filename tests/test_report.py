@@ -636,3 +636,23 @@ def test_missing_shared_timing_file_is_named_before_writing(exp_dir, tmp_path):
     with pytest.raises(ReportError, match="no_such_corpus.json"):
         build_report(exp_dir, out, extra_timings=[tmp_path / "no_such_corpus.json"])
     assert not out.exists() and not (exp_dir / "metrics.json").exists()
+
+
+def test_deployed_column_recovery_and_skipped_reason(exp_dir):
+    """eval/deployed.json (the export through the runtime emulator) gets its own column and the
+    headline recovery: wikitext PTQ 12 / BF16 10 / deployed 11.8 -> (12 - 11.8) / (12 - 10) = 10%.
+    A skipped result (deploy.target: none) is no column; the report gives the reason."""
+    dep = eval_json("export")
+    dep.update(variant="deployed", runtime="vllm 0.33.0")
+    dep["ppl"]["wikitext"]["ppl"] = 11.8
+    (exp_dir / "eval" / "deployed.json").write_text(json.dumps(dep))
+    html, out = build(exp_dir)
+    assert "deployed recovery" in html and "PPL wikitext 10.0%" in html
+    metrics = json.loads((out.parent / "metrics.json").read_text())
+    assert metrics["ppl/wikitext/deployed"] == 11.8
+    assert metrics["recovery_pct/deployed/ppl/wikitext"] == pytest.approx(10.0)
+    why = "deploy.target is none: no runtime to emulate"
+    (exp_dir / "eval" / "deployed.json").write_text(json.dumps({"variant": "deployed", "skipped": why}))
+    html, out = build(exp_dir)
+    assert f"deployed not evaluated: {why}" in html and "deployed recovery" not in html
+    assert not any("/deployed" in k for k in json.loads((out.parent / "metrics.json").read_text()))

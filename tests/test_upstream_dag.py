@@ -32,7 +32,7 @@ FULL_DAG = {
     "ptq_calibrate": 1,
     "zero3_qat": 1,
     "convert_export": 1,
-    "evaluate": 4,
+    "evaluate": 5,
     "sqnr": 1,
     "report": 1,
 }

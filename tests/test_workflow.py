@@ -34,7 +34,7 @@ DEFAULT_DAG = {
     "ptq_calibrate": 1,
     "zero3_qat": 1,
     "convert_export": 1,
-    "evaluate": 4,
+    "evaluate": 5,
     "sqnr": 1,
     "report": 1,
     "all": 1,
@@ -308,6 +308,10 @@ def test_end_to_end_on_the_test_config(tmp_path):
         assert math.isfinite(ppl) and 1 < ppl < 1024, (v, ppl)
         acc = res["tasks"]["qat_local_mc"]["acc"]
         assert math.isfinite(acc) and 0 <= acc <= 1
+    # the export as vLLM computes it (the test config's default deploy.target), with its record
+    deployed = json.loads((exp / "eval/deployed.json").read_text())
+    assert deployed["runtime"] == "vllm 0.33.0" and "skipped" not in deployed
+    assert math.isfinite(deployed["ppl"]["corpus/test"]["ppl"]) and "deployed recovery" in html
     metrics = json.loads((exp / "metrics.json").read_text())
     assert all(math.isfinite(metrics[f"ppl/corpus/test/{v}"]) for v in ("bf16", "ptq", "qat", "export"))
     # content hashes of every product (qatlib.checkpoint.hashes) and the pinned CPU kernels
@@ -360,6 +364,7 @@ def test_end_to_end_on_the_test_config(tmp_path):
         "convert_export",
         "evaluate[qat]",
         "evaluate[export]",
+        "evaluate[deployed]",
         "sqnr",
         "report",
         "all",
@@ -374,12 +379,13 @@ def test_end_to_end_on_the_test_config(tmp_path):
         "ptq_calibrate",
         "evaluate[ptq]",
     }
-    # 6. an evaluation setting: the four evaluations and the report only
+    # 6. an evaluation setting: the five evaluations and the report only
     assert reruns(yml, "  limit: 40 ", "  limit: 30 ") == {
         "evaluate[bf16]",
         "evaluate[ptq]",
         "evaluate[qat]",
         "evaluate[export]",
+        "evaluate[deployed]",
         "report",
         "all",
     }
@@ -393,12 +399,21 @@ def test_end_to_end_on_the_test_config(tmp_path):
     # 8. a code change re-runs the stages that execute it (and what their new outputs feed)
     (repo / "scripts/export.py").write_text((repo / "scripts/export.py").read_text() + "\n")
     _, out = run([*sm, "-n"], repo)
-    assert dry_jobs(out) == {"convert_export", "evaluate[export]", "report", "all"}, out[-4000:]
+    assert dry_jobs(out) == {"convert_export", "evaluate[export]", "evaluate[deployed]", "report", "all"}, (
+        out[-4000:]
+    )
     # ... a qatlib module only the SQNR analysis and the report import
     analysis = repo / "qatlib/analysis.py"
     analysis.write_text(analysis.read_text() + "\n")
     _, out = run([*sm, "-n"], repo)
-    assert dry_jobs(out) == {"convert_export", "evaluate[export]", "sqnr", "report", "all"}, out[-4000:]
+    assert dry_jobs(out) == {
+        "convert_export",
+        "evaluate[export]",
+        "evaluate[deployed]",
+        "sqnr",
+        "report",
+        "all",
+    }, out[-4000:]
     # ... the local task's code (qatlib/offline/mc_task.py: only scripts/local_task.py imports it),
     # so, on top of the edits above, the task and every evaluation (they read it)
     task_code = repo / "qatlib/offline/mc_task.py"
@@ -412,6 +427,7 @@ def test_end_to_end_on_the_test_config(tmp_path):
         "evaluate[ptq]",
         "evaluate[qat]",
         "evaluate[export]",
+        "evaluate[deployed]",
         "report",
         "all",
     }, out[-4000:]

@@ -4,7 +4,9 @@
 Inputs (docs/design.md, results layout; read by `qatlib.report.inputs`), relative to the
 experiment directory:
 
-- ``eval/{bf16,ptq,qat}.json`` (required) and ``eval/export.json`` (optional):
+- ``eval/{bf16,ptq,qat}.json`` (required), ``eval/export.json`` and ``eval/deployed.json`` (optional;
+  deployed: the export through the runtime emulator, or ``{"skipped": reason}`` under
+  ``deploy.target: none``):
   ``{"variant", "ppl": {dataset: {ppl, ...}}, "tasks": {task: {acc, acc_norm, ...}}, "wall_s"}``;
 - ``qat/train_log.jsonl``: one JSON object per logging
   step (``step``, ``lm_loss``, ``kd/<type>``, ``kd/forward_kl``, ``kd/backward_kl``,

@@ -17,7 +17,7 @@ from .. import analysis
 from ..checkpoint.hashes import product_hashes
 from ..checkpoint.layout import NESTED_DIR, TRAIN_LOG_FILE
 
-VARIANTS = ("bf16", "ptq", "qat", "export")
+VARIANTS = ("bf16", "ptq", "qat", "export", "deployed")
 REQUIRED_VARIANTS = ("bf16", "ptq", "qat")
 PACKAGES = ("torch", "transformers", "deepspeed", "compressed-tensors", "lm-eval", "snakemake", "dvc")
 STAGES = (
@@ -75,7 +75,9 @@ def require_files(paths: Sequence[str | os.PathLike], what: str) -> None:
 
 # =========================================================================== evaluation
 def load_eval(exp_dir: str | os.PathLike) -> dict[str, dict]:
-    """``eval/<variant>.json`` for every variant present; a missing required one is an error."""
+    """``eval/<variant>.json`` for every variant present; a missing required one is an error. A
+    result with ``skipped`` (the deployed variant under ``deploy.target: none``) is kept: `evaluated`
+    drops it, the report names the reason."""
     exp = Path(exp_dir)
     out = {}
     for v in VARIANTS:
@@ -91,6 +93,11 @@ def load_eval(exp_dir: str | os.PathLike) -> dict[str, dict]:
             raise ReportError(f"{path}: expected a JSON object, got {type(data).__name__}")
         out[v] = data
     return out
+
+
+def evaluated(evals: Mapping[str, dict]) -> dict[str, dict]:
+    """The results that were evaluated (not ``skipped``)."""
+    return {v: d for v, d in evals.items() if not d.get("skipped")}
 
 
 # =========================================================================== training

@@ -15,18 +15,20 @@ from ..checkpoint.keys import load_scales
 from ..checkpoint.layout import TRAIN_LOG_FILE
 from . import inputs
 from .blocks import cell, fmt, h3, img, json_tables, nbytes, para, pre, seconds, table, unavailable
-from .metrics import MIN_ABS_GAP, MIN_REL_GAP, DvcOutputs, loss_keys, sqnr_metrics
+from .metrics import MIN_ABS_GAP, MIN_REL_GAP, RECOVERY_VARIANTS, DvcOutputs, loss_keys, sqnr_metrics
 
-VARIANT_LABELS = {"bf16": "BF16", "ptq": "PTQ", "qat": "QAT", "export": "export"}
+VARIANT_LABELS = {"bf16": "BF16", "ptq": "PTQ", "qat": "QAT", "export": "export", "deployed": "deployed"}
 # Compute per-layer SQNR in the report only when each weight source is at most this large.
 SQNR_MAX_BYTES = 1 << 30
 
 
 def eval_section(evals: Mapping[str, dict], rows: Sequence[Mapping[str, Any]]) -> dict:
     """The evaluation table (`metrics.eval_rows` ``rows``): values, deltas vs BF16, recoveries."""
+    skipped = {v: d["skipped"] for v, d in evals.items() if d.get("skipped")}
+    evals = inputs.evaluated(evals)
     variants = [v for v in inputs.VARIANTS if v in evals]
     deltas = [v for v in variants if v != "bf16"]
-    rec_vs = [v for v in ("qat", "export") if v in evals]
+    rec_vs = [v for v in RECOVERY_VARIANTS if v in evals]
     columns = (
         ["score"]
         + [VARIANT_LABELS[v] for v in variants]
@@ -76,10 +78,31 @@ def eval_section(evals: Mapping[str, dict], rows: Sequence[Mapping[str, Any]]) -
                 "(hover a cell for the numbers)."
             )
         )
-    missing = [v for v in inputs.VARIANTS if v not in evals]
+    if "deployed" in evals:
+        blocks.append(
+            para(
+                "deployed = the export as the deployment runtime computes it (eval/deployed.json "
+                f"names the runtime and each load-time transformation): its recovery ("
+                f"{_headline(rows)}) is what a user of the runtime gets."
+            )
+        )
+    for v, why in skipped.items():
+        blocks.append(para(f"{VARIANT_LABELS.get(v, v)} not evaluated: {why}"))
+    missing = [v for v in inputs.VARIANTS if v not in evals and v not in skipped]
     if missing:
         blocks.append(para(f"Not evaluated: {', '.join(missing)} (eval/{missing[0]}.json absent)."))
     return {"id": "eval", "title": "Accuracy", "blocks": blocks}
+
+
+def _headline(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The deployed recovery of every row, ``name: x%`` (n/a with the noise rule)."""
+    parts = []
+    for r in rows:
+        rec = r["recovery"].get("deployed")
+        if rec is not None:
+            label = f"PPL {r['name']}" if r["kind"] == "ppl" else f"{r['name']} {r['metric']}"
+            parts.append(f"{label} {'n/a' if rec.shown is None else f'{100.0 * rec.shown:.1f}%'}")
+    return ", ".join(parts) or "n/a"
 
 
 def training_section(exp: Path, out: DvcOutputs) -> dict:

@@ -188,6 +188,38 @@ def load_refusal(
     return None
 
 
+# The CUTLASS W4A8 kernel's shape / dtype limits (vLLM 0.33 kernels/linear/mixed_precision/cutlass.py
+# ``can_implement``, :29-55; MoE: compressed_tensors_moe_w4a8_fp8.py:69-73). Not a parse-time check:
+# they depend on the model's sizes and dtype.
+W4A8_KERNEL = Fact(
+    "CUTLASS W4A8 needs group_size 128, K and N divisible by 128 and a bfloat16 model "
+    "(MoE: hidden and intermediate divisible by 256)",
+    "kernels/linear/mixed_precision/cutlass.py:29-55, compressed_tensors_moe_w4a8_fp8.py:69-73",
+)
+
+
+def w4a8_kernel_refusal(target: str, shapes, group_size: int, dtype, expert_shapes=()) -> Fact | None:
+    """Why ``target``'s W4A8 kernel cannot run the quantized linears of ``shapes`` (``[N, K]`` each;
+    ``expert_shapes``: the MoE experts') with ``group_size`` in a model of ``dtype`` (None: it
+    can): vLLM's CUTLASS limits."""
+    import torch
+
+    if target != "vllm":
+        return None
+    bad = [f"group_size {group_size}"] if group_size != 128 else []
+    if dtype != torch.bfloat16:
+        bad.append(f"model dtype {str(dtype).removeprefix('torch.')}")
+    odd = sorted({tuple(s) for s in shapes if s[0] % 128 or s[1] % 128})
+    if odd:
+        bad.append(f"linears shaped {', '.join(map(str, odd[:3]))}")
+    odd = sorted({tuple(s) for s in expert_shapes if s[0] % 256 or s[1] % 256})
+    if odd:
+        bad.append(f"experts shaped {', '.join(map(str, odd[:3]))}")
+    if not bad:
+        return None
+    return Fact(f"{W4A8_KERNEL.what}; this export has {'; '.join(bad)}", W4A8_KERNEL.source)
+
+
 # --------------------------------------------------------------------------- load-time transformations
 class Transform(enum.Enum):
     """What a runtime does to the checkpoint's scales at load / run time."""

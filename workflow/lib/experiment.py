@@ -75,6 +75,7 @@ STAGE_SECTIONS = {
         "compression.quantization",
         "compression.QAT.plugin_config",
     ],
+    "evaluate_deployed": ["model", "evaluation", "global.seed", "deploy"],
     "sqnr": ["compression.quantization", "compression.QAT.plugin_config"],
     "report": [""],
 }
@@ -292,7 +293,7 @@ class Experiments:
         if not (ev.get("ppl") or ev.get("tasks")):
             raise self.error(
                 f"{self.yaml_path(exp)}: evaluation: no ppl / tasks to evaluate (the report compares "
-                "them across bf16 / ptq / qat / export); set evaluation.ppl or evaluation.tasks, e.g. "
+                "them across bf16 / ptq / qat / export / deployed); set evaluation.ppl or evaluation.tasks, e.g. "
                 "through params.yaml's overrides"
             )
         srcs = [p for p in ev.get("ppl") or [] if p not in HUB_PPL_SETS] + list(ev.get("tasks") or [])

@@ -160,7 +160,10 @@ def base_model_spec(wildcards):
 
 
 def eval_stage(variant):
-    """The config sections an evaluation reads: the scheme too for the in-memory fake-quant ones."""
+    """The config sections an evaluation reads: the scheme too for the in-memory fake-quant ones,
+    `deploy` for the deployed one (the runtime it emulates)."""
+    if variant == "deployed":
+        return "evaluate_deployed"
     return "evaluate_quant" if variant in ("ptq", "qat") else "evaluate"
 
 
@@ -172,7 +175,9 @@ def variant_inputs(wc):
         return {**base_inputs(wc.exp), "scales": f"{RESULTS}/{wc.exp}/ptq"}
     if wc.variant == "qat":
         return {"model": f"{RESULTS}/{wc.exp}/qat", "scales": f"{RESULTS}/{wc.exp}/qat"}
-    return {"model": f"{RESULTS}/{wc.exp}/export"}
+    return {
+        "model": f"{RESULTS}/{wc.exp}/export"
+    }  # export, deployed (the export emulated)
 
 
 def variant_args(wc, input):

@@ -1,10 +1,13 @@
-# Evaluation of four variants, each its own job (with more cores than QAT takes, bf16 and ptq
+# Evaluation of five variants, each its own job (with more cores than QAT takes, bf16 and ptq
 # run while QAT trains):
 #   bf16    the base model as it is (the experiment's dtype; "bf16" = unquantized)
 #   ptq     base model + PTQ scales, fake-quantized in memory
 #   qat     the QAT checkpoint (weights + trained scales), fake-quantized in memory
 #   export  the exported compressed-tensors checkpoint, reloaded from disk with
-#           AutoModelForCausalLM.from_pretrained (what vLLM / SGLang deploy)
+#           AutoModelForCausalLM.from_pretrained (transformers + compressed-tensors)
+#   deployed  the export as deploy.target (vLLM / SGLang) computes it: qatlib.runtime.emulate
+#           applies the runtime's load-time transformations; deploy.target none writes a
+#           {"skipped": reason} result the report shows
 # Perplexity on evaluation.ppl and accuracy on evaluation.tasks (lm-eval) -> eval/<variant>.json.
 
 

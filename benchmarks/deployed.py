@@ -1,0 +1,231 @@
+"""Deployment fidelity: PTQ vs QAT perplexity as trained AND as the runtime deploys it.
+
+Per format (`DEPLOYED_FORMATS`), on the default model and data of `benchmarks.quality` (its `Lab`:
+RTN PTQ, end-to-end QAT warm-started from it, the same test windows): the perplexity of the PTQ and
+the QAT model as trained (fake quantization in memory) and as deployed (the export run through
+`qatlib.runtime.emulate` for vLLM 0.33), and the share of QAT's gain that survives deployment::
+
+    survives = (ppl_ptq_deployed - ppl_qat_deployed) / (ppl_ptq_trained - ppl_qat_trained)
+
+(1.0: the whole gain is deployed; below: the runtime's load-time transformations undo part of
+what QAT learned). ``tied`` (h-tying's ``PrepareOptions(deploy_target=...)``) repeats the row with
+the runtime's merged scales trained as one; the column is null with the reason until that option
+exists. A format the runtime refuses gets its refusal instead of deployed numbers.
+
+    python -m benchmarks.deployed [--quick] [--out results/bench]   -> deployed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qatlib.report.metrics import MIN_REL_GAP
+
+from .common import DEFAULT_OUT, IGNORE, format_scheme, load_avg, log, machine, target, write_result
+
+DEPLOYED_FORMATS = ("fp8_static", "fp8_dynamic", "int4_g32", "int8_w8a8", "w4a8_fp8_g32")
+TARGET = "vllm"
+
+
+@dataclass
+class DeployedSettings:
+    formats: tuple[str, ...] = DEPLOYED_FORMATS
+    target: str = TARGET
+    qat_steps: int = 60
+    eval_windows: int = 100
+    tied: bool = True  # also the tied run, where the library supports it
+
+
+QUICK = DeployedSettings(formats=("fp8_static", "int4_g32"), qat_steps=3, eval_windows=8, tied=False)
+
+
+def tying_available() -> str | None:
+    """None when `PrepareOptions` has ``deploy_target`` (h-tying), else why the tied column is null."""
+    from qatlib.quant.linear import PrepareOptions
+
+    if any(f.name == "deploy_target" for f in fields(PrepareOptions)):
+        return None
+    return "tied scales (PrepareOptions.deploy_target, h-tying) are not in this tree"
+
+
+def _deployed_ppl(model, scheme, ev, work: Path, target: str) -> dict[str, Any]:
+    """Export ``model`` (real) and evaluate the emulated runtime model; or the refusal."""
+    from qatlib.export import export
+    from qatlib.runtime.emulate import RuntimeRefusal, emulate_export
+
+    d = Path(tempfile.mkdtemp(dir=work))
+    export(model, scheme, d, "real", ignore=list(IGNORE))
+    try:
+        dep = emulate_export(d, target)
+    except RuntimeRefusal as e:
+        return {"refused": str(e)}
+    rec = ev(dep.model, mc=False)
+    return {"ppl": rec["ppl"], "applied": dep.applied}
+
+
+def _row(name: str, lab, s: DeployedSettings, work: Path, options=None) -> dict[str, Any]:
+    scheme = format_scheme(name)
+    ev = lab.eval
+    if options is None:
+        ptq = lab.rtn(scheme)
+    else:  # tied: calibrated with the runtime's merged scales as one
+        from qatlib.ptq import calibrate
+
+        ptq = lab.fresh()
+        calibrate(ptq, scheme, lab.calib, ignore=IGNORE, options=options)
+    ptq_t = ev(ptq, mc=False)["ppl"]
+    ptq_d = _deployed_ppl(ptq, scheme, ev, work, s.target)
+    if "refused" in ptq_d:  # nothing deployed to compare: no QAT run
+        return {"format": name, "ptq_trained": ptq_t, "qat_trained": None, "refused": ptq_d["refused"]} | {
+            "ptq_deployed": None,
+            "qat_deployed": None,
+            "survives": None,
+        }
+    qat, _ = lab.qat(scheme, steps=s.qat_steps, start=ptq)
+    qat_t = ev(qat, mc=False)["ppl"]
+    qat_d = _deployed_ppl(qat, scheme, ev, work, s.target)
+    row: dict[str, Any] = {"format": name, "ptq_trained": ptq_t, "qat_trained": qat_t}
+    if "refused" in ptq_d:
+        row.update(refused=ptq_d["refused"], ptq_deployed=None, qat_deployed=None, survives=None)
+        return row
+    row.update(ptq_deployed=ptq_d["ppl"], qat_deployed=qat_d["ppl"], applied=qat_d["applied"])
+    gain_t, gain_d = ptq_t - qat_t, ptq_d["ppl"] - qat_d["ppl"]
+    row["qat_gain_trained"], row["qat_gain_deployed"] = gain_t, gain_d
+    # the report's noise rule (`qatlib.report.metrics.MIN_REL_GAP`): a gain below 0.5% of PTQ's
+    # perplexity is noise, and a share of it says nothing
+    row["survives"] = gain_d / gain_t if gain_t > MIN_REL_GAP * ptq_t else None
+    if row["survives"] is None:
+        row["note"] = f"QAT's gain as trained ({gain_t:+.4f}) is below {MIN_REL_GAP:.1%} of PTQ's perplexity"
+    return row
+
+
+def run(
+    settings: DeployedSettings | None = None, *, results: str = "results", partial: Path | None = None
+) -> dict[str, Any]:
+    """The rows of every format; ``partial``: rewrite this JSON after each row (a long run that is
+    cut short keeps what it measured)."""
+    from .quality import Lab, QualitySettings, resolve_inputs
+
+    s = settings or DeployedSettings()
+    qs = QualitySettings(eval_windows=s.eval_windows, qat_steps=s.qat_steps, mc=False, gptq=False)
+    if s is QUICK:
+        from .quality import QUICK as QQ
+
+        qs = replace(QQ, qat_steps=s.qat_steps, eval_windows=s.eval_windows, mc=False, gptq=False)
+    t0, load0 = time.perf_counter(), load_avg()
+    torch.manual_seed(qs.seed)
+    rows, tied_rows, errors = [], [], []
+    why_untied = tying_available() if s.tied else "not requested (--no-tied)"
+    with tempfile.TemporaryDirectory(prefix="bench-deployed-") as tmp:
+        work = Path(tmp)
+        inputs = resolve_inputs(qs, results, work)
+        lab = Lab(qs, inputs["base"], inputs["corpus_snapshot"], None, work)
+        bf16 = lab.eval(lab.base, mc=False)["ppl"]
+        for name in s.formats:
+            try:
+                log(f"deployed: {name} (untied)")
+                rows.append(_row(name, lab, s, work))
+                if why_untied is None:
+                    from qatlib.quant.linear import PrepareOptions
+
+                    log(f"deployed: {name} (tied)")
+                    tied_rows.append(_row(name, lab, s, work, PrepareOptions(deploy_target=s.target)))
+            except Exception as e:  # recorded; the other formats still run
+                traceback.print_exc()
+                errors.append({"format": name, "error": f"{type(e).__name__}: {e}"})
+            if partial is not None:
+                write_result(partial.parent, partial.stem, {"partial": True, "rows": rows, "errors": errors})
+    tied = {r["format"]: r for r in tied_rows}
+    for r in rows:
+        t = tied.get(r["format"])
+        r["tied"] = t if t is not None else None
+        r["tied_survives"] = None if t is None else t.get("survives")
+    targets = [
+        target(
+            f"{r['format']}: share of QAT's gain deployed with tied scales",
+            r["tied_survives"],
+            0.95,
+            higher_is_better=True,
+            note=(why_untied or "") if r["tied"] is None else "",
+        )
+        for r in rows
+        if not r.get("refused")
+    ]
+    return {
+        "machine": machine(),
+        "settings": asdict(s),
+        "targets": targets,
+        "base_model": inputs.get("base"),
+        "target": s.target,
+        "bf16_ppl": bf16,
+        "rows": rows,
+        "tied_note": why_untied,
+        "errors": errors,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "load_avg": [load0, load_avg()],
+    }
+
+
+def table(doc: dict[str, Any]) -> str:
+    """The README's markdown table of ``doc``."""
+
+    def f(x, p=3):
+        return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{p}f}"
+
+    lines = [
+        "| format | PTQ trained | PTQ deployed | QAT trained | QAT deployed | QAT gain survives | tied survives |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["rows"]:
+        surv = (
+            "refused"
+            if r.get("refused")
+            else ("—" if r["survives"] is None else f"{100 * r['survives']:.0f}%")
+        )
+        tied = "—" if r["tied_survives"] is None else f"{100 * r['tied_survives']:.0f}%"
+        lines.append(
+            f"| {r['format']} | {f(r['ptq_trained'])} | {f(r['ptq_deployed'])} | {f(r['qat_trained'])} "
+            f"| {f(r['qat_deployed'])} | {surv} | {tied} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-tied", action="store_true")
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--results", default="results")
+    ap.add_argument(
+        "--formats", default=None, help=f"comma-separated subset (default {','.join(DEPLOYED_FORMATS)})"
+    )
+    ap.add_argument("--eval-windows", type=int, default=None)
+    ap.add_argument("--qat-steps", type=int, default=None)
+    args = ap.parse_args(argv)
+    s = QUICK if args.quick else DeployedSettings()
+    if args.no_tied:
+        s = replace(s, tied=False)
+    if args.formats:
+        s = replace(s, formats=tuple(args.formats.split(",")))
+    if args.eval_windows:
+        s = replace(s, eval_windows=args.eval_windows)
+    if args.qat_steps:
+        s = replace(s, qat_steps=args.qat_steps)
+    doc = run(s, results=args.results, partial=Path(args.out) / "deployed.partial.json")
+    path = write_result(args.out, "deployed", doc)
+    print(table(doc))
+    log(f"deployed: wrote {path}")
+    return 1 if doc["errors"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,78 @@
+"""The model each evaluation variant evaluates (`scripts/evaluate.py`):
+
+- ``bf16``: the model as it is; ``ptq`` / ``qat``: prepared with the experiment's scheme and the
+  scales loaded (fake quantization in memory); ``export``: the export reloaded by transformers +
+  compressed-tensors;
+- ``deployed``: the export as the experiment's ``deploy.target`` computes it.
+
+For ``deployed``, `qatlib.runtime.emulate` rebuilds the model the runtime serves from the export folder; this module
+is the evaluation's side of it: which model to evaluate and what to record beside its scores (the
+runtime, every load-time transformation applied, what the emulator leaves out). Under
+``deploy.target: none`` there is no runtime to emulate: the result is a ``skipped`` record with
+the reason, which the report shows instead of a column.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+
+def skipped_reason(target: str) -> str | None:
+    """Why the deployed variant is not evaluated (None: it is)."""
+    if target == "none":
+        return "deploy.target is none: no runtime to emulate (set deploy.target: vllm or sglang)"
+    return None
+
+
+def load_variant(cfg, variant: str, model_path: str, scales: str | None) -> tuple[nn.Module, dict[str, Any]]:
+    """``(model, record)`` of ``variant`` from ``model_path`` (the export folder for ``export`` /
+    ``deployed``); ``record``: what goes into the result JSON beside the scores. ``deployed`` that
+    cannot be evaluated: ``(None, {"skipped": reason, ...})`` (``deploy.target: none``, or a
+    runtime refusal only the exported model shows, such as the W4A8 kernel's shape limits: the
+    parse-time check already stopped every format the target cannot load at all)."""
+    from .. import device
+
+    from ..models import load_model, load_prepared
+
+    m, device_map = cfg.model, device.device_map()
+    if variant == "deployed":
+        from ..runtime.emulate import RuntimeRefusal
+
+        target = cfg.deploy.target
+        why = skipped_reason(target)
+        if why:
+            return None, {"skipped": why, "target": target}
+        try:
+            model, record = load_deployed(model_path, target)
+        except RuntimeRefusal as e:
+            return None, {"skipped": str(e), "target": target}
+        return model.to(device.current()), record
+    if variant == "export":  # compressed-tensors decompresses and quantizes activations itself
+        from transformers import AutoModelForCausalLM
+
+        kw = dict(trust_remote_code=m.trust_remote_code, device_map=device_map)
+        return AutoModelForCausalLM.from_pretrained(model_path, **kw).eval(), {}
+    if scales:
+        model = load_prepared(cfg, model_path, scales=scales, complete=True, device_map=device_map)[0]
+        return model.eval(), {}
+    kw = dict(trust_remote_code=m.trust_remote_code, attn_implementation=m.attn_implementation)
+    return load_model(model_path, torch_dtype=m.torch_dtype, device_map=device_map, **kw), {}
+
+
+def load_deployed(export_dir: str | Path, target: str) -> tuple[nn.Module, dict[str, Any]]:
+    """``(model, record)``: the emulated runtime model of ``export_dir`` and the facts for the
+    result JSON. Raises `qatlib.runtime.emulate.RuntimeRefusal` where the runtime refuses it."""
+    from ..runtime.emulate import emulate_export
+    from ..runtime.facts import TARGETS
+
+    dep = emulate_export(export_dir, target)
+    record = {
+        "runtime": str(TARGETS[target]),
+        "layout": dep.layout.value,
+        "applied": dep.applied,
+        "not_emulated": dep.not_emulated,
+    }
+    return dep.model, record
