@@ -34,7 +34,6 @@ def load_variant(cfg, variant: str, model_path: str, scales: str | None) -> tupl
     runtime refusal only the exported model shows, such as the W4A8 kernel's shape limits: the
     parse-time check already stopped every format the target cannot load at all)."""
     from .. import device
-
     from ..models import load_model, load_prepared
 
     m, device_map = cfg.model, device.device_map()
