@@ -234,8 +234,13 @@ def _model_tensors(model: nn.Module) -> st.ModelTensors:
 def _scale_plan(model: nn.Module, ptq_dir: str | os.PathLike, scheme: QuantScheme) -> tuple[list, dict]:
     d, _ = check_scheme(ptq_dir, scheme)
     aliases = param_aliases(model)  # a tied scale is filled from its first key; `_tied_max` reads the rest
-    qkeys = {key: name for name, key in scale_keys(model).items() if name not in aliases}
-    return st.scale_plan(safetensors_files(d), _model_tensors(model), qkeys, where=str(d))
+    keys = scale_keys(model)
+    qkeys = {key: name for name, key in keys.items() if name not in aliases}
+    plan, report = st.scale_plan(safetensors_files(d), _model_tensors(model), qkeys, where=str(d))
+    tied = {keys[n] for n in aliases if n in keys}
+    report["unused_key_names"] = [k for k in report["unused_key_names"] if k not in tied]
+    report["unused_keys"] = len(report["unused_key_names"])
+    return plan, report
 
 
 def stream_load_scales(

@@ -91,7 +91,9 @@ def tie_plan(model: nn.Module, target: str, layout: Layout) -> list[TiedGroup]:
             if len(qs) > 1 and all(_tieable(q) for q in qs):
                 seen.add((g.parent, attr, g.kind))
                 out.append(TiedGroup(g.kind, g.parent, tuple(f"{m}.{attr}" for m in g.members)))
-    return out
+    # an expert's gate/up input pair lies inside its layer's w13 group: keep the larger group only
+    sets = [frozenset(g.names) for g in out]
+    return [g for g, s in zip(out, sets) if not any(s < t for t in sets)]
 
 
 def _readable(p: torch.Tensor) -> bool:
