@@ -5,6 +5,8 @@ inputs, model-dtype scales, the W4A8 kernel's scale path). ``deploy.target: none
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import build_model, tiny_qwen3_config, tiny_qwen3_moe_config
@@ -169,10 +171,21 @@ def test_export_writes_equal_values_and_collapse_changes_only_untied(tmp_path, t
     assert len(groups) == 16 and all(k in sd for ks in groups for k in ks)
     collapsed = _collapse_to_max(sd, groups)
     changed = [ks[0] for ks in groups if any(not torch.equal(collapsed[k], sd[k]) for k in ks)]
+    info = json.loads((out / "qatlib_export.json").read_text())["deployment"]["vllm 0.33.0"]
+    collapses = (
+        "fused shards' per-tensor weight",
+        "fused shards' static input",
+        "every expert's static input",
+    )
     if target == "vllm":
         assert changed == [] and tying.scales_agree(sd, groups)
+        assert tying.export_is_tied(out) is True and info["scales_tied"]
+        assert not any(d.startswith(collapses) for d in info["differences"])  # tying removed them
+        assert sum(d.startswith(collapses) for d in info["trained_as_deployed"]) == 3
     else:
         assert len(changed) >= 8 and not tying.scales_agree(sd, groups)
+        assert tying.export_is_tied(out) is False and info["trained_as_deployed"] == []
+        assert sum(d.startswith(collapses) for d in info["differences"]) == 3
 
 
 # --------------------------------------------------------------------------- checkpoint load

@@ -317,3 +317,22 @@ def tied_checkpoint_keys(model: nn.Module) -> list[str]:
     aliases = param_aliases(model)
     names = set(aliases) | set(aliases.values())
     return sorted({keys[n] for n in names if n in keys})
+
+
+def export_is_tied(export_dir, target: str = "vllm") -> bool | None:
+    """Was the model exported to ``export_dir`` trained with ``target``'s merged scales tied (the
+    ``scales_tied`` that `qatlib.runtime.differences` records in ``qatlib_export.json``)? None when
+    the export records nothing for ``target`` (an older export, or a runtime that cannot load it).
+    The emulator's hook: a tied export is served as trained; an untied one is not."""
+    import json
+    from pathlib import Path
+
+    from ..export import EXPORT_INFO_FILE
+
+    try:
+        info = json.loads((Path(export_dir) / EXPORT_INFO_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    rt = TARGETS.get(target)
+    entry = (info.get("deployment") or {}).get(str(rt)) if rt is not None else None
+    return None if not entry or "scales_tied" not in entry else bool(entry["scales_tied"])

@@ -4,7 +4,8 @@ Usage: torchrun --standalone --nproc_per_node=2 qat_roundtrip.py SPEC.json
 
 SPEC: {"out": dir, "scheme": QuantScheme dict, "data": file (torch.save'd {"train": [S, 2, B, T],
 "eval": [B, T]}), "lr": float, "phases": [{"name", "ds_config", "model", "ptq", "compare_ckpt",
-"also_load", "leaf": bool, "steps": int, "skewed_routing": bool}]}.
+"also_load", "leaf": bool, "steps": int, "skewed_routing": bool, "scheme": the phase's own scheme,
+"deploy_target": tie the scales that runtime merges (qatlib.quant.tying)}]}.
 Rank 0 writes ``{out}/{name}.pt`` (losses, quantizer params, eval logits, checks) and the
 consolidated save ``{out}/{name}_saved``.
 """
@@ -60,11 +61,11 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
     from qatlib.device import current as current_device
     from qatlib.models import load_model
     from qatlib.moe import LinearizedMoeExperts
-    from qatlib.quant import QuantScheme
+    from qatlib.quant import PrepareOptions, QuantScheme, tying
     from qatlib.trainers.params import Learnable, param_groups, select_trainable
 
     out = Path(spec["out"])
-    scheme = QuantScheme.from_dict(spec["scheme"])
+    scheme = QuantScheme.from_dict(ph.get("scheme", spec["scheme"]))
     ds_config = json.loads(Path(ph["ds_config"]).read_text())
     ds_config.update(ph.get("ds_overrides", {}))
     ds_config["zero_optimization"].update(ph.get("zero_overrides", {}))
@@ -82,7 +83,10 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
         from_ptq_ckpt=ph["ptq"],
         moe_leaf=ph.get("leaf", True),
         scales_report_path=out / f"{ph['name']}_scales.json",
+        options=PrepareOptions(deploy_target=ph.get("deploy_target", "none")),
     )
+    # quantizers sharing one (partitioned) scale Parameter: one list per group
+    checks["shared"] = [[n for n, _ in g] for g in tying.shared_groups(model)]
     # each rank holds ceil(n / world) elements of every parameter (its half, padded)
     checks["bad_shares"] = [
         n for n, p in model.named_parameters() if p.ds_tensor.numel() != math.ceil(p.ds_numel / world)
