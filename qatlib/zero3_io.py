@@ -477,7 +477,7 @@ def save_consolidated(
                 if full.startswith(quant_prefixes):
                     for name_ in (full, *aliases.get(full, ())):  # a tied scale: under every member's key
                         if name_ in param_key:
-                            scales[param_key[name_]] = t.float().contiguous()
+                            scales[param_key[name_]] = t.float().contiguous().clone()  # own storage per key
                     continue
                 pending[full] = t.contiguous()
                 pending_bytes += t.numel() * t.element_size()

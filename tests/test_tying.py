@@ -277,3 +277,21 @@ def test_w4a8_under_vllm_simulates_the_kernel_and_exports_exact_codes():
     # trained weight == int4 codes x the kernel's scales; codes are round(w / kernel scale)
     assert torch.equal(ql.fake_quant_weight().float(), (codes.float() * eff).to(torch.bfloat16).float())
     assert torch.equal(codes.float(), torch.round(ql.weight.float() / eff).clamp(-8, 7))
+    # the kernel's input is fp8 per-token dynamic, though the preset calibrates a static scale
+    x = torch.randn(3, ql.in_features) * torch.tensor([[0.1], [1.0], [30.0]])
+    amax = x.abs().amax(-1, keepdim=True) / 448
+    want = (x / amax).clamp(-448, 448).to(torch.float8_e4m3fn).float() * amax
+    assert torch.equal(ql.input_quantizer(x), want)
+
+
+@pytest.mark.parametrize("target", ["vllm", "sglang", "none"])
+def test_config_deploy_target_reaches_prepare(tmp_path, target):
+    from qatlib.config import parse_config
+
+    data = {
+        "model": {"model_path": str(tmp_path)},
+        "compression": {"name": "PTQ", "quantization": {"name": "fp8_static"}},
+    }
+    cfg = parse_config(data | {"deploy": {"target": target}})
+    assert cfg.prepare_options().deploy_target == target
+    assert parse_config(data).prepare_options().deploy_target == "vllm"  # the default target

@@ -125,7 +125,8 @@ class Quantizer(nn.Module):
     @property
     def run_spec(self) -> QuantSpec:
         """The spec a dynamic quantizer computes with: its ``dynamic_granularity`` (the runtime's,
-        e.g. vLLM's per-token fp8 input of dense layers) when set, else the spec itself."""
+        e.g. vLLM's per-token fp8 input of dense layers and of the W4A8 kernel, which runs a
+        calibrated static input dynamically) when set, else the spec itself."""
         g = self.spec.dynamic_granularity
         return self.spec if g is None else self.spec.replace(granularity=g, dynamic_granularity=None)
 
@@ -250,7 +251,9 @@ class Quantizer(nn.Module):
         if self.calibrating:
             self._observe(x)
             return x
-        if self.spec.dynamic:
+        if (
+            self.spec.dynamic or self.spec.dynamic_granularity is not None
+        ):  # (a static spec the runtime runs dynamic)
             fq = F.compiled(F.dynamic_fake_quantize) if self.compile_fake_quant else F.dynamic_fake_quantize
             return fq(x, self.run_spec, clamp_grad=self.clamp_grad, global_scale=self.global_scale)
         scale, zp = self.qparams(x)

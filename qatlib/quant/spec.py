@@ -91,8 +91,9 @@ class QuantSpec:
         in the checkpoint (straight-through), as runtimes that keep scales in the model dtype do.
     w4a8_kernel: int group scales take vLLM's CUTLASS W4A8 path (`functional.w4a8_kernel_scale`:
         int4 codes exact, group scales to fp8 per output row); replaces ``fp8_recast``.
-    dynamic_granularity: a dynamic quantizer's scales are computed at this granularity (vLLM runs
-        every dynamic per-tensor fp8 input of a dense layer per token).
+    dynamic_granularity: the quantizer runs dynamic at this granularity (vLLM runs every dynamic
+        per-tensor fp8 input of a dense layer per token, and the W4A8 kernel's input per token even
+        when the scheme calibrates a static one).
     """
 
     qtype: str = "int8"

@@ -168,6 +168,10 @@ def deploy_spec(spec: QuantSpec, target: str, layout: Layout, *, role: str, expe
     changes: dict = {}
     if role == "input" and Transform.DYNAMIC_PER_TOKEN in ts and spec.dynamic:
         changes["dynamic_granularity"] = Granularity.TOKEN
+    if role == "input" and layout is Layout.W4A8 and spec.granularity is not Granularity.TOKEN:
+        # the W4A8-FP8 kernel quantizes its input per token, dynamically, whatever was calibrated
+        # (vLLM CT compressed_tensors.py:648-654 `_is_fp8_w4a8_sm90`); the export writes that too
+        changes["dynamic_granularity"] = Granularity.TOKEN
     if role == "weight" and Transform.W4A8_FP8_GROUP_SCALES in ts:
         changes.update(w4a8_kernel=True, scale_dtype="bfloat16")  # the kernel needs a bf16 model
     elif role == "weight" and Transform.SCALE_MODEL_DTYPE in ts and dtype in (torch.bfloat16, torch.float16):
