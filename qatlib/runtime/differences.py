@@ -109,7 +109,7 @@ def trained_as_deployed(model: nn.Module, target: str, t: Transform, dtype: torc
     if t is Transform.SCALE_MODEL_DTYPE:
         want = str(dtype).removeprefix("torch.")
         qs = list(_quantizers(model, "weight_quantizer"))
-        return dtype == torch.float32 or (bool(qs) and all(q.spec.scale_dtype == want for q in qs))
+        return bool(qs) and all(q.spec.scale_dtype == want for q in qs)
     if t is Transform.W4A8_FP8_GROUP_SCALES:
         qs = list(_quantizers(model, "weight_quantizer"))
         return bool(qs) and all(q.spec.w4a8_kernel for q in qs)
