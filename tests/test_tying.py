@@ -246,6 +246,16 @@ def test_weight_scales_rounded_to_bf16_for_wna16():
     s = scale.repeat_interleave(16, dim=1)
     want = (torch.round(w / s).clamp(-8, 7) * s).to(torch.bfloat16)
     assert torch.equal(ql.fake_quant_weight(), want)
+    # the export record: the scale-dtype transformation is trained, not a difference; untied it is
+    from qatlib.runtime.differences import deployment_differences
+
+    entry = deployment_differences(model, scheme)["vllm 0.33.0"]
+    assert any(d.startswith("weight scales stored in the model dtype") for d in entry["trained_as_deployed"])
+    assert not any(d.startswith("weight scales stored in the model dtype") for d in entry["differences"])
+    plain = prepare(build_model(tiny_qwen3_config()).to(torch.bfloat16), scheme)
+    entry = deployment_differences(plain, scheme)["vllm 0.33.0"]
+    assert entry["trained_as_deployed"] == [] and not entry["scales_tied"]
+    assert any("weight-scale tensors change when rounded to bfloat16" in d for d in entry["differences"])
 
 
 def test_w4a8_kernel_scale_path_by_hand():
