@@ -113,10 +113,12 @@ def compress_linear(
         raise ExportError(f"{name or 'this QuantLinear'} quantizes no weight")
     spec = ql.weight_quantizer.spec
     codes, scale, zp = ql.codes()
-    # Our dequantized weight (no fp8_recast: that is the kernel's business, see `changes`). Fed
+    # Our dequantized weight (no fp8_recast / W4A8 kernel scales: the kernel applies them). Fed
     # to the compressor, its re-quantization with the same scales gives back exactly our codes.
     gs = ql.weight_global_scale()  # NVFP4: compressed-tensors' `weight_global_scale` (448 * 6 / amax)
-    deq = F.dequantize(codes, scale, zp, spec.replace(fp8_recast=False), torch.float32, global_scale=gs)
+    deq = F.dequantize(
+        codes, scale, zp, spec.replace(fp8_recast=False, w4a8_kernel=False), torch.float32, global_scale=gs
+    )
     sd: dict[str, torch.Tensor] = {"weight": deq, "weight_scale": scale}
     if gs is not None:
         sd["weight_global_scale"] = gs

@@ -201,9 +201,10 @@ def compressed_tensors_format(scheme: QuantScheme, *, w4a8_activation: str = "ru
             )
     if w.fp8_recast:
         changes.append(
-            "weights: fp8_recast (per-tensor FP8 recast of the dequantized weight, the training-time model of the "
-            "W4A8-FP8 kernel) is not stored; the checkpoint holds the int codes and scales, the kernel does its own "
-            "FP8 conversion"
+            "weights: the checkpoint holds the int4 codes and group scales; vLLM's W4A8-FP8 kernel keeps the codes "
+            "and re-quantizes the scales to FP8 per output row (quant_utils.py:931-954). A model trained with "
+            "deploy.target vllm computed exactly that (deployment.trained_as_deployed); one trained with "
+            "fp8_recast (deploy.target none: a per-tensor FP8 recast of the dequantized weight) did not"
         )
     if scheme.fp8_attn:
         notes.append(

@@ -40,6 +40,7 @@ from .quant.calibration import (
 )
 from .quant.linear import PrepareOptions, weight_readable
 from .quant.quantizer import Quantizer
+from .quant.tying import retie_weights
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ def calibrate(
                 raise ValueError(f"calibrate: weight of {name} is not readable (ZeRO-3 shard or meta)")
             wq.init_from(ql.weight)
             report.weight_quantizers += 1
+    retie_weights(model)  # tied weight scales (deploy.target): the max over their members, not the last
     calibrate_activations(model, batches, quantize_weights=quantize_weights_during_calibration, report=report)
     log.info(
         "calibrated %d weight and %d static activation quantizers on %d batches (%d tokens)",

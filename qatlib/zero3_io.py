@@ -74,6 +74,7 @@ from .device import collective_device
 from .models import resolve_dtype
 from .quant import Quantizer, QuantLinear, QuantScheme
 from .quant.linear import prepared_scheme
+from .quant.tying import param_aliases
 
 log = logging.getLogger(__name__)
 
@@ -451,6 +452,9 @@ def save_consolidated(
     comm = _Comm(_dist_ready())
     scheme = scheme or prepared_scheme(model)
     param_key = scale_keys(model)
+    aliases: dict[str, list[str]] = {}
+    for alias, canon in param_aliases(model).items():
+        aliases.setdefault(canon, []).append(alias)
     target = AtomicDir(out_dir, overwrite=overwrite)
     tmp = comm.decide(target.open)  # rank 0 creates it; the others never write
     shards: list[tuple[Path, list[str]]] = []
@@ -474,8 +478,9 @@ def save_consolidated(
         try:
             for full, t in tensors.items():
                 if full.startswith(quant_prefixes):
-                    if full in param_key:
-                        scales[param_key[full]] = t.float().contiguous()
+                    for name_ in (full, *aliases.get(full, ())):  # a tied scale: under every member's key
+                        if name_ in param_key:
+                            scales[param_key[name_]] = t.float().contiguous().clone()  # own storage per key
                     continue
                 pending[full] = t.contiguous()
                 pending_bytes += t.numel() * t.element_size()

@@ -36,6 +36,7 @@ from .checkpoint.layout import (
 from .device import collective_device
 from .moe import LinearizedMoeExperts, linearize_moe_experts
 from .quant import PrepareOptions, Quantizer, QuantScheme, prepare
+from .quant.tying import checkpoint_max, param_aliases, tied_checkpoint_keys
 from .zero3_io import (
     Zero3Context,
     Zero3Error,
@@ -232,8 +233,14 @@ def _model_tensors(model: nn.Module) -> st.ModelTensors:
 
 def _scale_plan(model: nn.Module, ptq_dir: str | os.PathLike, scheme: QuantScheme) -> tuple[list, dict]:
     d, _ = check_scheme(ptq_dir, scheme)
-    qkeys = {key: name for name, key in scale_keys(model).items()}
-    return st.scale_plan(safetensors_files(d), _model_tensors(model), qkeys, where=str(d))
+    aliases = param_aliases(model)  # a tied scale is filled from its first key; `_tied_max` reads the rest
+    keys = scale_keys(model)
+    qkeys = {key: name for name, key in keys.items() if name not in aliases}
+    plan, report = st.scale_plan(safetensors_files(d), _model_tensors(model), qkeys, where=str(d))
+    tied = {keys[n] for n in aliases if n in keys}
+    report["unused_key_names"] = [k for k in report["unused_key_names"] if k not in tied]
+    report["unused_keys"] = len(report["unused_key_names"])
+    return plan, report
 
 
 def stream_load_scales(
@@ -257,6 +264,7 @@ def stream_load_scales(
     t0 = time.perf_counter()
     plan, report = comm.decide(lambda: _scale_plan(model, ptq_dir, scheme))
     _execute_plan(model, plan, comm, chunk_bytes=64 << 20, cast=lambda t: t.float())
+    report["tied_disagreeing"] = _tied_max(model, ptq_dir, scheme, comm)
     loaded = {a.target for e in plan for a in e.assigns}
     for name, q in model.named_modules():
         # any parameter: an NVFP4 input quantizer (dynamic groups) stores only its global scale
@@ -279,6 +287,42 @@ def stream_load_scales(
         if report_path is not None:
             write_json(report_path, report)
     return report
+
+
+def _tied_max(model: nn.Module, ptq_dir: str | os.PathLike, scheme: QuantScheme, comm: _Comm) -> list[str]:
+    """Tied scales (`qatlib.quant.tying`) whose checkpoint keys disagree (an untied checkpoint) take
+    the runtime's value, the max over the keys (`tying.checkpoint_max`); rank 0 reads the few tied
+    keys. Returns the disagreeing groups (logged)."""
+    keys = tied_checkpoint_keys(model)
+    if not keys:
+        return []
+
+    def decide():
+        from safetensors import safe_open
+
+        d, _ = check_scheme(ptq_dir, scheme)
+        read = {}
+        for f in safetensors_files(d):
+            with safe_open(str(f), framework="pt") as fh:
+                read.update({k: fh.get_tensor(k) for k in keys if k in fh.keys()})
+        return checkpoint_max(model, read)
+
+    fix, bad = comm.decide(decide)
+    if fix:
+        params = dict(model.named_parameters())
+        with torch.no_grad(), gathered_param_if_zero3([params[n] for n in fix], modifier_rank=0):
+            if comm.is_main:
+                for n, v in fix.items():
+                    params[n].data.copy_(v.reshape(params[n].shape).to(params[n].dtype))
+        if comm.is_main:
+            log.warning(
+                "%s: %d tied scale groups have different values under their keys (an untied checkpoint); they "
+                "take the max, as the runtime would: %s",
+                ptq_dir,
+                len(bad),
+                "; ".join(bad[:3]),
+            )
+    return bad
 
 
 # =========================================================================== QAT build

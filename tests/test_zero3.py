@@ -29,8 +29,10 @@ from safetensors.torch import load_file, save_file
 from qatlib import ptq as qptq
 from qatlib import zero3_io as z
 from qatlib import zero3_load as zl
-from qatlib.checkpoint.keys import scale_keys
+from qatlib.checkpoint.keys import key_of, scale_keys
 from qatlib.checkpoint.layout import RUN_METADATA_FILE, SCALES_FILE, WEIGHTS_INDEX_FILE
+from qatlib.ptq import calibrate as ptq_calibrate
+from qatlib.ptq import save_ptq_checkpoint
 from qatlib.quant import (
     Granularity,
     PrepareOptions,
@@ -40,6 +42,7 @@ from qatlib.quant import (
     prepare,
     preset,
     quantizers,
+    tying,
 )
 from qatlib.trainers.params import Learnable, param_groups, select_trainable
 
@@ -54,6 +57,7 @@ SCHEME = QuantScheme(
     k=QuantSpec("int8", symmetric=False),
     v=QuantSpec("fp8"),
 )
+FP8_STATIC = preset("fp8_static")
 STEPS, BATCH, SEQ, LR, EPS = 2, 2, 16, 1e-4, 1e-8
 # Tolerance of "ZeRO-3 == single process": both runs do the same fp32 ops except the order in which
 # the two ranks' gradients are summed (ulp-level). Adam turns a nearly cancelling gradient's ulp
@@ -144,20 +148,20 @@ def quant_params(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if "_quantizer." in n}
 
 
-def prepared_from(model_dir: Path, ptq_dir: Path, scheme: QuantScheme = SCHEME):
+def prepared_from(model_dir: Path, ptq_dir: Path, scheme: QuantScheme = SCHEME, target: str = "none"):
     model = load_plain(model_dir)
-    prepare(model, scheme, options=PrepareOptions(init_from_weight=False))
+    prepare(model, scheme, options=PrepareOptions(init_from_weight=False, deploy_target=target))
     report = zl.stream_load_scales(model, ptq_dir, scheme)
     return model, report
 
 
 def reference_run(
-    model_dir: Path, ptq_dir: Path, data: dict, steps: int, scheme: QuantScheme = SCHEME
+    model_dir: Path, ptq_dir: Path, data: dict, steps: int, scheme: QuantScheme = SCHEME, target: str = "none"
 ) -> dict:
     """The single-process QAT the ZeRO-3 run must equal: rank r's micro-batch r, the mean of the
     per-rank losses (what ZeRO-3's gradient averaging optimises), torch AdamW on the scales."""
     with one_thread():
-        model, report = prepared_from(model_dir, ptq_dir, scheme)
+        model, report = prepared_from(model_dir, ptq_dir, scheme, target)
         init_params = quant_params(model)
         for p in model.parameters():
             p.requires_grad_(id(p) in _quant_ids(model))
@@ -180,6 +184,7 @@ def reference_run(
         "init_params": init_params,
         "logits": logits,
         "report": report,
+        "shared": [[n for n, _ in g] for g in tying.shared_groups(model)],
     }
 
 
@@ -233,6 +238,14 @@ def ckpts(tmp_path_factory):
         qptq.save_ptq_checkpoint(pm, NVFP4, tmp / "nvfp4_ptq")
     out["nvfp4_ptq"] = tmp / "nvfp4_ptq"
     out["nvfp4_ref"] = reference_run(out["dense"], out["nvfp4_ptq"], data, STEPS, NVFP4)
+    # deploy.target vllm on the MoE model: an UNTIED fp8 PTQ checkpoint (its tied keys disagree, so
+    # the load takes the max), then QAT with q/k/v, each expert's gate/up and every expert input tied
+    with one_thread():
+        pm = load_plain(out["moe"])
+        ptq_calibrate(pm, FP8_STATIC, [calib])
+        save_ptq_checkpoint(pm, FP8_STATIC, tmp / "moe_fp8_ptq")
+    out["moe_fp8_ptq"] = tmp / "moe_fp8_ptq"
+    out["moe_tied_ref"] = reference_run(out["moe"], tmp / "moe_fp8_ptq", data, MOE_STEPS, FP8_STATIC, "vllm")
     return out
 
 
@@ -295,6 +308,16 @@ def zero3_run(ckpts):
                 "ptq": str(ckpts["nvfp4_ptq"]),
                 "compare_ckpt": str(ckpts["dense"]),
                 "scheme": NVFP4.to_dict(),
+            },
+            {
+                **phase,
+                "name": "moe_tied",
+                "model": str(ckpts["moe"]),
+                "ptq": str(ckpts["moe_fp8_ptq"]),
+                "compare_ckpt": str(ckpts["moe"]),
+                "steps": MOE_STEPS,
+                "scheme": FP8_STATIC.to_dict(),
+                "deploy_target": "vllm",
             },
             {
                 **phase,
@@ -381,6 +404,48 @@ def test_consolidated_save_reloads_without_deepspeed(zero3_run, name):
             logits = model(input_ids=torch.load(run_dir.parent / "data.pt")["eval"]).logits
     assert report["misses"] == 0
     assert torch.equal(logits, results[name]["logits"])  # identical, not merely close
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_tied_scales_partition_train_and_save(zero3_run, ckpts):
+    """deploy.target vllm under ZeRO-3: a scale Parameter shared by several quantizers (q/k/v, an
+    expert's gate/up, every expert input of a layer) is partitioned once, trains as the
+    single-process tied model does, and is saved under every member's key; the untied PTQ
+    checkpoint it started from loaded with the max rule."""
+    results, run_dir, _ = zero3_run
+    r, ref = results["moe_tied"], ckpts["moe_tied_ref"]
+    assert ref["shared"] and len(ref["shared"]) == 16
+    for rank_checks in r["checks"]:
+        assert rank_checks["shared"] == ref["shared"]
+        assert rank_checks["bad_shares"] == []
+    assert len(ref["report"]["tied_disagreeing"]) > 0  # the untied checkpoint's keys did disagree
+    rep = json.loads((run_dir / "moe_tied_scales.json").read_text())
+    assert rep["tied_disagreeing"] == ref["report"]["tied_disagreeing"] and rep["misses"] == 0
+    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL)
+    assert set(r["quant_params"]) == set(ref["quant_params"])
+    for k, v in ref["quant_params"].items():
+        torch.testing.assert_close(r["quant_params"][k], v, rtol=RTOL, atol=ATOL, msg=k)
+    saved = run_dir / "moe_tied_saved"
+    scales = load_file(str(saved / SCALES_FILE))
+    keys = {  # quantizer name -> its linear's checkpoint key (docs/design.md)
+        n: key_of(n.rpartition(".")[0], n.rpartition(".")[2].removesuffix("_quantizer"), "scale")
+        for g in ref["shared"]
+        for n in g
+    }
+    for group in ref["shared"]:
+        vals = [scales[keys[n]] for n in group]  # one key per linear, the shared value under each
+        assert all(torch.equal(vals[0], v) for v in vals[1:]), group
+    moved = [
+        g for g in ref["shared"] if not torch.equal(scales[keys[g[0]]], ref["init_params"][g[0] + ".scale"])
+    ]
+    assert moved  # the tied scales trained
+    with one_thread():
+        model, report = prepared_from(saved, saved, FP8_STATIC, "vllm")
+        with torch.no_grad():
+            logits = model(input_ids=torch.load(run_dir.parent / "data.pt")["eval"]).logits
+    assert report["misses"] == 0 and report["tied_disagreeing"] == []
+    assert torch.equal(logits, r["logits"])
 
 
 @pytest.mark.slow

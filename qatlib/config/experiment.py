@@ -355,6 +355,7 @@ class ExperimentConfig(Section):
             lwc_init=qc.lwc.lwc_init_value if qc.lwc.enable_lwc else None,
             compile_fake_quant=qc.compile_fake_quant,
             strict_ignore=self.quantization.strict_ignore_layers,
+            deploy_target=self.deploy.target,
         )
 
     def loss_config(self) -> LossConfig:

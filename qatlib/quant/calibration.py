@@ -138,10 +138,33 @@ def _range_from_qparams(scale: torch.Tensor, zp: torch.Tensor | None, spec: Quan
 
 
 @torch.no_grad()
+def merge_tied_observations(qs: Iterable[Quantizer]) -> int:
+    """Quantizers that share one scale (`qatlib.quant.tying`: what the runtime fuses) observe as one:
+    each member's range becomes the union of the group's, so the tied scale is the max of the
+    scales the members would get alone (the runtime's own collapse rule) and an expert that got no
+    token needs no fallback. Returns the number of merged groups."""
+    by_id: dict[int, list[Quantizer]] = {}
+    for q in qs:
+        if q.scale is not None:
+            by_id.setdefault(id(q.scale), []).append(q)
+    n = 0
+    for group in by_id.values():
+        obs = [q._obs for q in group if q._obs is not None]
+        if len(group) < 2 or not obs:
+            continue
+        merged = (torch.stack([o[0] for o in obs]).amin(0), torch.stack([o[1] for o in obs]).amax(0))
+        for q in group:
+            q._obs = merged
+        n += 1
+    return n
+
+
+@torch.no_grad()
 def finish_with_fallback(named: list[tuple[str, Quantizer]], report: CalibrationReport) -> None:
-    """finish_calibration on every quantizer; a quantizer that saw no data (an MoE expert no token
-    was routed to) takes the union of the ranges of its sibling experts (for symmetric formats:
+    """finish_calibration on every quantizer (tied ones on the union of their group's ranges,
+    `merge_tied_observations`); a quantizer that saw no data (an MoE expert no token was routed to) takes the union of the ranges of its sibling experts (for symmetric formats:
     the max of their scales)."""
+    merge_tied_observations([q for _, q in named])
     missing = []
     for name, q in named:
         try:

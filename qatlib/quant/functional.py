@@ -238,6 +238,8 @@ def _effective_scale(scale: torch.Tensor, spec: QuantSpec, global_scale: torch.T
     """The scale that multiplies the codes, in the grouped view: FP4 group scales rounded to
     their format and (NVFP4) divided by the global scale, in compressed-tensors' order
     (``scale / global_scale``, then ``x / that``)."""
+    if spec.w4a8_kernel:
+        return _expand(w4a8_kernel_scale(scale), spec)
     if not spec.is_fp4:
         return _expand(scale.float(), spec)
     s = _round_scale_ste(scale.float(), spec)
@@ -322,6 +324,22 @@ def _dequant_fp32(
     return q * s
 
 
+def w4a8_kernel_scale(scale: torch.Tensor) -> torch.Tensor:
+    """The int4 group scales ``[N, K/g]`` as vLLM 0.33's CUTLASS W4A8 kernel applies them, with an
+    identity gradient: bf16 (the model dtype the kernel requires), then fp8 per output row with an
+    fp32 channel factor (``QuantFP8`` per-token: ``c = amax/448``), the fp8 values divided by 8 and
+    re-cast, the factor times 8 (quant_utils.py:931-954 ``convert_bf16_scales_to_fp8``,
+    kernels/linear/mixed_precision/cutlass.py:66-85). The int4 codes stay exact. Written here
+    because no library computes it off-GPU."""
+    s = scale.float()
+    with torch.no_grad():
+        b = s.detach().to(torch.bfloat16).float()
+        c = (b.abs().amax(-1, keepdim=True) / FP8_E4M3_MAX).clamp_min(1.0 / (FP8_E4M3_MAX * 512.0))
+        q8 = torch.clamp(b / c, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(_FP8).float()
+        eff = (q8 / 8.0).to(_FP8).float() * (c * 8.0)
+    return eff + _identity_grad(s)
+
+
 def _fp8_recast(x: torch.Tensor) -> torch.Tensor:
     """Per-tensor FP8 recast of an already dequantized tensor (W4A8-FP8 GEMM input), with STE."""
     s = (x.detach().abs().amax() / FP8_E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
@@ -359,7 +377,7 @@ def dequantize(
     ``fp8_recast`` is applied here too, so ``dequantize`` is what the deployed kernel computes."""
     qg = _grouped(q.float(), spec)
     out = _dequant_fp32(qg, scale, zero_point, spec, global_scale).reshape(q.shape)
-    if spec.fp8_recast:
+    if spec.fp8_recast and not spec.w4a8_kernel:
         out = _fp8_recast(out)
     return out.to(dtype)
 
@@ -396,7 +414,7 @@ def fake_quantize(
         clipped = _clipped_mask(x, scale, zero_point, spec, global_scale)
         out = torch.where(clipped, out + _identity_grad(_grouped(x.float(), spec)), out)
     out = out.reshape(x.shape)
-    if spec.fp8_recast:
+    if spec.fp8_recast and not spec.w4a8_kernel:
         out = _fp8_recast(out)
     return out.to(x.dtype)
 

@@ -311,6 +311,9 @@ class PrepareOptions:
     init_from_weight: bool = True
     compile_fake_quant: bool = False  # torch.compile the fake-quant ops (F.compiled)
     strict_ignore: bool = False  # an ignore pattern that matches no module is an error, not a warning
+    # deploy.target: quantizers the runtime merges share one scale, and compute as it does
+    # (`qatlib.quant.tying.apply_target`); "none" keeps every quantizer independent
+    deploy_target: str = "none"
 
 
 def prepare(
@@ -328,7 +331,8 @@ def prepare(
     ``options.strict_ignore``) before anything is swapped. ``init_context`` wraps
     the creation of new parameters (the ZeRO-3 path passes ``deepspeed.zero.Init`` so scales are
     partitioned like everything else). Raises ValueError naming the layers whose in_features a
-    per-group size does not divide, before anything is swapped.
+    per-group size does not divide, before anything is swapped. ``options.deploy_target`` ties the
+    scales that runtime merges (`qatlib.quant.tying`).
     """
     linearize_moe_experts(model, init_context=init_context)
     report_unmatched_ignores(model, ignore, strict=options.strict_ignore)
@@ -378,6 +382,10 @@ def prepare(
         from .attention import enable_qkv_quantization
 
         enable_qkv_quantization(model)
+    if options.deploy_target != "none":
+        from .tying import apply_target
+
+        apply_target(model, scheme, options.deploy_target)
     return model
 
 

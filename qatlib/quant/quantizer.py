@@ -24,10 +24,17 @@ PARAM_ROLES = {
 
 
 def role_parameters(model: nn.Module, role: str | None = None):
-    """``(qualified_name, param)`` of every Quantizer parameter (of ``role``, if given), in module order."""
+    """``(qualified_name, param)`` of every Quantizer parameter (of ``role``, if given), in module order.
+
+    A scale shared by several quantizers (`qatlib.quant.tying`) appears once, under its first name
+    (as ``named_parameters`` gives it): an optimizer must not see one tensor twice."""
+    seen: set[int] = set()
     for mname, m in model.named_modules():
         if isinstance(m, Quantizer):
             for pname, p in m.named_parameters(recurse=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
                 if role is None or PARAM_ROLES.get(pname) == role:
                     yield (f"{mname}.{pname}" if mname else pname), p
 
@@ -116,6 +123,14 @@ class Quantizer(nn.Module):
         return self
 
     @property
+    def run_spec(self) -> QuantSpec:
+        """The spec a dynamic quantizer computes with: its ``dynamic_granularity`` (the runtime's,
+        e.g. vLLM's per-token fp8 input of dense layers and of the W4A8 kernel, which runs a
+        calibrated static input dynamically) when set, else the spec itself."""
+        g = self.spec.dynamic_granularity
+        return self.spec if g is None else self.spec.replace(granularity=g, dynamic_granularity=None)
+
+    @property
     def uses_lwc(self) -> bool:
         return self.clip_factor_w_max is not None
 
@@ -127,20 +142,28 @@ class Quantizer(nn.Module):
         if self.spec.dynamic:
             if x is None:
                 raise ValueError("a dynamic quantizer's qparams depend on the input")
-            return F.compute_qparams(x, self.spec, self.global_scale_for(x))
+            return F.compute_qparams(x, self.run_spec, self.global_scale_for(x))
         if self.uses_lwc:
             if x is None:
                 raise ValueError("LWC qparams depend on the weight: pass it")
             xmin, xmax = F.observe_range(x, self.spec)
-            return F.qparams_from_range(
+            scale, zp = F.qparams_from_range(
                 xmin * torch.sigmoid(self.clip_factor_w_min),
                 xmax * torch.sigmoid(self.clip_factor_w_max),
                 self.spec,
                 self.global_scale_for(x),
             )
-        if self.spec.is_fp4:
+            if self.spec.is_fp4:
+                return scale, zp
+        elif self.spec.is_fp4:
             return F._round_scale_ste(self.scale, self.spec), None
-        return self.scale, self.zero_point
+        else:
+            scale, zp = self.scale, self.zero_point
+        if self.spec.scale_dtype is not None:  # the runtime keeps the scale in the model dtype
+            scale = scale.detach().to(getattr(torch, self.spec.scale_dtype)).float() + (
+                scale - scale.detach()
+            )
+        return scale, zp
 
     def global_scale_for(self, x: torch.Tensor | None = None) -> torch.Tensor | None:
         """NVFP4's global scale for ``x``: the parameter, or (LWC weights, which have none) the
@@ -228,9 +251,11 @@ class Quantizer(nn.Module):
         if self.calibrating:
             self._observe(x)
             return x
-        if self.spec.dynamic:
+        if (
+            self.spec.dynamic or self.spec.dynamic_granularity is not None
+        ):  # (a static spec the runtime runs dynamic)
             fq = F.compiled(F.dynamic_fake_quantize) if self.compile_fake_quant else F.dynamic_fake_quantize
-            return fq(x, self.spec, clamp_grad=self.clamp_grad, global_scale=self.global_scale)
+            return fq(x, self.run_spec, clamp_grad=self.clamp_grad, global_scale=self.global_scale)
         scale, zp = self.qparams(x)
         fq = F.compiled(F.fake_quantize) if self.compile_fake_quant else F.fake_quantize
         return fq(x, scale, zp, self.spec, clamp_grad=self.clamp_grad, global_scale=self.global_scale_for(x))

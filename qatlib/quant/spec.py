@@ -65,6 +65,9 @@ INT_QTYPES = tuple(f"int{b}" for b in range(2, 9))
 QTYPES = (*INT_QTYPES, "fp8", *FP4_FORMATS)
 
 
+_DEPLOY_FIELDS = ("scale_dtype", "w4a8_kernel", "dynamic_granularity")
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     """How one tensor is quantized.
@@ -79,6 +82,18 @@ class QuantSpec:
     num_heads: heads for ``per-head`` (the last dim is split into ``num_heads`` equal parts).
     fp8_recast: after dequantization, recast the tensor to FP8 with a per-tensor scale, as the
         W4A8-FP8 deployment kernels do (int4 weights are expanded to FP8 before the FP8 GEMM).
+
+    The deployment fields below are set by `qatlib.quant.tying.deploy_spec` for a ``deploy.target``;
+    they change what the forward computes to what that runtime computes, not the export layout, so
+    they take no part in equality (a checkpoint trained for one target loads for another):
+
+    scale_dtype: the static scale is rounded to this torch dtype (``"bfloat16"``) in the forward and
+        in the checkpoint (straight-through), as runtimes that keep scales in the model dtype do.
+    w4a8_kernel: int group scales take vLLM's CUTLASS W4A8 path (`functional.w4a8_kernel_scale`:
+        int4 codes exact, group scales to fp8 per output row); replaces ``fp8_recast``.
+    dynamic_granularity: the quantizer runs dynamic at this granularity (vLLM runs every dynamic
+        per-tensor fp8 input of a dense layer per token, and the W4A8 kernel's input per token even
+        when the scheme calibrates a static one).
     """
 
     qtype: str = "int8"
@@ -88,6 +103,9 @@ class QuantSpec:
     dynamic: bool = False
     num_heads: int | None = None
     fp8_recast: bool = False
+    scale_dtype: str | None = field(default=None, compare=False)
+    w4a8_kernel: bool = field(default=False, compare=False)
+    dynamic_granularity: Granularity | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.qtype not in QTYPES:
@@ -144,6 +162,12 @@ class QuantSpec:
             raise SpecError("symmetric", "fp8 quantization is symmetric only (set is_sym/symmetric: true)")
         if gran is Granularity.HEAD and self.num_heads is not None and self.num_heads <= 0:
             raise SpecError("num_heads", f"per-head quantization needs num_heads > 0; got {self.num_heads}")
+        if self.dynamic_granularity is not None:
+            object.__setattr__(self, "dynamic_granularity", Granularity(self.dynamic_granularity))
+        if self.scale_dtype not in (None, "bfloat16", "float16"):
+            raise SpecError("scale_dtype", f"scale_dtype is bfloat16 or float16; got {self.scale_dtype!r}")
+        if self.w4a8_kernel and (self.is_float or gran is not Granularity.GROUP):
+            raise SpecError("w4a8_kernel", "the W4A8 kernel scale path applies to per-group int weights")
         if self.fp8_recast and self.is_float:
             raise SpecError(
                 "fp8_recast", f"fp8_recast applies to integer weight formats (W4A8-FP8), not to {self.qtype}"
@@ -210,6 +234,11 @@ class QuantSpec:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["granularity"] = self.granularity.value
+        if self.dynamic_granularity is not None:
+            d["dynamic_granularity"] = self.dynamic_granularity.value
+        for k in _DEPLOY_FIELDS:  # written only when set: records of untied runs stay as they were
+            if not d[k]:
+                del d[k]
         return d
 
     @classmethod
@@ -222,8 +251,14 @@ class QuantSpec:
             parts.append(f"g{self.group_size}")
         parts.append("sym" if self.symmetric else "asym")
         parts.append("dynamic" if self.dynamic else "static")
-        if self.fp8_recast:
+        if self.w4a8_kernel:
+            parts.append("w4a8-kernel-scales")
+        elif self.fp8_recast:
             parts.append("fp8-recast")
+        if self.scale_dtype:
+            parts.append(f"{self.scale_dtype}-scales")
+        if self.dynamic_granularity is not None:
+            parts.append(f"runs {self.dynamic_granularity.value}")
         return " ".join(parts)
 
 

@@ -5,6 +5,11 @@ transformation a target applies (`qatlib.runtime.facts.transforms`), how many gr
 THIS model it actually changes (a transformation that meets equal, tied scales changes nothing and
 is reported with a zero count), plus the KV-cache facts. A user reads there whether the model a
 runtime serves is the model that was trained.
+
+A transformation the model was trained with (``deploy.target``: tied scales, the runtime's dynamic
+granularity, scale dtype and W4A8 scale path; `qatlib.quant.tying`) is no difference: it is listed
+under ``trained_as_deployed`` instead, and ``scales_tied`` says whether every group that runtime
+merges shares one trained scale.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..quant import tying
 from ..quant.linear import QuantLinear
 from ..quant.spec import Granularity, QuantScheme
 from .facts import DENSE_ONLY, TARGETS, Transform, kv_facts, layout_of, load_refusal, transforms
@@ -93,6 +99,40 @@ def _measure(model: nn.Module, t: Transform, dtype: torch.dtype) -> str:
     return "every quantized linear"
 
 
+_COLLAPSES = {
+    Transform.WEIGHT_SCALE_MAX,
+    Transform.INPUT_SCALE_MAX,
+    Transform.INPUT_SCALE_LAST,
+    Transform.EXPERT_INPUT_SCALE_MAX,
+}
+
+
+def _quantizers(model: nn.Module, attr: str, *, dense_only: bool = False):
+    experts = _expert_names(model) if dense_only else set()
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear) and name not in experts and getattr(m, attr) is not None:
+            yield getattr(m, attr)
+
+
+def trained_as_deployed(model: nn.Module, target: str, t: Transform, dtype: torch.dtype) -> bool:
+    """Was ``model`` trained with ``target``'s transformation ``t`` (so it changes nothing)? Read
+    from the model's structure and specs alone (shared Parameters, `QuantSpec` deployment fields),
+    so it holds for a ZeRO-3 model whose scales are partitioned."""
+    if t in _COLLAPSES:
+        return bool(tying.shared_groups(model)) and not tying.untied_groups(model, target)
+    if t is Transform.DYNAMIC_PER_TOKEN:
+        qs = [q for q in _quantizers(model, "input_quantizer", dense_only=True) if q.spec.dynamic]
+        return bool(qs) and all(q.spec.dynamic_granularity is Granularity.TOKEN for q in qs)
+    if t is Transform.SCALE_MODEL_DTYPE:
+        want = str(dtype).removeprefix("torch.")
+        qs = list(_quantizers(model, "weight_quantizer"))
+        return bool(qs) and all(q.spec.scale_dtype == want for q in qs)
+    if t is Transform.W4A8_FP8_GROUP_SCALES:
+        qs = list(_quantizers(model, "weight_quantizer"))
+        return bool(qs) and all(q.spec.w4a8_kernel for q in qs)
+    return False
+
+
 def deployment_differences(
     model: nn.Module, scheme: QuantScheme, *, w4a8_activation: str = "runtime", measure: bool = True
 ) -> dict[str, Any]:
@@ -108,14 +148,21 @@ def deployment_differences(
         entry: dict[str, Any] = {"layout": layout.value, "loads": refusal is None}
         if refusal is not None:
             entry["refusal"] = f"{refusal.what} ({refusal.source})"
-        diffs = []
+        diffs, matched = [], []
         for t, fact in transforms(target, layout):
             if t in DENSE_ONLY and moe and not _has_dense_quantized(model):
                 continue
             line = f"{t.value} [{fact.source}]"
+            if trained_as_deployed(model, target, t, dtype):
+                matched.append(line)
+                continue
             if measure:
                 line += f": {_measure(model, t, dtype)}"
             diffs.append(line)
+        entry["scales_tied"] = bool(tying.tie_plan(model, target, layout)) and not tying.untied_groups(
+            model, target
+        )
+        entry["trained_as_deployed"] = matched
         k = scheme.k
         if k is not None and k.is_fp8 and not k.dynamic:
             per_head = k.granularity is Granularity.HEAD

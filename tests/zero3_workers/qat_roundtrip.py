@@ -5,7 +5,7 @@ Usage: torchrun --standalone --nproc_per_node=2 qat_roundtrip.py SPEC.json
 SPEC: {"out": dir, "scheme": QuantScheme dict, "data": file (torch.save'd {"train": [S, 2, B, T],
 "eval": [B, T]}), "lr": float, "phases": [{"name", "ds_config", "model", "ptq", "compare_ckpt",
 "also_load", "leaf": bool, "steps": int, "skewed_routing": bool, "scheme": a phase's own scheme
-(default: the spec's)}]}.
+(default: the spec's), "deploy_target": tie the scales that runtime merges (qatlib.quant.tying)}]}.
 Rank 0 writes ``{out}/{name}.pt`` (losses, quantizer params after the build and after the steps,
 eval logits, checks) and the consolidated save ``{out}/{name}_saved``.
 """
@@ -63,7 +63,7 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
     from qatlib.device import current as current_device
     from qatlib.models import load_model
     from qatlib.moe import LinearizedMoeExperts
-    from qatlib.quant import Quantizer, QuantScheme
+    from qatlib.quant import PrepareOptions, Quantizer, QuantScheme, tying
     from qatlib.trainers.params import Learnable, param_groups, select_trainable
 
     out = Path(spec["out"])
@@ -85,7 +85,10 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
         from_ptq_ckpt=ph["ptq"],
         moe_leaf=ph.get("leaf", True),
         scales_report_path=out / f"{ph['name']}_scales.json",
+        options=PrepareOptions(deploy_target=ph.get("deploy_target", "none")),
     )
+    # quantizers sharing one (partitioned) scale Parameter: one list per group
+    checks["shared"] = [[n for n, _ in g] for g in tying.shared_groups(model)]
     # each rank holds ceil(n / world) elements of every parameter (its half, padded)
     checks["bad_shares"] = [
         n for n, p in model.named_parameters() if p.ds_tensor.numel() != math.ceil(p.ds_numel / world)
