@@ -260,8 +260,16 @@ def test_emulator_catches_the_untied_mismatch(tmp_path, case):
         assert tied <= (EQUAL_BF16 if bf16 else EQUAL_FP32), (untied, tied)
 
 
-@pytest.mark.xfail(strict=True, reason="needs tied scales (h-tying): PrepareOptions(deploy_target=...)")
-@pytest.mark.parametrize("case", CHANGED, ids=_id)
+W4A8_OPEN = pytest.mark.xfail(
+    strict=True,
+    reason="W4A8 tied: trained vs emulated logits still differ by 0.08 (dense) / 0.13 (MoE), "
+    "about what untied differs (0.10 / 0.15); not the GEMM dtype (a bf16 GEMM in the emulator "
+    "gives the same); the trained kernel path and the emulator disagree somewhere else (open, #15)",
+)
+TIED_CASES = [pytest.param(c, marks=W4A8_OPEN) if c[0] == "w4a8_fp8" else c for c in CHANGED]
+
+
+@pytest.mark.parametrize("case", TIED_CASES, ids=_id)
 def test_emulated_equals_trained_when_tied(tmp_path, case):
     """Under ``deploy.target: vllm`` the trained model IS the deployed one (h-tying's API)."""
     name, moe, dtype, _ = case
