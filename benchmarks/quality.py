@@ -463,7 +463,10 @@ class Lab:
         s = self.s
         steps = steps or s.qat_steps
         loss_type = loss_type or s.loss_type
-        if lr is None and scheme.weight is not None and scheme.weight.is_fp8:
+        fp8_scales = [
+            sp for sp in (scheme.weight, scheme.input) if sp is not None and sp.is_fp8 and not sp.dynamic
+        ]
+        if lr is None and fp8_scales:  # learnable fp8 scales (~1e-4: amax / 448) need the small lr
             lr = s.fp8_lr
         m = start if start is not None else self.rtn(scheme, lwc_init=s.lwc_init if lwc else None)
         args = TrainingArguments(
