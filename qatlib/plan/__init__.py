@@ -102,6 +102,11 @@ def find_model_config(model_path: str, repo: Path = REPO, base_models: str = BAS
             r = spec["random"]
             cfg = json.loads((repo / r["config"]).read_text(encoding="utf-8"))
             return {**cfg, "num_hidden_layers": r.get("num_hidden_layers", cfg["num_hidden_layers"])}
+        if "model" not in spec:  # e.g. a GGUF conversion: its config.json exists only once built
+            raise PlanError(
+                f"model.model_path: {model_path!r} is built by the workflow ({base_models}: "
+                f"{', '.join(spec)}) and not built yet; pass --model-config FILE"
+            )
         from_spec = dict(spec.get("model") or {})
         from_spec["model_type"] = from_spec.pop("arch", "qwen3_moe")
         return from_spec
