@@ -140,6 +140,19 @@ class TrainingGuard(TrainerCallback):
                 f"step {state.global_step + 1}: non-finite gradient: {'; '.join(lines[:5])}. The step was not "
                 "applied and no checkpoint of it was written: resume from the last one."
             )
+        # A parameter already out of range when this step's gradients exist (set from outside, or by
+        # a forward that does not propagate it: the fused fake-quant clamps a zero scale's codes to
+        # finite values): stop before the update can hide it (Adam would move a 0 to +-lr).
+        if getattr(self.trainer, "is_deepspeed_enabled", False):
+            return  # the engine has already stepped: `on_step_end` names it, with the lr advice
+        bad = bad_quant_params(self.model)
+        if _any_rank(bool(bad), self._device()):
+            lines = _ranked(_gather(bad))
+            raise GuardError(
+                f"step {state.global_step + 1}: quantizer parameters out of range before the update: "
+                f"{'; '.join(lines[:5])}. The step was not applied and no checkpoint of it was written: "
+                "resume from the last one."
+            )
 
     def on_step_end(self, args, state, control, **kw):
         step = state.global_step
