@@ -230,7 +230,11 @@ def assert_export_is_the_qat_model(ppl: dict[str, float]) -> None:
     perplexities agree far closer than either does with the unquantized model's (a random tiny
     model moves little under quantization, so a relative bound alone would not tell them apart)."""
     assert ppl["qat"] != ppl["bf16"], ppl
-    assert abs(ppl["export"] - ppl["qat"]) < 0.2 * abs(ppl["qat"] - ppl["bf16"]), ppl
+    # under deploy.target (vllm by default) QAT trained the runtime's arithmetic (tied scales,
+    # per-token dynamic inputs, expert input quantization), which the runtime emulator applies and a
+    # transformers reload does not: compare what the runtime serves
+    served = ppl["deployed"] if isinstance(ppl.get("deployed"), float) else ppl["export"]
+    assert abs(served - ppl["qat"]) < 0.2 * abs(ppl["qat"] - ppl["bf16"]), ppl
 
 
 @pytest.mark.slow
