@@ -216,6 +216,9 @@ def check_results(exp: Path) -> dict[str, float]:
         (value,) = [r["ppl"] for r in res["ppl"].values()]
         assert math.isfinite(value) and value > 1, (v, value)
         ppl[v] = value
+    deployed = exp / "eval/deployed.json"  # the runtime emulator's (a reason when skipped)
+    if deployed.exists() and "skipped" not in (res := json.loads(deployed.read_text())):
+        (ppl["deployed"],) = [r["ppl"] for r in res["ppl"].values()]
     metrics = json.loads((exp / "metrics.json").read_text())
     assert all(math.isfinite(x) for k, x in metrics.items() if k.startswith("ppl/"))
     model = AutoModelForCausalLM.from_pretrained(str(exp / "export"))
