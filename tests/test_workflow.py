@@ -246,7 +246,8 @@ def test_dvc_plots_show_writes_the_plots(tmp_path):
     run(["dvc", "init", "--no-scm", "-q"], tmp_path)
     for f in ("dvc.yaml", "params.yaml"):
         shutil.copy(REPO / f, tmp_path / f)
-    plots = tmp_path / "results/tiny-qwen3-moe/plots"
+    exp = yaml.safe_load((REPO / "params.yaml").read_text())["experiment"]  # dvc.yaml's ${experiment}
+    plots = tmp_path / f"results/{exp}/plots"
     plots.mkdir(parents=True)
     (plots / "loss.csv").write_text("step,lm_loss,total_loss\n1,5.0,5.1\n2,4.9,5.0\n")
     (plots / "sqnr.csv").write_text("layer,layer_type,ptq_db,qat_db,delta_db\na,q_proj,20.0,20.5,0.5\n")
