@@ -297,3 +297,18 @@ def test_weight_plan_from_shapes_alone(tmp_path):
     # (optional) is not missing at all
     assert "missing (5): mlp.experts.0.up_proj.weight, mlp.experts.1.gate_proj.weight, " in msg
     assert "mlp.experts.0.gate_proj.weight (" not in msg and "weight_quantizer" not in msg
+
+
+def test_publish_permissions_opens_a_private_temp_folder(tmp_path):
+    """Model folders made through AtomicDir's mkdtemp (0700) with 0600 files become 0755 / 0644."""
+    import stat
+
+    from qatlib.checkpoint.layout import publish_permissions
+
+    d = tmp_path / "out"
+    d.mkdir(mode=0o700)
+    (d / "model.safetensors").write_bytes(b"x")
+    os.chmod(d / "model.safetensors", 0o600)
+    publish_permissions(d)
+    assert stat.S_IMODE(d.stat().st_mode) == 0o755
+    assert stat.S_IMODE((d / "model.safetensors").stat().st_mode) == 0o644

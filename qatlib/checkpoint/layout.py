@@ -299,6 +299,16 @@ def _install(tmp: Path, out: Path) -> None:
     tmp.with_name(tmp.name + OWNER_SUFFIX).unlink(missing_ok=True)
 
 
+def publish_permissions(directory: Path) -> None:
+    """Readable by everyone, as a plain ``mkdir`` + write would leave it: `AtomicDir`'s temporary
+    folder comes from ``mkdtemp`` (0700) and some writers create 0600 files, which a model folder
+    shared with other users (or served by a runtime under another uid) must not keep."""
+    os.chmod(directory, 0o755)
+    for f in directory.iterdir():
+        if f.is_file():
+            os.chmod(f, 0o644)
+
+
 class AtomicDir:
     """Write a directory completely or not at all: ``with AtomicDir(out) as tmp:`` fills a fresh
     temporary sibling of ``out`` (with an owner record), swapped in for ``out`` when the block succeeds.

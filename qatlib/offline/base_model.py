@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.layout import AtomicDir
+from ..checkpoint.layout import AtomicDir, publish_permissions
 
 # Tiny Qwen3-MoE: ~2.8M parameters with a 4096 vocabulary (1.05M of them in the two embeddings).
 DEFAULT_MODEL: dict = {
@@ -353,10 +352,7 @@ def pretrain(
         tok.save_pretrained(str(tmp))
         stats["total_seconds"] = time.perf_counter() - t_start
         (tmp / "pretrain_stats.json").write_text(json.dumps(stats, indent=2, default=str) + "\n")
-        os.chmod(tmp, 0o755)
-        for f in tmp.iterdir():
-            if f.is_file():
-                os.chmod(f, 0o644)
+        publish_permissions(tmp)
         target.commit()
     except BaseException:
         target.abort()

@@ -18,12 +18,11 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from ..checkpoint.layout import AtomicDir
+from ..checkpoint.layout import AtomicDir, publish_permissions
 
 SOURCE_FILE = "source.json"
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -157,10 +156,7 @@ def convert(src: GgufSource | dict, out_dir: str | Path, *, threads: int | None 
             "transformers": importlib.metadata.version("transformers"),
         }
         (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
-        os.chmod(tmp, 0o755)
-        for f in tmp.iterdir():
-            if f.is_file():
-                os.chmod(f, 0o644)
+        publish_permissions(tmp)
         target.commit()
     except BaseException:
         target.abort()
