@@ -154,6 +154,7 @@ IGNORE = ("lm_head", "embed_tokens", "gate")
 FORMATS: dict[str, str] = {
     "fp8_static": "FP8 E4M3 weights and static per-tensor activations",
     "int4_g32": "int4 sym weight-only, groups of 32",
+    "int4_g64": "int4 sym weight-only, groups of 64 (the default experiment's format)",
     "int4_ch": "int4 sym weight-only, per-channel",
     "w4a8_fp8_g32": "int4 g32 weights (FP8 recast) + static FP8 activations",
     "int8_w8a8": "int8 per-channel weights + int8 per-token dynamic activations",
@@ -196,6 +197,8 @@ def format_scheme(name: str):
         return weight_only(int(name[3]), 32)
     if name == "int4_g16":
         return weight_only(4, 16)
+    if name == "int4_g64":
+        return weight_only(4, 64)
     fp4 = {
         "nvfp4": "nvfp4",
         "nvfp4_w4a16": "nvfp4_weight_only",

@@ -448,17 +448,21 @@ class Lab:
         norm: bool = False,
         start=None,
         lm: float | None = None,
+        weight_lr: float | None = None,
+        act_scale: bool = True,
     ):
         """RTN warm start (or the prepared model ``start``) + end-to-end QAT; returns (model, record).
 
-        ``norm``: the RMSNorm weights learn too (upstream's ``learnable.norm``)."""
+        ``norm``: the RMSNorm weights learn too (upstream's ``learnable.norm``). ``weight_lr``: the
+        linear weights learn too (straight-through), at that rate; the teacher is then the
+        untouched base model (the student's own weights with quantizers off would move with it)."""
         from transformers import TrainingArguments
         from transformers.trainer_callback import PrinterCallback
 
         from qatlib.data import PadCollator
         from qatlib.losses import LossConfig
         from qatlib.trainers.end2end import QATTrainer
-        from qatlib.trainers.params import Learnable
+        from qatlib.trainers.params import Learnable, select_trainable
 
         s = self.s
         steps = steps or s.qat_steps
@@ -486,6 +490,16 @@ class Lab:
             seed=s.seed,
             data_seed=s.seed,
         )
+        learnable = Learnable(act_scale=act_scale, weight_scale=True, lwc=lwc, norm=norm)
+        pick = (
+            {
+                "trainable": select_trainable(m, learnable, weights=True),
+                "weight_lr": weight_lr,
+                "teacher": self.base,
+            }
+            if weight_lr
+            else {"learnable": learnable}
+        )
         trainer = QATTrainer(
             m,
             args,
@@ -495,8 +509,8 @@ class Lab:
                 lm_loss_weight=1.0 if loss_type == "origin" else (s.lm_loss_weight if lm is None else lm),
                 kd_loss_weight=1.0,
             ),
-            learnable=Learnable(act_scale=True, weight_scale=True, lwc=lwc, norm=norm),
             lwc_lr=s.lwc_lr if lwc else None,
+            **pick,
             train_dataset=self.train,
             data_collator=PadCollator.for_tokenizer(self.tok),
             log_file=False,
@@ -515,6 +529,7 @@ class Lab:
             "lwc": lwc,
             "norm": norm,
             "lr": lr or s.lr,
+            "weight_lr": weight_lr,
             "first_total_loss": logs[0]["total_loss"] if logs else None,
             "last_total_loss": logs[-1]["total_loss"] if logs else None,
             "trainable": trainer.trainable.counts(),
@@ -854,23 +869,46 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.quality --fp4 [--results DIR] [--out DIR]``: the FP4 rows alone
-    (`FP4_ROWS`) into ``<out>/quality_fp4.json``; the full benchmark runs from `benchmarks.run`."""
+    """``python -m benchmarks.quality --fp4 | --default-model [--results DIR] [--out DIR]``: the FP4
+    rows alone (`FP4_ROWS`) into ``<out>/quality_fp4.json``, or the issue's int4 g64 row on the
+    default model (`benchmarks.quality_default`) into ``<out>/quality_default.json``; the full
+    benchmark runs from `benchmarks.run`."""
     import argparse
+    import json
 
     from .common import DEFAULT_OUT, machine, write_result
 
     ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
-    ap.add_argument("--fp4", action="store_true", required=True, help="the FP4 rows (FP4_FORMATS)")
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--fp4", action="store_true", help="the FP4 rows (FP4_FORMATS)")
+    which.add_argument(
+        "--default-model", action="store_true", help="int4 g64 QAT vs plain QAT on SmolLM2-135M"
+    )
+    ap.add_argument("--variants", default=None, help="--default-model rows, e.g. qatlib,plain (default both)")
+    ap.add_argument(
+        "--recipe", default=None, help="--default-model: JSON overriding quality_default.RECIPE keys"
+    )
+    ap.add_argument("--name", default=None, help="result name (default quality_fp4 / quality_default)")
     ap.add_argument("--results", default="results", help="the workflow's results folder (base model, corpus)")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--base-model", default=None, help="a pre-trained model folder instead of the default")
     a = ap.parse_args(argv)
     from dataclasses import replace
 
+    if a.default_model:
+        from . import quality_default as qd
+
+        d = qd.with_variants(qd.DefaultModelSettings(), a.variants)
+        if a.recipe:
+            d = replace(d, recipe={**d.recipe, **json.loads(a.recipe)})
+        body = qd.run(d, results=a.results)
+        name = a.name or "quality_default"
+        log(f"{name}: wrote {write_result(a.out, name, {'machine': machine(), **body})}")
+        return 0
     s = replace(FP4_ROWS, base_model_path=a.base_model) if a.base_model else FP4_ROWS
     body = run(s, results=a.results)
-    log(f"quality_fp4: wrote {write_result(a.out, 'quality_fp4', {'machine': machine(), **body})}")
+    name = a.name or "quality_fp4"
+    log(f"{name}: wrote {write_result(a.out, name, {'machine': machine(), **body})}")
     return 1 if body.get("errors") else 0
 
 

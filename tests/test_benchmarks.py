@@ -189,3 +189,42 @@ def test_pipeline_counts_only_the_experiments_shared_stages(tmp_path):
     ]
     assert out["total_wall_s"] == 111.0
     assert "base_model-tiny-qwen3-moe" not in out["missing_stages"] and "zero3_qat" in out["missing_stages"]
+
+
+def test_plain_scale_qat_trains_only_weight_scales_and_lowers_kl():
+    """The --default-model comparison row (`quality_default.plain_scale_qat`): only the weight scales
+    move, and forward KL to the teacher falls on the sample it trained on."""
+    import copy
+
+    import torch.nn.functional as F
+    from conftest import VOCAB, build_model, tiny_qwen3_config
+
+    from benchmarks.quality_default import plain_scale_qat
+    from qatlib.ptq import calibrate
+
+    teacher = build_model(tiny_qwen3_config(), seed=0).eval()
+    student = copy.deepcopy(teacher)
+    scheme = common.format_scheme("int2_g32")  # a coarse grid: a gap a few steps can close
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
+    calibrate(student, scheme, [ids], ignore=common.IGNORE)
+
+    def kl() -> float:
+        with torch.no_grad():
+            t = F.log_softmax(teacher(input_ids=ids).logits, -1)[0]
+            s = F.log_softmax(student(input_ids=ids).logits, -1)[0]
+        return F.kl_div(s, t, log_target=True, reduction="batchmean").item()
+
+    before = {n: p.detach().clone() for n, p in student.named_parameters()}
+    kl0 = kl()
+    plain_scale_qat(student, teacher, [{"input_ids": ids[0].tolist()}], steps=8, lr=1e-3)
+    moved = {n for n, p in student.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all(n.endswith("weight_quantizer.scale") for n in moved)
+    assert kl() < 0.9 * kl0
+
+
+def test_default_model_row_refuses_a_missing_base_model(tmp_path):
+    from benchmarks import quality_default as qd
+
+    with pytest.raises(FileNotFoundError, match="smollm2-135m.*gguf_model"):
+        qd.run(qd.DefaultModelSettings(), results=str(tmp_path))
+    assert common.format_scheme("int4_g64").weight.group_size == 64

@@ -504,6 +504,43 @@ def test_train_end2end_from_config_with_lazy_init_and_saved_resume(tmp_path, tin
     )
 
 
+def test_resume_from_trained_weights_distils_toward_the_original_model(tmp_path, tiny_tokenizer):
+    """Phase 2 of a two-phase recipe (end-to-end after a phase that trained the weights, e.g.
+    blockwise with weight_lr > 0): the trained weights are loaded into the student, and the KD
+    teacher is the ORIGINAL model of model.model_path, not the trained weights with quantizers off
+    (those were fitted to be good after quantization; distilling toward them lost phase 1's gain)."""
+    from qatlib.data import training_data_from_config
+    from qatlib.trainers.end2end import train_end2end
+    from qatlib.zero3_io import save_consolidated
+
+    base_dir = tmp_path / "base"
+    tiny_tokenizer.save_pretrained(base_dir)
+    base = build_model(tiny_qwen3_config(), seed=4)
+    base.save_pretrained(base_dir)
+    cfg, _ = _experiment(tmp_path, base_dir)
+    scheme = cfg.quant_scheme()
+    ds = training_data_from_config(cfg, tiny_tokenizer)
+    phase1 = prepare(copy.deepcopy(base), scheme)
+    calibrate(phase1, scheme, [torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))])
+    with torch.no_grad():  # "trained" weights
+        for ql in (phase1.model.layers[0].self_attn.o_proj, phase1.model.layers[1].mlp.down_proj):
+            ql.weight.mul_(1.3)
+    save_consolidated(phase1, tmp_path / "phase1", scheme=scheme)
+    cfg2, _ = _experiment(tmp_path, base_dir, resume_ckpt_dir=str(tmp_path / "phase1"), do_train=False)
+    student = prepare(copy.deepcopy(base), scheme)
+    tr = train_end2end(cfg2, student, tiny_tokenizer, ds)
+    o = student.model.layers[0].self_attn.o_proj.weight
+    assert torch.equal(o, phase1.model.layers[0].self_attn.o_proj.weight)  # phase 1's weights kept
+    ids = torch.arange(2, 26).reshape(2, 12)
+    with torch.no_grad():
+        want = base(input_ids=ids).logits
+        with quantization_disabled(student):
+            trained_fp = student(input_ids=ids).logits
+    got = tr.teacher_logits(student, {"input_ids": ids})
+    assert (trained_fp - want).abs().max() > 1e-2  # the two candidate teachers do differ
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- blockwise
 def test_blockwise_lowers_block_mse_with_activation_quant_on(tmp_path):
     from qatlib.trainers.blockwise import BlockwiseSettings, BlockwiseTrainer, capture_first_block_inputs

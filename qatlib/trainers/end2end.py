@@ -107,6 +107,7 @@ class QATTrainer(Trainer):
         trainable: TrainableParams | None = None,
         lwc_lr: float | None = None,
         norm_lr: float | None = None,
+        weight_lr: float | None = None,
         teacher: nn.Module | None = None,
         log_file: str | os.PathLike | bool | None = None,
         **kwargs: Any,
@@ -124,6 +125,7 @@ class QATTrainer(Trainer):
         self.loss_config = loss_config
         self.lwc_lr = lwc_lr
         self.norm_lr = norm_lr
+        self.weight_lr = weight_lr
         self.teacher = teacher
         if teacher is not None:
             _check_teacher_vocab(teacher, model)
@@ -164,6 +166,7 @@ class QATTrainer(Trainer):
                 lr=self.args.learning_rate,
                 lwc_lr=self.lwc_lr,
                 norm_lr=self.norm_lr,
+                weight_lr=self.weight_lr,
                 weight_decay=self.args.weight_decay,
             )
             if not groups:
@@ -315,6 +318,22 @@ def training_arguments(cfg, **overrides: Any) -> Seq2SeqTrainingArguments:
     return Seq2SeqTrainingArguments(**kw)
 
 
+def base_model_teacher(cfg) -> nn.Module:
+    """The unquantized original model (``model.model_path``) as a separate KD teacher.
+
+    Needed when the student's weights are not the original's (resumed from a run that trained
+    them, such as a blockwise phase with ``weight_lr > 0``): the default teacher, the student with
+    its quantizers off, would then be those trained weights, which were fitted to be good only
+    after quantization, not to match the original model unquantized: phase 2 then distils toward
+    another target than phase 1 fitted (#12: end-to-end after blockwise lost most of blockwise's
+    gain). Costs a second copy of the model (single process only)."""
+    from ..models import load_model, resolve_model_dir
+
+    m = cfg.model
+    path = resolve_model_dir(m.model_path, cache_dir=m.cache_dir)
+    return load_model(path, torch_dtype=m.torch_dtype, trust_remote_code=m.trust_remote_code)
+
+
 def train_end2end(
     cfg,
     model: nn.Module,
@@ -332,7 +351,9 @@ def train_end2end(
     ``scales_loaded``: the scales came from a PTQ checkpoint (``from_ptq_ckpt``), so no lazy
     activation init. ``compression.QAT.resume_ckpt_dir`` may name an HF checkpoint (a
     ``checkpoint-N`` folder, or an output dir holding them: the last one is used) or a saved model
-    with scales (a ``fake`` export or a consolidated save, `qatlib.resume.load_saved_model`). Returns the trainer (trained when ``do_train``).
+    with scales (a ``fake`` export or a consolidated save, `qatlib.resume.load_saved_model`); when
+    that save's weights were trained, the KD teacher is the original model (`base_model_teacher`).
+    Returns the trainer (trained when ``do_train``).
     """
     from ..resume import check_resume_world_size, classify_resume_dir, load_saved_model
 
@@ -352,11 +373,11 @@ def train_end2end(
         else:
             rep = load_saved_model(model, path, scheme)
             scales_loaded = True
-            if loss_cfg.kd_enabled and not rep["kept_base_weights"]:
-                log.warning(
-                    "resume_ckpt_dir %s holds weights that are not this base model's (or their "
-                    "fake-quantized form): the KD teacher is those weights with quantizers off, "
-                    "not the original model",
+            if loss_cfg.kd_enabled and not rep["kept_base_weights"] and teacher is None:
+                teacher = base_model_teacher(cfg)
+                log.info(
+                    "resume_ckpt_dir %s holds trained weights (e.g. a blockwise phase): the KD "
+                    "teacher is the original model from model.model_path, loaded separately",
                     path,
                 )
     if not scales_loaded and resume_from is None:

@@ -1,0 +1,150 @@
+"""The issue's headline quality row on the default model (SmolLM2-135M): int4 sym g64 weight-only,
+RTN PTQ -> end-to-end QAT with a budget of 100 optimizer steps x 256 tokens, recovery
+``(PTQ - QAT) / (PTQ - BF16)`` of test perplexity with its paired standard error.
+
+Two rows at the same budget, data and test windows:
+
+- ``qatlib``: qatlib's trainer (`qatlib.trainers.end2end.QATTrainer`, through `benchmarks.quality.Lab`)
+  with the default experiment's recipe (`RECIPE`, the same keys as config/experiments/smollm2-135m.yaml);
+- ``plain``: `plain_scale_qat`, the issue's comparison: a plain scale-only QAT loop (KL to the
+  unquantized model, AdamW lr 1e-4, nothing else), written out here so that what qatlib is
+  compared with is visible.
+
+``python -m benchmarks.quality --default-model [--variants qatlib,plain]`` -> ``quality_default.json``.
+The base model is the workflow's (``results/base/smollm2-135m``, the ``gguf_model`` rule); it is
+never pre-trained or downloaded here.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .common import find_base_model, format_scheme, log
+
+# The default experiment's recipe (config/experiments/smollm2-135m.yaml: loss_type, lr, learnable).
+RECIPE: dict[str, Any] = {"loss_type": "kl", "lr": 1e-3, "weight_lr": None, "warmup_steps": 3}
+
+
+@dataclass
+class DefaultModelSettings:
+    base_model: str = "smollm2-135m"
+    format: str = "int4_g64"
+    steps: int = 100
+    seq_len: int = 256
+    eval_windows: int = 32  # spread over the test split
+    recipe: dict[str, Any] = field(default_factory=lambda: dict(RECIPE))
+    plain_lr: float = 1e-4
+    target: float = 0.85
+    variants: tuple[str, ...] = ("qatlib", "plain")
+    seed: int = 0
+
+
+def plain_scale_qat(student, teacher, samples, *, steps: int, lr: float = 1e-4) -> None:
+    """Scale-only QAT, plainly: AdamW (torch defaults but ``lr``) over the weight scales, one
+    sample per step, loss = forward KL(teacher || student) per token. No schedule, no guard."""
+    from qatlib.quant import quant_linears
+
+    student.requires_grad_(False)
+    scales = [ql.weight_quantizer.scale for _, ql in quant_linears(student)]
+    for p in scales:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(scales, lr=lr)
+    student.train()
+    for step in range(steps):
+        ids = torch.tensor(samples[step % len(samples)]["input_ids"])[None]
+        with torch.no_grad():
+            t = F.log_softmax(teacher(input_ids=ids).logits.float(), -1).flatten(0, 1)
+        s = F.log_softmax(student(input_ids=ids).logits.float(), -1).flatten(0, 1)
+        loss = F.kl_div(s, t, log_target=True, reduction="batchmean")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    student.eval()
+
+
+def run(d: DefaultModelSettings, *, results: str = "results") -> dict[str, Any]:
+    from .quality import Lab, QualitySettings, recovery_record, resolve_inputs
+
+    base = find_base_model(results, d.base_model)
+    if base is None:
+        raise FileNotFoundError(
+            f"{Path(results) / 'base' / d.base_model}: the default model is missing; make it with the "
+            f"workflow's gguf_model rule (snakemake results/base/{d.base_model}/config.json)"
+        )
+    r = d.recipe
+    s = QualitySettings(
+        formats=(),
+        seq_len=d.seq_len,
+        eval_windows=d.eval_windows,
+        mc=False,
+        qat_steps=d.steps,
+        qat_batch=1,
+        lr=r["lr"],
+        warmup_steps=r["warmup_steps"],
+        loss_type=r["loss_type"],
+        base_model_path=str(base),
+        seed=d.seed,
+    )
+    torch.manual_seed(d.seed)
+    t0 = time.perf_counter()
+    scheme = format_scheme(d.format)
+    with tempfile.TemporaryDirectory(prefix="bench-quality-default-") as tmp:
+        inputs = resolve_inputs(s, results, Path(tmp))
+        lab = Lab(s, inputs["base"], inputs["corpus_snapshot"], None, Path(tmp))
+        bf16 = lab.eval(lab.base, mc=False)
+        rtn = lab.eval(lab.rtn(scheme), mc=False)
+        log(f"quality_default: bf16 {bf16['ppl']:.3f} rtn {rtn['ppl']:.3f} ({d.eval_windows} windows)")
+        rows = []
+        for v in d.variants:
+            t1 = time.perf_counter()
+            if v == "qatlib":
+                m, rec = lab.qat(scheme, weight_lr=r.get("weight_lr"), act_scale=False)
+                detail = {
+                    "recipe": r,
+                    "trainable": rec["trainable"],
+                    "last_total_loss": rec["last_total_loss"],
+                }
+            elif v == "plain":
+                m = lab.rtn(scheme)
+                plain_scale_qat(m, lab.base, lab.train, steps=d.steps, lr=d.plain_lr)
+                detail = {"recipe": {"loss_type": "kl", "lr": d.plain_lr, "schedule": "constant"}}
+            else:
+                raise ValueError(f"unknown variant {v!r}: choose from qatlib, plain")
+            train_s = time.perf_counter() - t1
+            q = lab.eval(m, mc=False)
+            del m
+            rv = recovery_record(bf16, rtn, q)
+            rows.append(
+                {"variant": v, "qat_ppl": round(q["ppl"], 4), **rv, "train_s": round(train_s, 1), **detail}
+            )
+            log(f"quality_default: {v}: ppl {q['ppl']:.3f} recovery {rv['recovery']} +- {rv['recovery_se']}")
+    by = {row["variant"]: row for row in rows}
+    out: dict[str, Any] = {
+        "settings": asdict(d),
+        "inputs": {k: inputs[k] for k in ("base", "base_source", "corpus", "corpus_source")},
+        "format": {"name": d.format, "scheme": scheme.name},
+        "bf16_ppl": round(bf16["ppl"], 4),
+        "rtn_ppl": round(rtn["ppl"], 4),
+        "eval_windows": bf16["windows"],
+        "train_tokens": d.steps * d.seq_len,
+        "rows": rows,
+        "total_s": round(time.perf_counter() - t0, 1),
+    }
+    if "qatlib" in by:
+        q = by["qatlib"]["recovery"]
+        out["target"] = {"recovery": q, "min": d.target, "met": q is not None and q >= d.target}
+        if "plain" in by:
+            p = by["plain"]
+            out["target"]["beats_plain_by"] = None if q is None else round(q - p["recovery"], 4)
+    return out
+
+
+def with_variants(d: DefaultModelSettings, variants: str | None) -> DefaultModelSettings:
+    return d if not variants else replace(d, variants=tuple(v.strip() for v in variants.split(",")))
