@@ -450,12 +450,16 @@ class Lab:
         lm: float | None = None,
         weight_lr: float | None = None,
         act_scale: bool = True,
+        teacher: str | None = None,
     ):
         """RTN warm start (or the prepared model ``start``) + end-to-end QAT; returns (model, record).
 
         ``norm``: the RMSNorm weights learn too (upstream's ``learnable.norm``). ``weight_lr``: the
         linear weights learn too (straight-through), at that rate; the teacher is then the
-        untouched base model (the student's own weights with quantizers off would move with it)."""
+        untouched base model (the student's own weights with quantizers off would move with it).
+        ``teacher``: ``"base"`` (the untouched base model) or ``"self"`` (the student with its
+        quantizers off); default base when weights train or ``start`` is given (a phase before
+        may have trained them, `qatlib.trainers.end2end.base_model_teacher`), else self."""
         from transformers import TrainingArguments
         from transformers.trainer_callback import PrinterCallback
 
@@ -492,14 +496,14 @@ class Lab:
         )
         learnable = Learnable(act_scale=act_scale, weight_scale=True, lwc=lwc, norm=norm)
         pick = (
-            {
-                "trainable": select_trainable(m, learnable, weights=True),
-                "weight_lr": weight_lr,
-                "teacher": self.base,
-            }
+            {"trainable": select_trainable(m, learnable, weights=True), "weight_lr": weight_lr}
             if weight_lr
             else {"learnable": learnable}
         )
+        teacher = teacher or ("base" if weight_lr or start is not None else "self")
+        if teacher not in ("base", "self"):
+            raise ValueError(f"teacher must be 'base' or 'self'; got {teacher!r}")
+        pick["teacher"] = self.base if teacher == "base" else None
         trainer = QATTrainer(
             m,
             args,
@@ -530,6 +534,7 @@ class Lab:
             "norm": norm,
             "lr": lr or s.lr,
             "weight_lr": weight_lr,
+            "teacher": teacher,
             "first_total_loss": logs[0]["total_loss"] if logs else None,
             "last_total_loss": logs[-1]["total_loss"] if logs else None,
             "trainable": trainer.trainable.counts(),
