@@ -133,6 +133,35 @@ def test_lwc_gets_its_own_learning_rate(tmp_path):
     assert {g["name"]: g["lr"] for g in opt.param_groups} == {"scale": 1e-4, "lwc": 0.5}
 
 
+def test_weights_train_at_weight_lr_with_a_separate_teacher(tmp_path):
+    """Full QAT (weights + scales, straight-through): the weight group gets ``weight_lr``, one step
+    moves the linear weights and scales only, and the separate teacher stays untouched."""
+    model = prepared_model()
+    teacher = build_model(tiny_qwen3_config(), seed=0).eval()  # the unprepared base model
+    tp = select_trainable(model, Learnable(), weights=True)
+    tr = QATTrainer(
+        model,
+        targs(tmp_path, max_steps=1),
+        loss_config=LossConfig(loss_type="kl", lm_loss_weight=0.0, kd_loss_weight=1.0),
+        trainable=tp,
+        weight_lr=3e-4,
+        teacher=teacher,
+        train_dataset=make_data(),
+        data_collator=PadCollator(0),
+        log_file=False,
+    )
+    opt = tr.create_optimizer()
+    assert {g["name"]: g["lr"] for g in opt.param_groups} == {"scale": 1e-4, "weight": 3e-4}
+    before, t_before = snapshot(model), snapshot(teacher)
+    tr.train()
+    moved = changed(before, model)
+    assert any(n.endswith("proj.weight") for n in moved) and any(
+        n.endswith("weight_quantizer.scale") for n in moved
+    )
+    assert all(n.endswith(("proj.weight", "proj.bias", "weight_quantizer.scale")) for n in moved), moved
+    assert not changed(t_before, teacher)
+
+
 @pytest.mark.device_aware
 def test_gradient_checkpointing_still_trains_scales(tmp_path):
     """All weights frozen + checkpointed blocks: the trainer makes the inputs require grad."""
