@@ -109,6 +109,10 @@ class QualitySettings:
     bw_val_size: int = 16
     bw_quant_lr: float = 1e-4
     bw_weight_lr: float = 1e-3
+    # phase 2 of the two-phase recipe (blockwise, then end-to-end scales from its result): at the
+    # main lr (2e-4) phase 2 lost blockwise's gain on the micro model (int2 g32: 0.92 -> 0.86-0.89),
+    # at 2e-5 it added to it (0.94-0.98); EfficientQAT's E2E-QP trains step sizes at ~1e-5 too
+    two_phase_lr: float = 2e-5
     # where the model comes from
     base_model: str = DEFAULT_BASE_MODEL
     base_model_path: str | None = None  # an explicit pre-trained model folder (tokenizer inside)
@@ -752,7 +756,18 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
             log("quality: ablation blockwise")
             bm, brec = lab.blockwise(scheme)
             bres = variants[f"{af}/blockwise"] = ev(bm, mc=False)
-            del bm
+            two = []
+            for lr, teacher in ((s.lr, "self"), (s.two_phase_lr, "base")):
+                log(f"quality: ablation two-phase (blockwise, then end-to-end scales at lr {lr:g})")
+                tm, trec = lab.qat(scheme, start=copy.deepcopy(bm), lr=lr, teacher=teacher)
+                tres = variants[f"{af}/two-phase-lr{lr:g}"] = ev(tm, mc=False)
+                trec["train_s"] = round(trec["train_s"] + brec["train_s"], 2)
+                two.append(
+                    ablation_row(
+                        f"blockwise + end-to-end (lr {lr:g}, teacher {teacher})", bf16, rtn, tres, trec
+                    )
+                )
+            del bm, tm
             steps = max(1, round(brec["train_s"] / main_rec["s_per_step"]))
             log(
                 f"quality: ablation end-to-end at blockwise's wall time ({brec['train_s']:.1f} s -> {steps} steps)"
@@ -780,6 +795,7 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
                 ),
             ]
             abl["e2e_over_blockwise_wall"] = round(erec["train_s"] / brec["train_s"], 3)
+            abl["two_phase"] = [abl["e2e_vs_blockwise_equal_wall"][0], *two]
 
         if s.kd_losses:
             kd_loss = ("kd_loss_equal_steps", "loss_type", s.kd_losses, s.loss_type, str, str)
@@ -849,6 +865,7 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
         "ablation_norm_equal_steps": abl.get("norm_equal_steps", []),
         "ablation_e2e_vs_blockwise_equal_wall": abl.get("e2e_vs_blockwise_equal_wall", []),
         "ablation_e2e_over_blockwise_wall": abl.get("e2e_over_blockwise_wall"),
+        "ablation_two_phase": abl.get("two_phase", []),
         "variants": [{"variant": k, **_public(v)} for k, v in variants.items()],
         "targets": tg,
         "timing": {
@@ -874,10 +891,11 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.quality --fp4 | --default-model [--results DIR] [--out DIR]``: the FP4
-    rows alone (`FP4_ROWS`) into ``<out>/quality_fp4.json``, or the issue's int4 g64 row on the
-    default model (`benchmarks.quality_default`) into ``<out>/quality_default.json``; the full
-    benchmark runs from `benchmarks.run`."""
+    """``python -m benchmarks.quality --fp4 | --default-model | --two-phase [--results DIR] [--out
+    DIR]``: the FP4 rows alone (`FP4_ROWS`) into ``<out>/quality_fp4.json``, the issue's int4 g64
+    row on the default model (`benchmarks.quality_default`) into ``quality_default.json``, or the
+    two-phase recipe vs each phase alone (`quality_default.two_phase`, micro model) into
+    ``quality_two_phase.json``; the full benchmark runs from `benchmarks.run`."""
     import argparse
     import json
 
@@ -889,6 +907,7 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument(
         "--default-model", action="store_true", help="int4 g64 QAT vs plain QAT on SmolLM2-135M"
     )
+    which.add_argument("--two-phase", action="store_true", help="blockwise + end-to-end vs each alone")
     ap.add_argument("--variants", default=None, help="--default-model rows, e.g. qatlib,plain (default both)")
     ap.add_argument(
         "--recipe", default=None, help="--default-model: JSON overriding quality_default.RECIPE keys"
@@ -900,9 +919,14 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     from dataclasses import replace
 
-    if a.default_model:
-        from . import quality_default as qd
+    from . import quality_default as qd
 
+    if a.two_phase:
+        name = a.name or "quality_two_phase"
+        body = qd.two_phase(results=a.results)
+        log(f"{name}: wrote {write_result(a.out, name, {'machine': machine(), **body})}")
+        return 0
+    if a.default_model:
         d = qd.with_variants(qd.DefaultModelSettings(), a.variants)
         if a.recipe:
             d = replace(d, recipe={**d.recipe, **json.loads(a.recipe)})

@@ -86,6 +86,8 @@ def test_quick_quality(tmp_path):
     assert [r["variant"] for r in doc["ablation_kd_loss_equal_steps"]] == ["origin", "kl"]
     assert [r["lr"] for r in doc["ablation_lr_equal_steps"]] == [1e-4, 2e-4]
     assert len(doc["ablation_lwc_equal_steps"]) == 2 and len(doc["ablation_e2e_vs_blockwise_equal_wall"]) == 2
+    two = doc["ablation_two_phase"]  # blockwise, then phase 2 at the main lr and at two_phase_lr
+    assert [r["variant"].split(" (")[0] for r in two] == ["blockwise"] + ["blockwise + end-to-end"] * 2
     assert len(doc["ablation_norm_equal_steps"]) == 2
     assert "errors" not in doc
     for fmt in ("w4a8_fp8_g32", "fp8_static"):
