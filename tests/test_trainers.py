@@ -525,8 +525,10 @@ def test_train_end2end_from_config_with_lazy_init_and_saved_resume(tmp_path, tin
     save_consolidated(model, tmp_path / "saved", scheme=scheme)
     cfg2, _ = _experiment(tmp_path, tok_dir, resume_ckpt_dir=str(tmp_path / "saved"), do_train=False)
     model2 = build_model(tiny_qwen3_config(), seed=3)
+    model2.save_pretrained(tok_dir)  # model.model_path: the KD teacher when the resumed weights differ
     prepare(model2, scheme)
-    train_end2end(cfg2, model2, tiny_tokenizer, ds)
+    tr2 = train_end2end(cfg2, model2, tiny_tokenizer, ds)
+    assert tr2.teacher is not None  # another model's weights were loaded: the teacher is model_path's
     torch.testing.assert_close(model2.model.layers[0].mlp.up_proj.input_quantizer.scale, inq.scale)
     torch.testing.assert_close(
         model2.model.layers[1].self_attn.o_proj.weight, model.model.layers[1].self_attn.o_proj.weight
