@@ -76,7 +76,7 @@ def run(d: DefaultModelSettings, *, results: str = "results") -> dict[str, Any]:
     if base is None:
         raise FileNotFoundError(
             f"{Path(results) / 'base' / d.base_model}: the default model is missing; make it with the "
-            f"workflow's gguf_model rule (snakemake results/base/{d.base_model}/config.json)"
+            f"workflow's gguf_model rule (snakemake results/base/{d.base_model})"
         )
     r = d.recipe
     s = QualitySettings(
