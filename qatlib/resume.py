@@ -17,7 +17,8 @@ Two kinds of directory are accepted:
   model keeps its own full-precision weights instead: the student computes the same thing, and
   the KD teacher (the model with quantizers off) stays the original model rather than the
   quantized one. Otherwise (weights trained, e.g. blockwise with ``weight_lr > 0``, or another base
-  model) the saved weights are copied and the teacher is those weights unquantized.
+  model) the saved weights are copied, and `qatlib.trainers.end2end.train_end2end` loads the
+  original model (``model.model_path``) as a separate KD teacher (`base_model_teacher`).
 
 Under ZeRO-3 a saved model is not loaded here: build the model from it instead
 (``zero3_load.build_qat_model(path, ..., from_ptq_ckpt=path)``).
