@@ -195,8 +195,9 @@ def text_blocks(
 
     The blocks are cut at an offset into the buffer, which is trimmed once per document: cutting
     by re-slicing the rest of the buffer after every block was quadratic in a document's length
-    (a text file is ONE document: the default corpus's train.txt, 2.7M tokens, took ~10 minutes
-    per rank to cut into 128-token blocks, most of the default experiment's QAT stage)."""
+    (a text file is ONE document: the default corpus's train.txt, 2.7M tokens, took 380 s per rank
+    to tokenize and cut into 128-token blocks in a fresh-clone run, a third of its QAT stage; now
+    the tokenizer's ~25-40 s)."""
     eos = tokenizer.eos_token_id
     buf: list[int] = []
     produced = 0
