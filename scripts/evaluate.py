@@ -85,11 +85,9 @@ def main(argv=None) -> int:
             kw = dict(seq_len=ev.max_seq_length, progress=not args.no_progress, cache_dir=args.hf_home)
             r = perplexity(model, tok, src, **run, **kw)
             result["ppl"][ppl_label(src)] = r
-            # the same windows' next-token top-1 accuracy: a task row with its standard error
-            result["tasks"][f"next_token_{Path(src).stem}"] = {
-                "acc": r["top1"],
-                "acc_stderr": r["top1_stderr"],
-            }
+            # the same windows' next-token top-1 accuracy: a task row, per window for paired errors
+            top1 = {"acc": r["top1"], "acc_stderr": r["top1_stderr"], "acc_windows": r["window_top1"]}
+            result["tasks"][f"next_token_{Path(src).stem}"] = top1
             print(
                 f"{args.variant} ppl {ppl_label(src)}: {r['ppl']:.4f}, top-1 {r['top1']:.4f} ({r['windows']} windows)"
             )
