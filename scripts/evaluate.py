@@ -85,12 +85,17 @@ def main(argv=None) -> int:
             kw = dict(seq_len=ev.max_seq_length, progress=not args.no_progress, cache_dir=args.hf_home)
             r = perplexity(model, tok, src, **run, **kw)
             result["ppl"][ppl_label(src)] = r
-            print(f"{args.variant} ppl {ppl_label(src)}: {r['ppl']:.4f} ({r['windows']} windows)")
+            # the same windows' next-token top-1 accuracy: a task row, per window for paired errors
+            top1 = {"acc": r["top1"], "acc_stderr": r["top1_stderr"], "acc_windows": r["window_top1"]}
+            result["tasks"][f"next_token_{Path(src).stem}"] = top1
+            print(
+                f"{args.variant} ppl {ppl_label(src)}: {r['ppl']:.4f}, top-1 {r['top1']:.4f} ({r['windows']} windows)"
+            )
         if ev.tasks:
             names, include, hub = split_tasks(list(ev.tasks))
             kw = dict(include_path=include or None, include_defaults=bool(hub), hf_home=args.hf_home)
             kw.update(num_fewshot=ev.num_fewshot, max_length=ev.max_seq_length, seed=cfg.global_.seed)
-            result["tasks"] = evaluate_tasks(model, tok, names, **run, **kw)
+            result["tasks"].update(evaluate_tasks(model, tok, names, **run, **kw))
             for task, m in result["tasks"].items():
                 print(f"{args.variant} {task}: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items()))
         result["wall_s"] = round(time.perf_counter() - t0, 3)

@@ -20,7 +20,9 @@ def main(argv=None) -> int:
     ap.add_argument("--test", required=True, help="held-out text file")
     ap.add_argument("--task-dir", required=True, help="output folder; its name is the task name")
     ap.add_argument(
-        "--config-json", default="{}", help="items, context_words, continuation_words, num_choices, seed"
+        "--config-json",
+        default="{}",
+        help="items, context_words, continuation_words, num_choices, seed, neighborhood",
     )
     args = ap.parse_args(argv)
     spec = json.loads(args.config_json)
@@ -38,6 +40,7 @@ def main(argv=None) -> int:
             context_words=spec.get("context_words", 48),
             continuation_words=spec.get("continuation_words", 12),
             num_choices=spec.get("num_choices", 4),
+            neighborhood=spec.get("neighborhood"),  # distractors from the k paragraphs on either side
         )
         print(
             f"task {info['task']}: {info['items']} items, chance {info['chance']:.2f} ({info['include_path']})"

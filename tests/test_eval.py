@@ -37,7 +37,7 @@ def test_perplexity_matches_hand_computation(tiny_qwen3, tiny_tokenizer, tmp_pat
     out = perplexity(tiny_qwen3, tiny_tokenizer, f, seq_len=seq, batch_size=3, limit=5, progress=False)
     ids = torch.tensor(tiny_tokenizer(text, add_special_tokens=False)["input_ids"])
     assert out["windows"] == 5 and out["tokens"] == 5 * (seq - 1)
-    nlls = []
+    nlls, top1 = [], []
     n_all = ids.numel() // seq
     assert n_all > 5  # so limit=5 picks spread windows, not the head
     with torch.no_grad():
@@ -45,9 +45,16 @@ def test_perplexity_matches_hand_computation(tiny_qwen3, tiny_tokenizer, tmp_pat
             w = ids[k * seq : (k + 1) * seq]
             logp = torch.log_softmax(tiny_qwen3(w[None]).logits[0].double(), -1)
             nlls.append(-logp[torch.arange(seq - 1), w[1:]])
+            top1.append(sum(int(logp[i].argmax() == w[i + 1]) for i in range(seq - 1)) / (seq - 1))
     nll = torch.cat(nlls).mean().item()
     assert out["nll"] == pytest.approx(nll, rel=1e-5)
     assert out["ppl"] == pytest.approx(math.exp(nll), rel=1e-5)
+    # next-token top-1 per window, its mean and the standard error over the 5 windows
+    assert out["window_nll"] == pytest.approx([x.mean().item() for x in nlls], rel=1e-5)
+    assert out["window_top1"] == pytest.approx(top1)
+    assert out["top1"] == pytest.approx(sum(top1) / 5)
+    m = sum(top1) / 5
+    assert out["top1_stderr"] == pytest.approx(math.sqrt(sum((t - m) ** 2 for t in top1) / 4 / 5))
     full = perplexity_of_ids(tiny_qwen3, ids, seq_len=seq, progress=False)
     assert full["windows"] == ids.numel() // seq
 
@@ -160,3 +167,64 @@ def test_layerwise_perplexity_is_the_whole_model_perplexity(tiny_tokenizer, tmp_
     a = perplexity_of_ids(plain, ids, seq_len=32, limit=4, progress=False)
     b = perplexity_of_ids(plain, ids, seq_len=32, limit=4, progress=False, onload=Onloader.resident(plain))
     assert a["nll"] == b["nll"] and a["nll"] != whole["nll"]
+
+
+@pytest.mark.parametrize("fmt", ["int4_g32", "w4a8"])
+def test_weights_fake_quantized_once_give_the_same_logits(tiny_qwen3, fmt):
+    """The ptq / qat evaluation fake-quantizes each weight once (`bake_weight_fake_quant`) instead
+    of at every forward: the logits must be those of the prepared model, bit for bit."""
+    from qatlib.eval.variants import bake_weight_fake_quant
+    from qatlib.quant import (
+        Granularity,
+        QuantScheme,
+        QuantSpec,
+        prepare,
+        quant_linears,
+        quantization_disabled,
+    )
+
+    w = QuantSpec("int4", Granularity.GROUP, group_size=32)
+    act = QuantSpec("fp8", Granularity.TENSOR, dynamic=True) if fmt == "w4a8" else None
+    prepare(tiny_qwen3, QuantScheme(fmt, weight=w, input=act))
+    tiny_qwen3.eval()
+    ids = torch.randint(0, tiny_qwen3.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = tiny_qwen3(input_ids=ids).logits
+        with quantization_disabled(tiny_qwen3):
+            plain = tiny_qwen3(input_ids=ids).logits
+        n = bake_weight_fake_quant(tiny_qwen3)
+        out = tiny_qwen3(input_ids=ids).logits
+    assert n == len(list(quant_linears(tiny_qwen3))) > 0
+    assert not torch.equal(ref, plain)  # the scheme does change the logits
+    assert torch.equal(out, ref)
+    if fmt == "w4a8":  # the input quantizers stay on
+        assert all(ql.input_quantizer.enabled for _, ql in quant_linears(tiny_qwen3))
+
+
+def test_top1_counts_the_true_next_tokens():
+    """A model that predicts the true next token exactly at positions ``t % 3 == 0`` of window
+    ``k`` (and at every position of window 0): top-1 per window is known by hand."""
+
+    class Oracle(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, input_ids, use_cache=False):
+            b, t = input_ids.shape
+            logits = torch.zeros(b, t, 50)
+            nxt = torch.roll(input_ids, -1, dims=1)
+            for r in range(b):
+                for i in range(t - 1):
+                    right = input_ids[r, 0] == 0 or i % 3 == 0
+                    logits[r, i, nxt[r, i] if right else (nxt[r, i] + 1) % 50] = 5.0
+            return type("Out", (), {"logits": logits})()
+
+    ids = torch.cat([torch.zeros(1, dtype=torch.long), torch.arange(1, 40) % 49 + 1])  # 40 tokens
+    out = perplexity_of_ids(Oracle(), ids, seq_len=10, batch_size=3, progress=False)
+    # window 0 starts with token 0: all 9 right; windows 1..3: positions 0, 3, 6 of 9 right
+    assert out["window_top1"] == pytest.approx([1.0, 3 / 9, 3 / 9, 3 / 9])
+    assert out["top1"] == pytest.approx((1 + 3 * 3 / 9) / 4)
+    m = out["top1"]
+    se = math.sqrt(((1 - m) ** 2 + 3 * (1 / 3 - m) ** 2) / 3 / 4)
+    assert out["top1_stderr"] == pytest.approx(se)

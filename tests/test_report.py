@@ -357,6 +357,37 @@ def test_recovery_noise_by_standard_error():
     assert recovery(10.0, 11.0, 10.2, min_gap=0.05, nll=(b[:1], p[:1], steady[:1])).noise  # SE unknown
 
 
+def test_task_gap_uses_the_paired_error_of_windows():
+    """A task scored per window on the same windows (next-token top-1) is judged by the paired
+    standard error of BF16 - PTQ; without windows by the two unpaired errors."""
+    from qatlib.report.metrics import eval_rows, paired_diff_se
+
+    bf = [0.50, 0.30, 0.70, 0.40]
+    pt = [0.46, 0.25, 0.67, 0.35]  # BF16 - PTQ = 0.04, 0.05, 0.03, 0.05
+    d = [0.04, 0.05, 0.03, 0.05]
+    m = sum(d) / 4
+    se = math.sqrt(sum((x - m) ** 2 for x in d) / 3 / 4)
+    assert paired_diff_se(bf, pt) == pytest.approx(se)
+    assert paired_diff_se(bf, pt[:3]) is None and paired_diff_se(None, pt) is None
+    assert paired_diff_se([0.5], [0.4]) is None
+
+    def evals(windows: bool):
+        out = {}
+        for v, w in (("bf16", bf), ("ptq", pt), ("qat", [x - 0.01 for x in bf])):
+            t = {"acc": sum(w) / 4, "acc_stderr": 0.09}
+            if windows:
+                t["acc_windows"] = w
+            out[v] = {"ppl": {}, "tasks": {"next_token_test": t}}
+        return out
+
+    (row,) = [r for r in eval_rows(evals(True)) if r["metric"] == "acc"]
+    assert row["min_gap"] == pytest.approx(2 * se)  # 0.0096: the 0.0425 gap is above it
+    assert row["recovery"]["qat"].shown == pytest.approx((0.0425 - 0.01) / 0.0425)
+    (row,) = [r for r in eval_rows(evals(False)) if r["metric"] == "acc"]
+    assert row["min_gap"] == pytest.approx(2 * math.hypot(0.09, 0.09))  # unpaired: noise
+    assert row["recovery"]["qat"].shown is None
+
+
 # =========================================================================== report
 def test_report_numbers_images_and_outputs(exp_dir):
     html, out = build(exp_dir, title="Tiny <b>report</b>")

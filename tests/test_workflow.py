@@ -309,6 +309,8 @@ def test_end_to_end_on_the_test_config(tmp_path):
         assert math.isfinite(ppl) and 1 < ppl < 1024, (v, ppl)
         acc = res["tasks"]["qat_local_mc"]["acc"]
         assert math.isfinite(acc) and 0 <= acc <= 1
+        top1 = res["tasks"]["next_token_test"]  # the perplexity windows' next-token accuracy
+        assert 0 <= top1["acc"] <= 1 and len(top1["acc_windows"]) == res["ppl"]["corpus/test"]["windows"]
     # the export as vLLM computes it (the test config's default deploy.target), with its record
     deployed = json.loads((exp / "eval/deployed.json").read_text())
     assert deployed["runtime"] == "vllm 0.33.0" and "skipped" not in deployed

@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -56,9 +57,33 @@ def load_variant(cfg, variant: str, model_path: str, scales: str | None) -> tupl
         return AutoModelForCausalLM.from_pretrained(model_path, **kw).eval(), {}
     if scales:
         model = load_prepared(cfg, model_path, scales=scales, complete=True, device_map=device_map)[0]
-        return model.eval(), {}
+        return model.eval(), {"weights_fake_quantized_once": bake_weight_fake_quant(model)}
     kw = dict(trust_remote_code=m.trust_remote_code, attn_implementation=m.attn_implementation)
     return load_model(model_path, torch_dtype=m.torch_dtype, device_map=device_map, **kw), {}
+
+
+@torch.no_grad()
+def bake_weight_fake_quant(model: nn.Module) -> int:
+    """Evaluation only: store each enabled static weight quantizer's fake-quantized weight in place
+    of the weight and switch that quantizer off; returns how many. Why: a prepared model
+    fake-quantizes every weight again at every forward (it is built for training, where the
+    scales move); an evaluation runs ~10 forwards with frozen scales, and re-quantizing the
+    ~106M SmolLM2 weights each time was most of a ptq / qat evaluation's extra cost over bf16.
+    The values are the same: the fused training forward (`qatlib.quant.fq_linear`) and
+    `QuantLinear.fake_quant_weight` both compute `qatlib.quant.fake_quantize` bit for bit, and the
+    linear then runs on that weight either way. Input / output quantizers stay as they are. The
+    model keeps no original weight afterwards: never export or train it."""
+    from ..quant import quant_linears
+
+    n = 0
+    for _, ql in quant_linears(model):
+        wq = ql.weight_quantizer
+        if wq is None or not wq.enabled or wq.calibrating:
+            continue
+        ql.weight.data = ql.fake_quant_weight().detach().to(ql.weight.dtype)
+        wq.enabled = False
+        n += 1
+    return n
 
 
 def load_deployed(export_dir: str | Path, target: str) -> tuple[nn.Module, dict[str, Any]]:

@@ -405,5 +405,9 @@ def train_end2end(
         callbacks=list(callbacks or []),
     )
     if qat.do_train:
+        if zero3:
+            from ..zero3_io import reuse_training_allocations
+
+            reuse_training_allocations()  # the step's temporaries from the heap, not fresh mappings
         trainer.train(resume_from_checkpoint=resume_from)
     return trainer
