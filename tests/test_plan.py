@@ -274,6 +274,13 @@ def _rehearsal_logits(model, ids):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    not __import__("os").environ.get("QATLIB_REHEARSAL"),
+    reason="opt-in (QATLIB_REHEARSAL=1): never completed on the shared 2-core machine. Measured "
+    "2026-12-01 at load ~15: the 2-rank ZeRO-3 step at 1 layer did not finish in 25 min (stuck in "
+    "DeepSpeed's bf16 LinearFunctionForZeroStage3 backward, ~20x slower than fp32 on this CPU); "
+    "the tree peaked at 8.0 GiB before the timeout. Enable in CI once the step fits ~4 min (#12 / #16).",
+)
 def test_rehearsal_one_layer_ptq_zero3_qat_export_reload(tmp_path):
     """qwen3-30b-a3b-width at 1 layer (1.25 B params; the real hidden / heads / 128 experts /
     moe_intermediate / vocab): PTQ -> ZeRO-3 QAT on 2 CPU ranks -> export -> reload; every rank
