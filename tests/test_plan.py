@@ -70,9 +70,12 @@ def test_tiny_model_terms_by_hand():
     run = qp.Run(gpus=0, cpu_ranks=2)
     ptq, qat, export, ev = qp.plan(m, tiny_inputs(), run)
     t = terms(ptq)
-    assert t["embeddings (resident)"] == 1608 * 2  # bf16
-    assert t["one decoder layer (streamed)"] == LAYER * 2
-    assert t["linearisation transient (one fused tensor)"] == 384 * 2
+    # streamed: embed_tokens (100 x 8) during the input capture, then one layer at a time (bf16)
+    assert (
+        t["one decoder layer or the input embeddings, the larger (never resident together)"]
+        == max(LAYER, 800) * 2
+    )
+    assert "embeddings (resident)" not in t and not any("linearisation" in k for k in t)  # no fused tensor
     assert t["calibration activations carried (in + out)"] == 2 * 4 * 16 * 8 * 2
     t = terms(qat)
     assert t["parameter shard (model / world)"] == TOTAL * 2 // 2  # threshold 0: all partitioned

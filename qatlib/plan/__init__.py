@@ -11,11 +11,11 @@ second, and names the term that is too large.
 
 What each stage's terms model (the code as it is after #16's streaming and QAT-memory work):
 
-``ptq_calibrate``  ``qatlib/ptq.py`` + ``quant/calibration.py``, streamed layer by layer: the
-                   embeddings stay resident, ONE decoder layer is on the device at a time
-                   (read from the safetensors shards), its fused experts linearised in place
-                   (``moe.py``: the transient is the largest fused tensor), calibration
-                   activations carried from layer to layer (in + out of a layer).
+``ptq_calibrate``  ``qatlib/ptq.py`` + ``quant/calibration.py``, streamed layer by layer
+                   (``scripts/ptq.py --layerwise``): the input embeddings while the first
+                   layer's inputs are captured, then ONE decoder layer at a time (never both),
+                   its experts read per expert from the shards into the linearised skeleton
+                   (no fused tensor), calibration activations carried from layer to layer.
 ``zero3_qat``      ``zero3_load.py`` / ``trainers/end2end.py`` under DeepSpeed ZeRO-3: each rank
                    holds model/world, the persistent (replicated) small parameters, one gathered
                    unit (a decoder layer: ``Qwen3MoeSparseMoeBlock`` is a ZeRO-3 leaf), the
