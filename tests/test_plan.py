@@ -90,7 +90,10 @@ def test_tiny_model_terms_by_hand():
     assert t["KD/LM chunk fp32 working set"] == 16 * 100 * 4 * 6  # 16 rows < CHUNK_ELEMENTS // 100
     # a CPU run: a rank's working set is host RAM; the node holds 2 ranks + rank 0's save buffer
     assert qat.device == [] and qat.host_peak == 2 * qat.host_per_rank + (TOTAL * 2 + 64 * 4)
-    assert terms(export)["two decoder layers (weights + codes)"] == 2 * (LAYER * 2 + LAYER)
+    # streamed export: the fp8 output (embeddings bf16, the rest 1 byte) + one bf16 layer
+    t = terms(export)
+    assert t["output shard being filled (codes + unquantized tensors)"] == 1608 * 2 + (TOTAL - 1608)
+    assert t["one decoder layer onloaded (weights)"] == LAYER * 2
     assert terms(ev)["model (resident)"] == TOTAL * 2
     # 2 nodes x 2 ranks: world 4, a quarter each; rank 0's save buffer once per node
     qat4 = qp.plan(m, tiny_inputs(), qp.Run(gpus=2, nodes=2))[1]
@@ -158,6 +161,9 @@ def test_constants_agree_with_the_modules_they_mirror():
 
     assert qp.CHUNK_ELEMENTS == CHUNK_ELEMENTS
     assert qp.SAVE_SHARD_BYTES == inspect.signature(save_consolidated).parameters["max_shard_bytes"].default
+    from qatlib.export import export
+
+    assert qp.EXPORT_SHARD_BYTES == inspect.signature(export).parameters["max_shard_size"].default
 
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
