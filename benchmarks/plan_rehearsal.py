@@ -2,12 +2,12 @@
 beside `qatlib.plan`'s prediction, as ratios, in one run.
 
     python -m benchmarks.plan_rehearsal --layers 1 --stages ptq_calibrate,zero3_qat,convert_export
-        [--experiment qwen3-30b-a3b-width] [--limit-gb 5.5] [--out results/bench]
+        [--experiment qwen3-30b-a3b-width] [--limit-gb 5.5] [--out results/bench] [--set KEY=VALUE ...]
 
 Writes a random Qwen3-30B-A3B-width model (`qatlib.offline.width_model`, ``--layers`` layers) and a
 small text corpus from the repository's own docs (train / calibration text and the tokenizer's),
 then runs each stage's script as the workflow does (``scripts/ptq.py``; ``torchrun`` with 2 ranks
-for ``scripts/qat.py``; ``scripts/export.py``), sampling every process's RSS (psutil, 0.2 s). A
+for ``scripts/qat.py``; ``scripts/export.py``; ``scripts/evaluate.py --variant qat``), sampling every process's RSS (psutil, 0.2 s). A
 stage whose process tree passes ``--limit-gb`` is stopped and recorded as such (a shared machine:
 never let one run take the others' memory). Each stage's record: measured peak per rank, the
 plan's per-rank (and rank 0) prediction, measured / predicted. Target: within +-25%.
@@ -28,8 +28,7 @@ from typing import Any
 
 from .common import REPO, log, machine, write_result
 
-STAGES = ("ptq_calibrate", "zero3_qat", "convert_export")
-SCRIPTS = {"ptq_calibrate": "ptq.py", "zero3_qat": "qat.py", "convert_export": "export.py"}
+STAGES = ("ptq_calibrate", "zero3_qat", "convert_export", "evaluate")
 TARGET = 0.25
 
 
@@ -110,7 +109,9 @@ def predicted(exp: Path, sets: list[str], model_dir: Path) -> dict[str, Any]:
     }
 
 
-def run(layers: int, stages: list[str], experiment: str, limit_gb: float, work: Path) -> dict[str, Any]:
+def run(
+    layers: int, stages: list[str], experiment: str, limit_gb: float, work: Path, extra: list[str] = ()
+) -> dict[str, Any]:
     from qatlib.offline.width_model import write_random_model
 
     exp = REPO / f"config/experiments/{experiment}.yaml"
@@ -129,6 +130,7 @@ def run(layers: int, stages: list[str], experiment: str, limit_gb: float, work: 
         f"evaluation.ppl=[{text / 'test.txt'}]",
         f"model.model_path={model}",
         f"compression.QAT.from_ptq_ckpt={work / 'ptq'}",
+        *extra,
     ]
     plan = predicted(exp, sets, model)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -141,6 +143,7 @@ def run(layers: int, stages: list[str], experiment: str, limit_gb: float, work: 
             "--save-path",
             str(work / "ptq"),
             "--overwrite",
+            "--layerwise",  # streamed, as the plan models it (the workflow's rule does not pass it yet)
         ],
         "zero3_qat": [
             sys.executable,
@@ -168,6 +171,21 @@ def run(layers: int, stages: list[str], experiment: str, limit_gb: float, work: 
             "--save-path",
             str(work / "export"),
             "--overwrite",
+            "--layerwise",
+        ],
+        # the qat variant: the whole model resident, fake-quantized (the plan's peak over the variants)
+        "evaluate": [
+            sys.executable,
+            "scripts/evaluate.py",
+            *base,
+            "--variant",
+            "qat",
+            "--model-path",
+            str(work / "qat"),
+            "--scales",
+            str(work / "qat"),
+            "--out",
+            str(work / "eval_qat.json"),
         ],
     }
     out: dict[str, Any] = {}
@@ -182,6 +200,7 @@ def run(layers: int, stages: list[str], experiment: str, limit_gb: float, work: 
             f"{stage}: rc {m['rc']}, peaks {[round(r / 2**30, 2) for r in m['peak_rss_per_rank']]} GiB, "
             f"predicted {p['per_rank'] / 2**30:.2f} GiB/rank"
         )
+        (work / "plan_rehearsal.partial.json").write_text(json.dumps(out, indent=2))  # a kill loses little
         if m["rc"] != 0:
             break  # the next stage needs this one's output
     return out
@@ -195,14 +214,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit-gb", type=float, default=5.5, help="stop a stage whose process tree passes this")
     ap.add_argument("--work", default=None, help="working folder (default: a temporary one)")
     ap.add_argument("--out", default="results/bench")
+    ap.add_argument(
+        "--set", action="append", default=[], help="experiment override (all stages and the plan)"
+    )
     args = ap.parse_args(argv)
     stages = [s for s in args.stages.split(",") if s]
     unknown = sorted(set(stages) - set(STAGES))
     if unknown:
         ap.error(f"--stages: unknown {unknown} (choose from {', '.join(STAGES)})")
     work = Path(args.work or tempfile.mkdtemp(prefix="plan-rehearsal-"))
-    results = run(args.layers, stages, args.experiment, args.limit_gb, work)
+    results = run(args.layers, stages, args.experiment, args.limit_gb, work, args.set)
     settings = {"layers": args.layers, "experiment": args.experiment, "limit_gb": args.limit_gb, "ranks": 2}
+    settings["overrides"] = args.set
     path = write_result(
         args.out, "plan_rehearsal", {"machine": machine(), "settings": settings, "stages": results}
     )

@@ -311,7 +311,8 @@ def main() -> None:
         "--runs",
         nargs="+",
         default=["16:single", "16:zero3", "128:single", "16:single:ckpt", "16:zero3:ckpt", "128:single:ckpt"],
-        help="EXPERTS:MODE[:ckpt] rows, in order (2 ZeRO-3 ranks of the 128-expert model exceed the cap)",
+        help="EXPERTS:MODE[:ckpt][:after] rows, in order (':after': this checkout only; 2 ZeRO-3 ranks "
+        "of the 128-expert model with the old code exceed the cap)",
     )
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--before-ref", default=None, help="git ref of 'before' (default: merge-base with main)")
@@ -372,8 +373,10 @@ def main() -> None:
         result["expert_layer"] = expert_layer()
     result["runs"] = []
     for entry in args.runs:
-        experts, mode, *flag = entry.split(":")
-        experts, ckpt = int(experts), flag == ["ckpt"]
+        experts, mode, *flags = entry.split(":")
+        experts, ckpt = int(experts), "ckpt" in flags
+        # ":after": this checkout only (the old code does not fit the cap at this size)
+        todo = {"after": codes["after"]} if "after" in flags else codes
         model_dir = args.workdir / f"width_e{experts}"
         # built in a child process: the parent's RSS stays small while the variants run
         build = [
@@ -387,7 +390,7 @@ def main() -> None:
         subprocess.run(build, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         model_bytes = json.loads((model_dir / "bytes.json").read_text())
         pair = {}
-        for name, code in codes.items():
+        for name, code in todo.items():
             print(f"[qat_width] e{experts} {mode} ckpt={ckpt} {name} ...", file=sys.stderr, flush=True)
             pair[name] = run_variant(code, mode, ckpt, model_dir, args, args.workdir / "w.json")
             print(f"   -> {_brief(pair[name])}", file=sys.stderr, flush=True)
@@ -400,7 +403,7 @@ def main() -> None:
 
 
 def _ratios(pair: dict, model_bytes: int, mode: str) -> dict:
-    a, b = pair["after"], pair["before"]
+    a, b = pair["after"], pair.get("before", {})
     out: dict = {}
     if "step_seconds" in a and "step_seconds" in b:
         # CPU time of the step (1 thread per process): what the work costs, whatever the machine's load

@@ -51,6 +51,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,9 +66,7 @@ from .checkpoint.layout import (
     FAKE_EXPORT_SCALES_FILE,
     KV_SCALES_FILE,
     SCHEME_FILE,
-    WEIGHTS_FILE,
     AtomicDir,
-    name_weight_shards,
     write_json,
 )
 from .export_format import CTFormat, ExportError, compressed_tensors_format
@@ -86,6 +85,32 @@ log = logging.getLogger(__name__)
 
 SAVE_FORMATS = ("real", "fake", "save_kvcache_only", "real_and_kvcache")
 EXPORT_INFO_FILE = "qatlib_export.json"
+
+
+@dataclass(frozen=True)
+class ExportJob:
+    """What `export` settled before writing anything (format checked, target directory checked,
+    ``qatlib_export.json``'s content): the inputs the in-memory and the streaming writer
+    (`qatlib.export_stream`) share."""
+
+    model: nn.Module
+    scheme: QuantScheme
+    save_format: str
+    fmt: CTFormat | None  # None: no compressed-tensors weights (fake / kv-cache only)
+    target: AtomicDir
+    info: dict[str, Any]
+    tokenizer: Any = None
+    ignore: tuple[str, ...] = ()
+    verify: bool = True
+
+    @property
+    def weights(self) -> str | None:
+        """What the checkpoint tensors are: ``real`` (compressed), ``fake`` or None (none written)."""
+        return {"real": "real", "real_and_kvcache": "real", "fake": "fake"}.get(self.save_format)
+
+    @property
+    def want_kv(self) -> bool:
+        return self.save_format in ("save_kvcache_only", "real_and_kvcache")
 
 
 def _zp_dtype(args) -> torch.dtype:
@@ -306,37 +331,6 @@ def iter_export_tensors(
                 yield f"{attn}.attn.{role}_scale", ks.clone()
 
 
-def write_shards(
-    directory: Path, tensors: Iterable[tuple[str, torch.Tensor]], max_shard_bytes: int
-) -> list[tuple[Path, list[str]]]:
-    """Write ``tensors`` (in order) into safetensors shards of at most ``max_shard_bytes`` (a
-    tensor larger than that gets a shard of its own; huggingface_hub's greedy split), each written
-    as soon as it is full, so only one shard is ever held; named as ``save_pretrained`` names them
-    (`qatlib.checkpoint.layout.name_weight_shards`). Hand-written because ``save_pretrained``
-    needs the whole state dict up front."""
-    shards: list[tuple[Path, list[str]]] = []
-    cur: dict[str, torch.Tensor] = {}
-    size = 0
-
-    def flush() -> None:
-        path = directory / f".shard-{len(shards):05d}.safetensors"
-        save_file(cur, str(path), metadata={"format": "pt"})  # save_pretrained's metadata
-        shards.append((path, list(cur)))
-        cur.clear()
-
-    for key, t in tensors:
-        n = t.numel() * t.element_size()
-        if cur and size + n > max_shard_bytes:
-            flush()
-            size = 0
-        cur[key] = t
-        size += n
-    if cur or not shards:
-        flush()
-    name_weight_shards(directory, shards)
-    return shards
-
-
 def ignore_list(model: nn.Module, extra: Sequence[str] = ()) -> list[str]:
     """Module names compressed-tensors / vLLM must leave unquantized: every plain linear (e.g.
     ``lm_head``), embedding and MoE router gate, by resolved name only.
@@ -468,7 +462,7 @@ def export(
     `export_tensors`; every process iterates, only the main one writes.
 
     ``onload`` (a `qatlib.onload.Onloader` over a skeleton model, `qatlib.models.load_prepared`
-    with ``skeleton=True``): the streaming export. Each decoder layer is onloaded in turn, its codes
+    with ``skeleton=True``): the streaming export (`qatlib.export_stream`). Each decoder layer is onloaded in turn, its codes
     computed tensor by tensor and written into shards of at most ``max_shard_size`` bytes as they
     fill, so host memory holds one shard and one layer, never the model. Same tensors (and, for a
     model within one shard, the same bytes) as the in-memory export.
@@ -516,55 +510,46 @@ def export(
             "weights are dequantize(quantize(W)); activation / KV-cache quantization is not represented"
         )
 
-    weights = {"real": "real", "real_and_kvcache": "real", "fake": "fake"}.get(save_format)
-    want_kv = save_format in ("save_kvcache_only", "real_and_kvcache")
+    job = ExportJob(model, scheme, save_format, fmt, target, info, tokenizer, tuple(ignore), verify)
+    if onload is not None:
+        from .export_stream import export_streaming
+
+        return export_streaming(job, onload, max_shard_size)
     # A `fake` save is also a warm-start / resume checkpoint (`resume_ckpt_dir`): it carries the
     # scales in the PTQ key format + quant_scheme.json. Plain in-memory models only: the ZeRO-3
     # path (`modules`) streams each layer once, for the weights.
-    if onload is not None:
-        return _export_streaming(
-            model,
-            scheme,
-            fmt,
-            target,
-            info,
-            onload,
-            weights,
-            want_kv,
-            save_format,
-            tokenizer,
-            ignore,
-            verify,
-            max_shard_size,
-        )
     resume_scales = scale_state_dict(model) if save_format == "fake" and modules is None else None
     state, kv = export_tensors(
-        model, weights, fmt, kv=want_kv, modules=modules, verify=verify, keep=is_main_process
+        model, job.weights, fmt, kv=job.want_kv, modules=modules, verify=verify, keep=is_main_process
     )
     if not is_main_process:
         return None
     with target as tmp:
-        if weights is not None:
+        if job.weights is not None:
             model.save_pretrained(str(tmp), state_dict=state)
-        _write_side_files(
-            tmp, model, scheme, fmt, info, weights, kv if want_kv else None, resume_scales, tokenizer, ignore
-        )
+        write_side_files(tmp, job, kv if job.want_kv else None, resume_scales)
     log.info("exported %s (%s) to %s", scheme.name, save_format, out_dir)
     return Path(out_dir)
 
 
-def _write_side_files(tmp, model, scheme, fmt, info, weights, kv, resume_scales, tokenizer, ignore) -> None:
+def write_side_files(
+    tmp: Path,
+    job: ExportJob,
+    kv: dict[str, torch.Tensor] | None,
+    resume_scales: dict[str, torch.Tensor] | None,
+) -> None:
     """Everything of an export but the weight files: the config's quantization_config, the
     tokenizer, the KV-cache and resume scales, ``qatlib_export.json``."""
+    model, scheme, fmt, weights = job.model, job.scheme, job.fmt, job.weights
     if weights is not None:
         if fmt is not None:
             from compressed_tensors.compressors import ModelCompressor
 
-            ModelCompressor(quantization_config=quantization_config(model, fmt, ignore=ignore)).update_config(
-                str(tmp)
-            )
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
+            ModelCompressor(
+                quantization_config=quantization_config(model, fmt, ignore=job.ignore)
+            ).update_config(str(tmp))
+        if job.tokenizer is not None:
+            job.tokenizer.save_pretrained(str(tmp))
     if kv is not None:
         kv_file = tmp / (KV_SCALES_FILE if weights is None else EXPORT_KV_SCALES_FILE)
         kv_file.parent.mkdir(exist_ok=True)
@@ -577,51 +562,4 @@ def _write_side_files(tmp, model, scheme, fmt, info, weights, kv, resume_scales,
             metadata={"format": "pt", "qatlib": "fake-export-scales"},
         )
         write_json(tmp / SCHEME_FILE, scheme.to_dict())
-    write_json(tmp / EXPORT_INFO_FILE, info, sort_keys=True)
-
-
-def _export_streaming(
-    model,
-    scheme,
-    fmt,
-    target,
-    info,
-    loader,
-    weights,
-    want_kv,
-    save_format,
-    tokenizer,
-    ignore,
-    verify,
-    max_shard_size,
-):
-    """The ``onload`` branch of `export`: layer by layer, shard by shard, inside the atomic target
-    (a failure midway leaves no output)."""
-    from .checkpoint.safetensors import model_tensors
-    from .onload import iter_onloaded_modules
-
-    aliases = model_tensors(model).aliases  # tied names: save_pretrained writes the first only
-    kv: dict[str, torch.Tensor] | None = {} if want_kv else None
-    resume: dict[str, torch.Tensor] | None = {} if save_format == "fake" else None
-    tensors = iter_export_tensors(
-        model,
-        weights,
-        fmt,
-        kv_scales=kv,
-        resume_scales=resume,
-        modules=iter_onloaded_modules(model, loader),
-        verify=verify,
-        skip=aliases.__contains__,
-    )
-    with target as tmp:
-        if weights is not None:
-            # config.json / generation_config.json exactly as save_pretrained writes them
-            model.save_pretrained(str(tmp), state_dict={})
-            (tmp / WEIGHTS_FILE).unlink(missing_ok=True)
-            write_shards(tmp, tensors, max_shard_size)
-        else:
-            for _ in tensors:
-                pass
-        _write_side_files(tmp, model, scheme, fmt, info, weights, kv, resume, tokenizer, ignore)
-    log.info("exported %s (%s, streamed layer by layer) to %s", scheme.name, save_format, target.out)
-    return Path(target.out)
+    write_json(tmp / EXPORT_INFO_FILE, job.info, sort_keys=True)

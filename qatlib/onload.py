@@ -100,6 +100,10 @@ def realize_quantizers(model: nn.Module, options: PrepareOptions | None = None) 
     many quantizers were realised."""
     options = options or PrepareOptions()
     n = 0
+    # a meta Parameter shared by several quantizers (`qatlib.quant.tying`: q/k/v, gate/up, a
+    # layer's expert inputs) becomes ONE real Parameter shared by the same quantizers
+    real: dict[int, nn.Parameter] = {}
+    kept: list[nn.Parameter] = []  # the replaced meta Parameters stay alive: their ids stay unique
     for _, ql in _quant_linears(model):
         shapes = {
             "weight_quantizer": (ql.out_features, ql.in_features),
@@ -122,7 +126,9 @@ def realize_quantizers(model: nn.Module, options: PrepareOptions | None = None) 
                 old = getattr(q, name)
                 if old is None or tuple(old.shape) != tuple(p.shape):
                     raise RuntimeError(f"realize_quantizers: {role}.{name} does not match a fresh quantizer")
-                q._parameters[name] = p
+                if old.is_meta:
+                    kept.append(old)
+                    q._parameters[name] = real.setdefault(id(old), p)
             for name, b in fresh.named_buffers(recurse=False):
                 q._buffers[name] = b
             n += 1

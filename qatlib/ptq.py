@@ -149,6 +149,7 @@ def calibrate_layerwise(
             qls = [(prefix + n, ql) for n, ql in quant_linears(layer)]
             for name, ql in qls:
                 _init_weight_scales(name, ql, report)
+            retie_weights(layer)  # as `calibrate`: a tied weight scale is its members' max, not the last's
             if inputs is not None:
                 outputs: list = []
                 seen = calibrate_activations(

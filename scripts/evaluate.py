@@ -53,6 +53,9 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", required=True, choices=VARIANTS)
     ap.add_argument("--scales", default=None, help="PTQ / QAT checkpoint whose scales to load (ptq, qat)")
     ap.add_argument("--out", required=True, help="result JSON")
+    ap.add_argument(
+        "--layerwise", action="store_true", help="one decoder layer at a time (qatlib.eval.layerwise)"
+    )
     ap.add_argument("--hf-home", default=None, help="HF cache folder for datasets (lm-eval's Arrow files)")
     args = ap.parse_args(argv)
     if args.variant in ("ptq", "qat") and not args.scales:
@@ -61,6 +64,10 @@ def main(argv=None) -> int:
     ev = cfg.evaluation
     if ev is None or not (ev.ppl or ev.tasks):
         ap.error(f"{args.config}: no `evaluation` (ppl / tasks) to run")
+    from qatlib.eval.layerwise import layerwise_problem
+
+    if args.layerwise and (why := layerwise_problem(args.variant, ev.tasks)):
+        ap.error(why)
 
     with _common.stage(f"evaluate-{args.variant}", args) as record:
         from qatlib.checkpoint.layout import write_json
@@ -73,7 +80,13 @@ def main(argv=None) -> int:
         model_dir = resolve_model_dir(cfg.model.model_path, cache_dir=cfg.model.cache_dir)
         result = {"variant": args.variant, "model_path": str(model_dir), "scales": args.scales}
         result.update(ppl={}, tasks={})
-        model, extra = load_variant(cfg, args.variant, model_dir, args.scales)
+        onload = None  # --layerwise: the skeleton's weights streamed one layer at a time
+        if args.layerwise:
+            from qatlib.eval.layerwise import load_layerwise
+
+            model, onload, extra = load_layerwise(cfg, args.variant, model_dir, args.scales)
+        else:
+            model, extra = load_variant(cfg, args.variant, model_dir, args.scales)
         result.update(extra)
         if model is None:  # deployed, not evaluated (deploy.target none, or the runtime refuses)
             print(f"{args.variant}: skipped ({extra['skipped']})")
@@ -83,7 +96,7 @@ def main(argv=None) -> int:
         run = dict(batch_size=ev.batch_size, limit=ev.limit)
         for src in ev.ppl:
             kw = dict(seq_len=ev.max_seq_length, progress=not args.no_progress, cache_dir=args.hf_home)
-            r = perplexity(model, tok, src, **run, **kw)
+            r = perplexity(model, tok, src, **run, **kw, onload=onload)
             result["ppl"][ppl_label(src)] = r
             # the same windows' next-token top-1 accuracy: a task row, per window for paired errors
             top1 = {"acc": r["top1"], "acc_stderr": r["top1_stderr"], "acc_windows": r["window_top1"]}

@@ -70,9 +70,12 @@ def test_tiny_model_terms_by_hand():
     run = qp.Run(gpus=0, cpu_ranks=2)
     ptq, qat, export, ev = qp.plan(m, tiny_inputs(), run)
     t = terms(ptq)
-    assert t["embeddings (resident)"] == 1608 * 2  # bf16
-    assert t["one decoder layer (streamed)"] == LAYER * 2
-    assert t["linearisation transient (one fused tensor)"] == 384 * 2
+    # streamed: embed_tokens (100 x 8) during the input capture, then one layer at a time (bf16)
+    assert (
+        t["one decoder layer or the input embeddings, the larger (never resident together)"]
+        == max(LAYER, 800) * 2
+    )
+    assert "embeddings (resident)" not in t and not any("linearisation" in k for k in t)  # no fused tensor
     assert t["calibration activations carried (in + out)"] == 2 * 4 * 16 * 8 * 2
     t = terms(qat)
     assert t["parameter shard (model / world)"] == TOTAL * 2 // 2  # threshold 0: all partitioned
@@ -87,7 +90,10 @@ def test_tiny_model_terms_by_hand():
     assert t["KD/LM chunk fp32 working set"] == 16 * 100 * 4 * 6  # 16 rows < CHUNK_ELEMENTS // 100
     # a CPU run: a rank's working set is host RAM; the node holds 2 ranks + rank 0's save buffer
     assert qat.device == [] and qat.host_peak == 2 * qat.host_per_rank + (TOTAL * 2 + 64 * 4)
-    assert terms(export)["two decoder layers (weights + codes)"] == 2 * (LAYER * 2 + LAYER)
+    # streamed export: the fp8 output (embeddings bf16, the rest 1 byte) + one bf16 layer
+    t = terms(export)
+    assert t["output shard being filled (codes + unquantized tensors)"] == 1608 * 2 + (TOTAL - 1608)
+    assert t["one decoder layer onloaded (weights)"] == LAYER * 2
     assert terms(ev)["model (resident)"] == TOTAL * 2
     # 2 nodes x 2 ranks: world 4, a quarter each; rank 0's save buffer once per node
     qat4 = qp.plan(m, tiny_inputs(), qp.Run(gpus=2, nodes=2))[1]
@@ -155,6 +161,9 @@ def test_constants_agree_with_the_modules_they_mirror():
 
     assert qp.CHUNK_ELEMENTS == CHUNK_ELEMENTS
     assert qp.SAVE_SHARD_BYTES == inspect.signature(save_consolidated).parameters["max_shard_bytes"].default
+    from qatlib.export import export
+
+    assert qp.EXPORT_SHARD_BYTES == inspect.signature(export).parameters["max_shard_size"].default
 
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
@@ -261,6 +270,9 @@ def test_width_model_writes_the_hub_layout_in_shards(tmp_path):
 # it came from (qatlib's fake-quant, same scales), on the same tokens: bf16 rounding of a
 # 2048-wide dot product (~2^-8 relative) is all that may differ.
 REHEARSAL_LOGIT_RTOL = 1e-2
+# The CI machine's budget for one process tree of this test (24 GB shared with the suite's other
+# processes): above the measured 2-rank QAT peak, below what would push the machine into OOM.
+REHEARSAL_LIMIT = 12 * 2**30
 
 
 def _rehearsal_logits(model, ids):
@@ -271,15 +283,20 @@ def _rehearsal_logits(model, ids):
 
 
 @pytest.mark.slow
-@pytest.mark.skip(
-    reason="needs h-qatmem: today's ZeRO-3 QAT holds ~3 x the model per rank at this width (#16: "
-    "12.1 GB at 2 layers); even after it the plan predicts 3.9 GiB per rank + 2.3 GiB of rank 0's "
-    "save buffer (~10 GiB for the 2-rank tree) at 1 layer, over the ~5 GB one CI test may take"
+@pytest.mark.skipif(
+    not __import__("os").environ.get("QATLIB_REHEARSAL"),
+    reason="opt-in (QATLIB_REHEARSAL=1): never completed on the shared 2-core machine. Measured "
+    "2026-12-01 at load ~15: the 2-rank ZeRO-3 step at 1 layer did not finish in 25 min (stuck in "
+    "DeepSpeed's bf16 LinearFunctionForZeroStage3 backward, ~20x slower than fp32 on this CPU); "
+    "the tree peaked at 8.0 GiB before the timeout. Enable in CI once the step fits ~4 min (#12 / #16).",
 )
 def test_rehearsal_one_layer_ptq_zero3_qat_export_reload(tmp_path):
-    """qwen3-30b-a3b-width at 1 layer (1.25 B params, real width): PTQ -> ZeRO-3 QAT on 2 CPU
-    ranks -> export -> reload; every rank holds half of every parameter; the export's logits match
-    the QAT model's within REHEARSAL_LOGIT_RTOL."""
+    """qwen3-30b-a3b-width at 1 layer (1.25 B params; the real hidden / heads / 128 experts /
+    moe_intermediate / vocab): PTQ -> ZeRO-3 QAT on 2 CPU ranks -> export -> reload; every rank
+    holds half of every parameter; the export's logits match the QAT model's within
+    REHEARSAL_LOGIT_RTOL. Smallest size: 1 layer, 1 step per rank, 2 x 32-token samples (PTQ's
+    calibration too). Each stage's process tree is stopped past REHEARSAL_LIMIT (the 2-rank QAT
+    tree is the largest: see benchmarks/README.md for the measured peak and wall time)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -300,19 +317,24 @@ def test_rehearsal_one_layer_ptq_zero3_qat_export_reload(tmp_path):
         f"model.model_path={model}",
         f"compression.QAT.from_ptq_ckpt={tmp_path / 'ptq'}",
         "dataset.max_seq_length=32",
+        "dataset.num_samples=2",
+        "compression.QAT.hf_args.max_steps=1",
+        "evaluation.max_seq_length=32",
     ]
     base = ["-c", str(exp), *(f"--set={s}" for s in sets), "--no-progress"]
     env = {**__import__("os").environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     runs = [
-        [sys.executable, "scripts/ptq.py", *base, "--save-path", str(tmp_path / "ptq")],
+        [sys.executable, "scripts/ptq.py", *base, "--save-path", str(tmp_path / "ptq"), "--layerwise"],
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "scripts/qat.py",
          *base, "--from-ptq-ckpt", str(tmp_path / "ptq"), "--save-path", str(tmp_path / "qat"),
          "--run-dir", str(tmp_path / "qat_run"), "--threads", "1"],
         [sys.executable, "scripts/export.py", *base, "--model-path", str(tmp_path / "qat"),
-         "--save-path", str(tmp_path / "export")],
+         "--save-path", str(tmp_path / "export"), "--layerwise"],
     ]  # fmt: skip
     for i, cmd in enumerate(runs):
-        r = watch(cmd, int(5.5 * 2**30), env, tmp_path / f"stage{i}.log")
+        r = watch(cmd, REHEARSAL_LIMIT, env, tmp_path / f"stage{i}.log")
+        peaks = ", ".join(f"{x / 2**30:.2f}" for x in r["peak_rss_per_rank"])
+        print(f"rehearsal stage {i}: {r['wall_s']:.0f} s, peak GiB per process {peaks}")
         assert r["rc"] == 0 and not r["killed_at_limit"], (tmp_path / f"stage{i}.log").read_text()[-3000:]
     meta = json.loads((tmp_path / "qat/run_metadata.json").read_text())
     assert (meta["world_size"], meta["zero_stage"], len(meta["ranks"])) == (2, 3, 2)

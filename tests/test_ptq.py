@@ -374,3 +374,25 @@ def test_layerwise_calibration_refuses_what_it_cannot_run(tmp_path):
         calibrate_from_checkpoint(d, preset("fp8_static"), _batches(), ignore=())
     with pytest.raises(ValueError, match="no calibration batch"):
         calibrate_from_checkpoint(d, preset("fp8_static"), [])
+
+
+def test_layerwise_calibration_keeps_the_deploy_ties(tmp_path):
+    """Under ``deploy.target`` (scales tied as the runtime fuses them, `qatlib.quant.tying`), the
+    streamed calibration of a meta skeleton gives the whole-model scales bit for bit, and the tied
+    quantizers still share ONE real Parameter after `onload.realize_quantizers` (it had untied
+    them, and the skeleton's meta ``initialized`` flags stopped `tying.tie`)."""
+    from qatlib.checkpoint.keys import scale_state_dict
+    from qatlib.ptq import calibrate_from_checkpoint
+    from qatlib.quant.linear import PrepareOptions
+
+    scheme, opts = preset("fp8_static"), PrepareOptions(deploy_target="vllm")
+    d, model = _saved(tmp_path, tiny_qwen3_moe_config())
+    ref_report = calibrate(model, scheme, _batches(), options=opts)
+    ref = scale_state_dict(model)
+    skel, report, scales = calibrate_from_checkpoint(d, scheme, _batches(), options=opts)
+    assert scales.keys() == ref.keys() and [k for k in ref if not torch.equal(ref[k], scales[k])] == []
+    assert report.to_dict() == ref_report.to_dict()
+    attn = skel.model.layers[0].self_attn
+    shared = {id(getattr(attn, n).input_quantizer.scale) for n in ("q_proj", "k_proj", "v_proj")}
+    assert len(shared) == 1 and not attn.q_proj.input_quantizer.scale.is_meta
+    assert bool(attn.q_proj.input_quantizer.initialized)

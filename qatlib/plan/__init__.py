@@ -11,11 +11,11 @@ second, and names the term that is too large.
 
 What each stage's terms model (the code as it is after #16's streaming and QAT-memory work):
 
-``ptq_calibrate``  ``qatlib/ptq.py`` + ``quant/calibration.py``, streamed layer by layer: the
-                   embeddings stay resident, ONE decoder layer is on the device at a time
-                   (read from the safetensors shards), its fused experts linearised in place
-                   (``moe.py``: the transient is the largest fused tensor), calibration
-                   activations carried from layer to layer (in + out of a layer).
+``ptq_calibrate``  ``qatlib/ptq.py`` + ``quant/calibration.py``, streamed layer by layer
+                   (``scripts/ptq.py --layerwise``): the input embeddings while the first
+                   layer's inputs are captured, then ONE decoder layer at a time (never both),
+                   its experts read per expert from the shards into the linearised skeleton
+                   (no fused tensor), calibration activations carried from layer to layer.
 ``zero3_qat``      ``zero3_load.py`` / ``trainers/end2end.py`` under DeepSpeed ZeRO-3: each rank
                    holds model/world, the persistent (replicated) small parameters, one gathered
                    unit (a decoder layer: ``Qwen3MoeSparseMoeBlock`` is a ZeRO-3 leaf), the
@@ -29,14 +29,15 @@ What each stage's terms model (the code as it is after #16's streaming and QAT-m
                    quantization disabled (``end2end.py``): no second copy of the weights.
                    Rank 0's host also holds ``zero3_io.save_consolidated``'s buffer (one shard +
                    one gathered unit + every scale).
-``convert_export`` ``export.py`` shard by shard (host only): the largest QAT-checkpoint shard and
-                   two decoder layers (weights and their codes), plus every scale.
+``convert_export`` ``export_stream.py`` (``scripts/export.py --layerwise``, host only): the
+                   output shard as it fills (codes + unquantized tensors, at most 5 GiB), one
+                   onloaded decoder layer, one linear's compression temporaries, every scale.
 ``evaluate``       ``scripts/evaluate.py``: the whole model on the device when it fits, else
                    layer-sequential offload (one layer + embeddings on the device, the model in
                    host RAM); the export variant's compressed copy while it decompresses, one
                    layer's forward and the logits of a batch.
 
-Constants that mirror other modules (``CHUNK_ELEMENTS``, ``SAVE_SHARD_BYTES``) are checked against
+Constants that mirror other modules (``CHUNK_ELEMENTS``, ``SAVE_SHARD_BYTES``, ``EXPORT_SHARD_BYTES``) are checked against
 them in tests/test_plan.py. ``benchmarks/plan_rehearsal.py`` measures the rehearsal's peak RSS per
 stage beside these predictions.
 """
@@ -59,12 +60,22 @@ from .model import (
     from_experiment,
     section,
 )
-from .stages import CHUNK_ELEMENTS, GIB, SAVE_SHARD_BYTES, STAGES, Run, act_per_token, plan
+from .stages import (
+    CHUNK_ELEMENTS,
+    EXPORT_SHARD_BYTES,
+    GIB,
+    SAVE_SHARD_BYTES,
+    STAGES,
+    Run,
+    act_per_token,
+    plan,
+)
 
 __all__ = [
     "CHUNK_ELEMENTS",
     "GIB",
     "SAVE_SHARD_BYTES",
+    "EXPORT_SHARD_BYTES",
     "STAGES",
     "ModelShape",
     "PlanError",

@@ -12,6 +12,7 @@ GIB = 1 << 30
 CHUNK_ELEMENTS = 1 << 25  # qatlib.losses.CHUNK_ELEMENTS: logits elements per KD chunk
 CHUNK_COPIES = 6  # fp32 copies of a chunk alive at once: s, t, log p_s, log p_t, p_t, grad
 SAVE_SHARD_BYTES = 2 << 30  # qatlib.zero3_io.save_consolidated's max_shard_bytes
+EXPORT_SHARD_BYTES = 5 << 30  # qatlib.export.export's max_shard_size
 # Per process, beyond the terms: interpreter + torch + transformers (+ DeepSpeed) resident set; on
 # GPUs the host side of the CUDA context and pinned buffers, and on the device the context and
 # the caching allocator's slack. CPU value measured here (docs/NOTES: 0.45-0.55 GiB a tiny rank).
@@ -113,12 +114,19 @@ def _place(
 
 def _ptq(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
     d, layer = x.dtype_bytes, m.largest_layer * x.dtype_bytes
+    # Measured (benchmarks/plan_rehearsal.py, qwen3-30b-a3b-width at 1 layer: 1.72 GiB against the
+    # 3.72 GiB the earlier terms gave): the streamed PTQ holds the input embeddings only while it
+    # captures the first layer's inputs and offloads them before any layer is onloaded; the head
+    # (ignored) is never onloaded; and the experts are read per expert from the shards (the hub's
+    # and save_pretrained's key layout) into the linearised skeleton, so no fused tensor exists.
+    emb = m.vocab * m.hidden
     work = [
-        Term("embeddings (resident)", m.embed_params * d, "embed_tokens + lm_head + final norm"),
-        Term("one decoder layer (streamed)", layer, f"{m.largest_layer:,} params"),
+        Term(
+            "one decoder layer or the input embeddings, the larger (never resident together)",
+            max(m.largest_layer, emb) * d,
+            f"layer {m.largest_layer:,} / embed_tokens {emb:,} params",
+        ),
     ]
-    if m.largest_fused:
-        work.append(Term("linearisation transient (one fused tensor)", m.largest_fused * d, "gate_up_proj"))
     if x.calib:
         carried = 2 * x.calib_samples * x.seq_len * m.hidden * d
         work.append(
@@ -198,12 +206,20 @@ def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
 
 
 def _export(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
+    """The streamed export (``scripts/export.py --layerwise``, `qatlib.export_stream`). Measured
+    (benchmarks/plan_rehearsal.py, qwen3-30b-a3b-width at 1 layer: 2.81 GiB against the 4.66 GiB
+    of the earlier terms, "largest QAT-checkpoint shard + two layers with codes"): the input
+    checkpoint is read one layer at a time, never a shard; what is held is the OUTPUT shard as it
+    fills (codes + the unquantized tensors, at most ``max_shard_size``), one onloaded layer and one
+    linear's compression temporaries."""
     d, layer = x.dtype_bytes, m.largest_layer * x.dtype_bytes
-    shard = min(m.total_params * d, SAVE_SHARD_BYTES + layer)
-    codes = m.largest_layer * x.weight.bits // 8
+    out_bytes = m.embed_params * d + (m.total_params - m.embed_params) * x.weight.bits // 8
     work = [
-        Term("largest QAT-checkpoint shard", shard),
-        Term("two decoder layers (weights + codes)", min(2, m.layers) * (layer + codes)),
+        Term("output shard being filled (codes + unquantized tensors)", min(out_bytes, EXPORT_SHARD_BYTES)),
+        Term("one decoder layer onloaded (weights)", layer),
+        Term(
+            "one linear's compression temporaries (fp32 dequantized + fp32 check)", 2 * m.largest_linear * 4
+        ),
         Term("scales (fp32)", _n_scales(m, x.weight, x.act_quant) * 4),
     ]
     return _place(

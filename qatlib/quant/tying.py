@@ -126,7 +126,8 @@ def tie(model: nn.Module, groups: Iterable[TiedGroup]) -> list[TiedGroup]:
                 first.scale.copy_(scale)
                 if zp is not None:
                     first.zero_point.copy_(zp)
-        init = any(bool(q.initialized) for q in qs)
+        # a meta skeleton's flags are unreadable (and not yet initialised): `onload.realize_quantizers`
+        init = any(bool(q.initialized) for q in qs if not q.initialized.is_meta)
         for q in qs[1:]:
             q.scale = first.scale
             if first.zero_point is not None:

@@ -1,0 +1,97 @@
+"""The streaming export: `qatlib.export.export` with ``onload``, for a model that does not fit in
+host memory.
+
+The model is a skeleton (`qatlib.onload.load_skeleton`, prepared, every scale real and loaded,
+every weight on the meta device); each decoder layer is onloaded from the checkpoint in turn
+(`qatlib.onload.iter_onloaded_modules`), its tensors exported one at a time
+(`qatlib.export.iter_export_tensors`) and appended to the current output shard, which is written
+as soon as it is full. Host memory: one output shard + one onloaded layer and one linear's
+compression temporaries (issue-16 target: largest shard + 2 x one decoder layer;
+``benchmarks/stream_memory.py`` measures it). Same tensors as the in-memory export (and, for a
+model within one shard, the same bytes).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import save_file
+
+from .checkpoint.layout import WEIGHTS_FILE, name_weight_shards
+from .export import ExportJob, iter_export_tensors, write_side_files
+
+if TYPE_CHECKING:
+    from .onload import Onloader
+
+log = logging.getLogger(__name__)
+
+
+def export_streaming(job: ExportJob, loader: Onloader, max_shard_size: int) -> Path:
+    """Write ``job`` layer by layer, shard by shard, inside its atomic target (a failure midway
+    leaves no output); returns the output directory."""
+    from .checkpoint.safetensors import model_tensors
+    from .onload import iter_onloaded_modules
+
+    model = job.model
+    aliases = model_tensors(model).aliases  # tied names: save_pretrained writes the first only
+    kv: dict[str, torch.Tensor] | None = {} if job.want_kv else None
+    resume: dict[str, torch.Tensor] | None = {} if job.save_format == "fake" else None
+    tensors = iter_export_tensors(
+        model,
+        job.weights,
+        job.fmt,
+        kv_scales=kv,
+        resume_scales=resume,
+        modules=iter_onloaded_modules(model, loader),
+        verify=job.verify,
+        skip=aliases.__contains__,
+    )
+    with job.target as tmp:
+        if job.weights is not None:
+            # config.json / generation_config.json exactly as save_pretrained writes them
+            model.save_pretrained(str(tmp), state_dict={})
+            (tmp / WEIGHTS_FILE).unlink(missing_ok=True)
+            write_shards(tmp, tensors, max_shard_size)
+        else:
+            for _ in tensors:
+                pass
+        write_side_files(tmp, job, kv, resume)
+    log.info(
+        "exported %s (%s, streamed layer by layer) to %s", job.scheme.name, job.save_format, job.target.out
+    )
+    return Path(job.target.out)
+
+
+def write_shards(
+    directory: Path, tensors: Iterable[tuple[str, torch.Tensor]], max_shard_bytes: int
+) -> list[tuple[Path, list[str]]]:
+    """Write ``tensors`` (in order) into safetensors shards of at most ``max_shard_bytes`` (a
+    tensor larger than that gets a shard of its own; huggingface_hub's greedy split), each written
+    as soon as it is full, so only one shard is ever held; named as ``save_pretrained`` names them
+    (`qatlib.checkpoint.layout.name_weight_shards`). Hand-written because ``save_pretrained``
+    needs the whole state dict up front."""
+    shards: list[tuple[Path, list[str]]] = []
+    cur: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        path = directory / f".shard-{len(shards):05d}.safetensors"
+        save_file(cur, str(path), metadata={"format": "pt"})  # save_pretrained's metadata
+        shards.append((path, list(cur)))
+        cur.clear()
+
+    for key, t in tensors:
+        n = t.numel() * t.element_size()
+        if cur and size + n > max_shard_bytes:
+            flush()
+            size = 0
+        cur[key] = t
+        size += n
+    if cur or not shards:
+        flush()
+    name_weight_shards(directory, shards)
+    return shards
