@@ -172,6 +172,8 @@ def deploy_spec(spec: QuantSpec, target: str, layout: Layout, *, role: str, expe
         # the W4A8-FP8 kernel quantizes its input per token, dynamically, whatever was calibrated
         # (vLLM CT compressed_tensors.py:648-654 `_is_fp8_w4a8_sm90`); the export writes that too
         changes["dynamic_granularity"] = Granularity.TOKEN
+    if role == "input" and spec.is_fp8:  # vLLM QuantFP8: x * (1/s) (input_quant_fp8.py:216-220)
+        changes["scale_reciprocal"] = True
     if role == "weight" and Transform.W4A8_FP8_GROUP_SCALES in ts:
         changes.update(w4a8_kernel=True, scale_dtype="bfloat16")  # the kernel needs a bf16 model
     elif role == "weight" and Transform.SCALE_MODEL_DTYPE in ts and dtype in (torch.bfloat16, torch.float16):

@@ -185,9 +185,10 @@ class DeployedLinear(nn.Module):
         self.output_in_attention = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act is not None:
-            x = self.act(x)
         w = self.weight
+        if self.act is not None:
+            # an fp32 kernel applies the activation scale in its fp32 epilogue: x_deq not rounded
+            x = self.act(x.to(w.dtype) if w.dtype == torch.float32 else x)
         b = None if self.bias is None else self.bias.to(w.dtype)
         return TF.linear(x.to(w.dtype), w, b).to(self.out_dtype)
 
