@@ -366,12 +366,16 @@ def _activation(layout: Layout, s: Stored, per_token: bool):
     return None
 
 
-def emulate_export(export_dir: str | Path, target: str, *, fa3: bool = True) -> DeployedModel:
+def emulate_export(
+    export_dir: str | Path, target: str, *, fa3: bool = True, capability: str | None = None
+) -> DeployedModel:
     """The model ``target`` (``vllm`` / ``sglang``) computes from ``export_dir``.
 
     ``fa3``: vLLM's attention backend is FlashAttention 3 (Hopper), which also quantizes the
-    queries to fp8 when the KV cache is fp8. Raises `RuntimeRefusal` for an export the target
-    refuses at load (`facts.load_refusal`, the W4A8 kernel limits)."""
+    queries to fp8 when the KV cache is fp8. ``capability`` (``"9.0"``, ``deploy.capability``): the
+    GPU's; below ``"10.0"`` an FP4 W4A4 export runs weight-only; None: not checked (FP4: the
+    native SM100 path). Raises `RuntimeRefusal` for an export the target refuses at load
+    (`facts.load_refusal`, the W4A8 kernel limits, SGLang's differing FP4 global scales)."""
     from ..quant.attention import enable_qkv_quantization
 
     if target not in TARGETS:
@@ -383,12 +387,9 @@ def emulate_export(export_dir: str | Path, target: str, *, fa3: bool = True) -> 
         model = _skeleton(d)
         return DeployedModel(model, target, Layout.OTHER, ["unquantized checkpoint: computed as stored"])
     layout, scheme = _export_layout(d, qc)
-    if scheme.weight is not None and scheme.weight.qtype in FP4_FORMATS:
-        raise NotImplementedError(
-            f"{d}: the runtime emulator does not model {scheme.weight.qtype} exports yet"
-        )
+    fp4 = scheme.weight is not None and scheme.weight.qtype in FP4_FORMATS
     moe = any(k in cfg for k in ("num_experts", "num_local_experts"))
-    refusal = load_refusal(target, layout, moe=moe)
+    refusal = load_refusal(target, layout, moe=moe, capability=capability)
     if refusal is not None:  # before anything is loaded
         raise RuntimeRefusal(
             f"{TARGETS[target]} cannot load {d} ({layout.value}): {refusal.what} [{refusal.source}]"
@@ -398,13 +399,15 @@ def emulate_export(export_dir: str | Path, target: str, *, fa3: bool = True) -> 
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     wargs, _ = _config_args(qc)
     mods = dict(model.named_modules())
+    groups = fused_groups(model)
+    experts = {m for g in groups if g.kind is GroupKind.MOE_LAYER for m in g.members}
+    if fp4:
+        return _emulate_fp4(d, model, tensors, scheme, layout, target, groups, experts, capability, dtype)
     stored = {
         n: _read_stored(tensors, n, wargs)
         for n, m in mods.items()
         if isinstance(m, nn.Linear) and f"{n}.weight_scale" in tensors
     }
-    groups = fused_groups(model)
-    experts = {m for g in groups if g.kind is GroupKind.MOE_LAYER for m in g.members}
     if layout is Layout.W4A8:
         shapes = [s.codes.shape for n, s in stored.items() if n not in experts]
         eshapes = [s.codes.shape for n, s in stored.items() if n in experts]
@@ -446,6 +449,24 @@ def emulate_export(export_dir: str | Path, target: str, *, fa3: bool = True) -> 
         "the CUTLASS W4A8 kernel's in-register int4 x fp8-scale product (exact here)",
         "SGLang fused-MoE dynamic per-tensor scales over the whole layer input (per expert call here)",
         "int8 asymmetric static zero point truncated by the runtime (runtime-contract D9)",
+    ]
+    return out
+
+
+def _emulate_fp4(d, model, tensors, scheme, layout, target, groups, experts, capability, dtype):
+    from .emulate_fp4 import replace_fp4_linears
+
+    out = DeployedModel(model, target, layout)
+    try:
+        out.applied = replace_fp4_linears(
+            model, tensors, scheme.weight.qtype, layout, transforms(target, layout), groups, experts,
+            capability, dtype,
+        )  # fmt: skip
+    except ValueError as e:
+        raise RuntimeRefusal(f"{TARGETS[target]} cannot load {d} ({layout.value}): {e}") from None
+    out.not_emulated = [
+        "GEMM accumulation order (fp32 here)",
+        "FlashInfer's MXFP4 activation scale rounding (compressed-tensors' rule here)",
     ]
     return out
 
