@@ -183,8 +183,8 @@ def replace_fp4_linears(
     act, kept = fp4_transforms_applied(layout, capability, [t for t, _ in target_transforms])
     applied = []
     for t, fact in target_transforms:
-        if t not in kept:
-            continue
+        if t not in kept or (t is Transform.FP4_GLOBAL_SCALE_MUST_MATCH and act):
+            continue  # SGLang's must-match is its W4A16 scheme's (weight-only, W4A4 below SM100)
         if t is Transform.FP4_GLOBAL_SCALE_MUST_MATCH:
             bad = [
                 g.parent
