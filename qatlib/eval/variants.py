@@ -45,7 +45,7 @@ def load_variant(cfg, variant: str, model_path: str, scales: str | None) -> tupl
         if why:
             return None, {"skipped": why, "target": target}
         try:
-            model, record = load_deployed(model_path, target)
+            model, record = load_deployed(model_path, target, getattr(cfg.deploy, "capability", None))
         except RuntimeRefusal as e:
             return None, {"skipped": str(e), "target": target}
         return model.to(device.current()), record
@@ -61,13 +61,15 @@ def load_variant(cfg, variant: str, model_path: str, scales: str | None) -> tupl
     return load_model(model_path, torch_dtype=m.torch_dtype, device_map=device_map, **kw), {}
 
 
-def load_deployed(export_dir: str | Path, target: str) -> tuple[nn.Module, dict[str, Any]]:
+def load_deployed(
+    export_dir: str | Path, target: str, capability: str | None = None
+) -> tuple[nn.Module, dict[str, Any]]:
     """``(model, record)``: the emulated runtime model of ``export_dir`` and the facts for the
     result JSON. Raises `qatlib.runtime.emulate.RuntimeRefusal` where the runtime refuses it."""
     from ..runtime.emulate import emulate_export
     from ..runtime.facts import TARGETS
 
-    dep = emulate_export(export_dir, target)
+    dep = emulate_export(export_dir, target, capability=capability)
     record = {
         "runtime": str(TARGETS[target]),
         "layout": dep.layout.value,

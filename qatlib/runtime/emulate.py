@@ -14,6 +14,8 @@ The skeleton (embeddings, norms, router, lm_head) is the transformers reload wit
 stored codes (compressed-tensors' own ``unpack_from_int32`` for packed formats), never from the
 dequantized reload, so the requantization sees the exact fp8 / int codes the runtime loads.
 
+FP4 exports: `qatlib.runtime.emulate_fp4`.
+
 Not emulated (recorded in `DeployedModel.not_emulated`): kernel accumulation order, the CUTLASS W4A8
 kernel's in-register product precision, SGLang fused-MoE per-tensor dynamic activations being
 taken over the whole layer input (emulated per expert), the int8 asymmetric zero-point truncation
@@ -402,7 +404,9 @@ def emulate_export(
     groups = fused_groups(model)
     experts = {m for g in groups if g.kind is GroupKind.MOE_LAYER for m in g.members}
     if fp4:
-        return _emulate_fp4(d, model, tensors, scheme, layout, target, groups, experts, capability, dtype)
+        from .emulate_fp4 import emulate_fp4
+
+        return emulate_fp4(d, model, tensors, scheme, layout, target, groups, experts, capability, dtype)
     stored = {
         n: _read_stored(tensors, n, wargs)
         for n, m in mods.items()
@@ -449,24 +453,6 @@ def emulate_export(
         "the CUTLASS W4A8 kernel's in-register int4 x fp8-scale product (exact here)",
         "SGLang fused-MoE dynamic per-tensor scales over the whole layer input (per expert call here)",
         "int8 asymmetric static zero point truncated by the runtime (runtime-contract D9)",
-    ]
-    return out
-
-
-def _emulate_fp4(d, model, tensors, scheme, layout, target, groups, experts, capability, dtype):
-    from .emulate_fp4 import replace_fp4_linears
-
-    out = DeployedModel(model, target, layout)
-    try:
-        out.applied = replace_fp4_linears(
-            model, tensors, scheme.weight.qtype, layout, transforms(target, layout), groups, experts,
-            capability, dtype,
-        )  # fmt: skip
-    except ValueError as e:
-        raise RuntimeRefusal(f"{TARGETS[target]} cannot load {d} ({layout.value}): {e}") from None
-    out.not_emulated = [
-        "GEMM accumulation order (fp32 here)",
-        "FlashInfer's MXFP4 activation scale rounding (compressed-tensors' rule here)",
     ]
     return out
 

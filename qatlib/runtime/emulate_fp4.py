@@ -205,3 +205,23 @@ def replace_fp4_linears(
         parent, _, child = name.rpartition(".")
         setattr(mods[parent], child, DeployedFP4Linear(s, mods[name].bias, qtype, act, dtype))
     return applied
+
+
+def emulate_fp4(d, model, tensors, scheme, layout, target, groups, experts, capability, dtype):
+    """`emulate.emulate_export`'s FP4 branch: the `DeployedModel` of an FP4 export."""
+    from .emulate import DeployedModel, RuntimeRefusal
+    from .facts import TARGETS, transforms
+
+    out = DeployedModel(model, target, layout)
+    try:
+        out.applied = replace_fp4_linears(
+            model, tensors, scheme.weight.qtype, layout, transforms(target, layout), groups, experts,
+            capability, dtype,
+        )  # fmt: skip
+    except ValueError as e:
+        raise RuntimeRefusal(f"{TARGETS[target]} cannot load {d} ({layout.value}): {e}") from None
+    out.not_emulated = [
+        "GEMM accumulation order (fp32 here)",
+        "FlashInfer's MXFP4 activation scale rounding (compressed-tensors' rule here)",
+    ]
+    return out
