@@ -202,6 +202,7 @@ def shared_global_groups(model: nn.Module) -> list[list[tuple[str, Quantizer]]]:
     return [g for g in by_id.values() if len(g) > 1]
 
 
+@torch.no_grad()
 def retie_weights(model: nn.Module) -> None:
     """After per-linear weight initialisation (`Quantizer.init_from` on each member overwrites the
     shared scale: the last member would win), set every tied weight scale to the max over its
