@@ -371,3 +371,20 @@ def test_expert_input_scale_collapse_end_to_end(tmp_path):
         for q in qs:
             q.scale.copy_(top)
     assert _diff(dep.model, model) <= EQUAL_FP32
+
+
+def test_default_model_w4a8_row_is_refused_for_its_shapes():
+    """benchmarks.deployed's w4a8_fp8_g64 row on SmolLM2-135M (hidden 576, k/v 192, MLP 1536): vLLM's
+    CUTLASS W4A8 kernel refuses it even in bf16 at group 128, since 576 is not a multiple of 128; the
+    benchmark's int4_g64 scheme has group 64 (576 and 1536 are multiples of 64)."""
+    from benchmarks.deployed import deployed_scheme
+    from qatlib.runtime.facts import w4a8_kernel_refusal
+
+    shapes = [(576, 576), (192, 576), (1536, 576), (576, 1536)]
+    why = w4a8_kernel_refusal("vllm", shapes, 128, torch.bfloat16)
+    assert why is not None and why.what.endswith(
+        "this export has linears shaped (192, 576), (576, 576), (576, 1536)"
+    )
+    assert w4a8_kernel_refusal("vllm", [(640, 640)], 128, torch.bfloat16) is None
+    assert deployed_scheme("int4_g64").weight.group_size == 64
+    assert deployed_scheme("w4a8_fp8_g64").weight.group_size == 64
