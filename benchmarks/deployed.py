@@ -71,7 +71,8 @@ class DeployedSettings:
     qat_steps: int = 60
     eval_windows: int = 100
     tied: bool = True  # also the tied run, where the library supports it
-    base_model: str | None = None  # --base-model DIR (default: the workflow's results/base/<model>)
+    base_model: str | None = None  # --base-model DIR (default: the workflow's results/base/<base_name>)
+    base_name: str = "smollm2-135m"  # the project's default model (config/experiments/smollm2-135m.yaml)
     capability: str | None = None  # the GPU the deployment runs on (FP4 W4A4: weight-only below "10.0")
 
 
@@ -148,7 +149,12 @@ def run(
 
     s = settings or DeployedSettings()
     qs = QualitySettings(
-        eval_windows=s.eval_windows, qat_steps=s.qat_steps, mc=False, gptq=False, base_model_path=s.base_model
+        eval_windows=s.eval_windows,
+        qat_steps=s.qat_steps,
+        mc=False,
+        gptq=False,
+        base_model=s.base_name,
+        base_model_path=s.base_model,
     )
     if s.formats == QUICK.formats and s.qat_steps == QUICK.qat_steps and not s.base_model:
         from .quality import QUICK as QQ
