@@ -223,5 +223,8 @@ def emulate_fp4(d, model, tensors, scheme, layout, target, groups, experts, capa
     out.not_emulated = [
         "GEMM accumulation order (fp32 here)",
         "FlashInfer's MXFP4 activation scale rounding (compressed-tensors' rule here)",
+        "NVFP4 W4A4 MoE: the input global scale per expert (max of its gate/up, FlashInfer CUTLASS, "
+        "flashinfer_fp4_moe.py:397); the TRT-LLM and emulation backends take one max over all experts "
+        "(fused_moe/oracle/nvfp4.py:491-507)",
     ]
     return out
