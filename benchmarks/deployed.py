@@ -8,11 +8,12 @@ the QAT model as trained (fake quantization in memory) and as deployed (the expo
     survives = (ppl_ptq_deployed - ppl_qat_deployed) / (ppl_ptq_trained - ppl_qat_trained)
 
 (1.0: the whole gain is deployed; below: the runtime's load-time transformations undo part of
-what QAT learned). ``tied`` (h-tying's ``PrepareOptions(deploy_target=...)``) repeats the row with
-the runtime's merged scales trained as one; the column is null with the reason until that option
-exists. A format the runtime refuses gets its refusal instead of deployed numbers.
+what QAT learned). ``tied`` (``PrepareOptions(deploy_target=...)``) repeats the row with the
+runtime's merged scales (fp8 per-tensor scales, NVFP4 global scales) trained as one. A format the
+runtime refuses gets its refusal instead of deployed numbers. The models run in fp32 (the
+benchmark's `Lab`): the runtimes' bf16 scale rounding is a no-op here.
 
-    python -m benchmarks.deployed [--quick] [--out results/bench]   -> deployed.json
+    python -m benchmarks.deployed [--quick] [--base-model DIR] [--capability 9.0] [--out results/bench]
 """
 
 from __future__ import annotations
@@ -32,8 +33,35 @@ from qatlib.report.metrics import MIN_REL_GAP
 
 from .common import DEFAULT_OUT, IGNORE, format_scheme, load_avg, log, machine, target, write_result
 
-DEPLOYED_FORMATS = ("fp8_static", "fp8_dynamic", "int4_g32", "int8_w8a8", "w4a8_fp8_g32")
+# The default model's rows (SmolLM2-135M: hidden 576, k/v 192, MLP 1536, so group 64 divides every
+# in_features; w4a8_fp8_g64 is recorded as vLLM's refusal: its CUTLASS W4A8 kernel needs group 128
+# and K, N % 128, and 576 is not)
+DEPLOYED_FORMATS = (
+    "fp8_static",
+    "fp8_dynamic",
+    "int4_g64",
+    "w4a8_fp8_g64",
+    "nvfp4",
+    "nvfp4_w4a16",
+    "mxfp4_w4a16",
+)
 TARGET = "vllm"
+
+
+def deployed_scheme(name: str):
+    """The scheme of a row: `common.format_scheme`'s names plus the group-64 rows of the default
+    model and ``fp8_dynamic``."""
+    from qatlib.quant import PRESETS
+
+    if name == "fp8_dynamic":
+        return PRESETS["fp8_dynamic"]
+    if name == "int4_g64":
+        s = PRESETS["int4_weight_only"]
+        return s.replace(name=name, weight=s.weight.replace(group_size=64))
+    if name == "w4a8_fp8_g64":
+        s = PRESETS["w4a8_fp8"]
+        return s.replace(name=name, weight=s.weight.replace(group_size=64))
+    return format_scheme(name)
 
 
 @dataclass
@@ -43,9 +71,13 @@ class DeployedSettings:
     qat_steps: int = 60
     eval_windows: int = 100
     tied: bool = True  # also the tied run, where the library supports it
+    base_model: str | None = None  # --base-model DIR (default: the workflow's results/base/<base_name>)
+    base_name: str = "smollm2-135m"  # the project's default model (config/experiments/smollm2-135m.yaml)
+    capability: str | None = None  # the GPU the deployment runs on (FP4 W4A4: weight-only below "10.0")
 
 
-QUICK = DeployedSettings(formats=("fp8_static", "int4_g32"), qat_steps=3, eval_windows=8, tied=False)
+# --quick: the micro model of `benchmarks.quality`'s quick path, one fp8 and one FP4 row, tied too
+QUICK = DeployedSettings(formats=("fp8_static", "nvfp4_w4a16"), qat_steps=3, eval_windows=8, tied=True)
 
 
 def tying_available() -> str | None:
@@ -57,7 +89,7 @@ def tying_available() -> str | None:
     return "tied scales (PrepareOptions.deploy_target, h-tying) are not in this tree"
 
 
-def _deployed_ppl(model, scheme, ev, work: Path, target: str) -> dict[str, Any]:
+def _deployed_ppl(model, scheme, ev, work: Path, target: str, capability=None) -> dict[str, Any]:
     """Export ``model`` (real) and evaluate the emulated runtime model; or the refusal."""
     from qatlib.export import export
     from qatlib.runtime.emulate import RuntimeRefusal, emulate_export
@@ -65,7 +97,7 @@ def _deployed_ppl(model, scheme, ev, work: Path, target: str) -> dict[str, Any]:
     d = Path(tempfile.mkdtemp(dir=work))
     export(model, scheme, d, "real", ignore=list(IGNORE))
     try:
-        dep = emulate_export(d, target)
+        dep = emulate_export(d, target, capability=capability)
     except RuntimeRefusal as e:
         return {"refused": str(e)}
     rec = ev(dep.model, mc=False)
@@ -73,7 +105,7 @@ def _deployed_ppl(model, scheme, ev, work: Path, target: str) -> dict[str, Any]:
 
 
 def _row(name: str, lab, s: DeployedSettings, work: Path, options=None) -> dict[str, Any]:
-    scheme = format_scheme(name)
+    scheme = deployed_scheme(name)
     ev = lab.eval
     if options is None:
         ptq = lab.rtn(scheme)
@@ -83,7 +115,7 @@ def _row(name: str, lab, s: DeployedSettings, work: Path, options=None) -> dict[
         ptq = lab.fresh()
         calibrate(ptq, scheme, lab.calib, ignore=IGNORE, options=options)
     ptq_t = ev(ptq, mc=False)["ppl"]
-    ptq_d = _deployed_ppl(ptq, scheme, ev, work, s.target)
+    ptq_d = _deployed_ppl(ptq, scheme, ev, work, s.target, s.capability)
     if "refused" in ptq_d:  # nothing deployed to compare: no QAT run
         return {"format": name, "ptq_trained": ptq_t, "qat_trained": None, "refused": ptq_d["refused"]} | {
             "ptq_deployed": None,
@@ -92,7 +124,7 @@ def _row(name: str, lab, s: DeployedSettings, work: Path, options=None) -> dict[
         }
     qat, _ = lab.qat(scheme, steps=s.qat_steps, start=ptq)
     qat_t = ev(qat, mc=False)["ppl"]
-    qat_d = _deployed_ppl(qat, scheme, ev, work, s.target)
+    qat_d = _deployed_ppl(qat, scheme, ev, work, s.target, s.capability)
     row: dict[str, Any] = {"format": name, "ptq_trained": ptq_t, "qat_trained": qat_t}
     if "refused" in ptq_d:
         row.update(refused=ptq_d["refused"], ptq_deployed=None, qat_deployed=None, survives=None)
@@ -116,8 +148,15 @@ def run(
     from .quality import Lab, QualitySettings, resolve_inputs
 
     s = settings or DeployedSettings()
-    qs = QualitySettings(eval_windows=s.eval_windows, qat_steps=s.qat_steps, mc=False, gptq=False)
-    if s is QUICK:
+    qs = QualitySettings(
+        eval_windows=s.eval_windows,
+        qat_steps=s.qat_steps,
+        mc=False,
+        gptq=False,
+        base_model=s.base_name,
+        base_model_path=s.base_model,
+    )
+    if s.formats == QUICK.formats and s.qat_steps == QUICK.qat_steps and not s.base_model:
         from .quality import QUICK as QQ
 
         qs = replace(QQ, qat_steps=s.qat_steps, eval_windows=s.eval_windows, mc=False, gptq=False)
@@ -208,6 +247,10 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--formats", default=None, help=f"comma-separated subset (default {','.join(DEPLOYED_FORMATS)})"
     )
+    ap.add_argument(
+        "--base-model", default=None, help="a pre-trained model folder (default: results/base/...)"
+    )
+    ap.add_argument("--capability", default=None, help='the GPU\'s compute capability, e.g. "9.0"')
     ap.add_argument("--eval-windows", type=int, default=None)
     ap.add_argument("--qat-steps", type=int, default=None)
     args = ap.parse_args(argv)
@@ -220,6 +263,8 @@ def main(argv=None) -> int:
         s = replace(s, eval_windows=args.eval_windows)
     if args.qat_steps:
         s = replace(s, qat_steps=args.qat_steps)
+    if args.base_model or args.capability:
+        s = replace(s, base_model=args.base_model, capability=args.capability)
     doc = run(s, results=args.results, partial=Path(args.out) / "deployed.partial.json")
     path = write_result(args.out, "deployed", doc)
     print(table(doc))

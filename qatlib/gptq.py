@@ -64,11 +64,17 @@ def gptq_quantize_weight(
     block_size: int = 128,
     percdamp: float = 0.01,
     act_order: bool = False,
+    fixed: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """GPTQ one ``[out, in]`` weight given ``H = 2 X^T X / n``; returns ``(dequantized weight
-    (fp32), scale, zero_point)`` with the scale / zero point in ``spec``'s stored shape."""
+    (fp32), scale, zero_point)`` with the scale / zero point in ``spec``'s stored shape.
+
+    ``fixed``: a per-tensor ``(scale, zero_point)`` to quantize at instead of the weight's own (the
+    one scale a runtime serves for all shards of a fused group, `shared_weight_qparams`)."""
     if spec.dynamic:
         raise ValueError("GPTQ needs a static weight format")
+    if fixed is not None and spec.granularity is not Granularity.TENSOR:
+        raise ValueError(f"GPTQ: a fixed scale is per-tensor; got {spec.granularity.value}")
     W = weight.detach().float().clone()
     rows, cols = W.shape
     H = hessian.detach().float().clone()
@@ -97,7 +103,11 @@ def gptq_quantize_weight(
         if g_zero is not None:
             g_zero[:, g : g + 1] = z
 
-    if gs is None:
+    if fixed is not None:
+        g_scale[:] = fixed[0].float().reshape(1, 1).to(W.device)
+        if g_zero is not None:
+            g_zero[:] = fixed[1].float().reshape(1, 1).to(W.device)
+    elif gs is None:
         set_group(0, W)
     elif act_order:
         for g in range(n_groups):
@@ -138,6 +148,28 @@ def gptq_quantize_weight(
     else:
         scale, zp = g_scale, g_zero
     return Q, scale, zp
+
+
+def shared_weight_qparams(layer: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """For the linears of ``layer`` whose weight quantizers share one scale (`qatlib.quant.tying`,
+    under a ``deploy.target``): linear name -> the group's ``(scale, zero_point)``, computed from the
+    float weights of all members BEFORE any of them is GPTQ-quantized: the qparams of the union of
+    their ranges, i.e. for symmetric formats the max of the members' own scales (the rule PTQ's
+    `tying.retie_weights` and the runtime's load-time max use). GPTQ then quantizes each member at
+    that fixed scale; otherwise each member would set the shared Parameter and the last one would
+    win for all of them. Untied layers: empty."""
+    from .quant.tying import shared_groups
+
+    out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for group in shared_groups(layer):
+        names = [n.removesuffix(".weight_quantizer") for n, _ in group if n.endswith(".weight_quantizer")]
+        if len(names) != len(group):
+            continue  # input quantizers: calibrated from activations, not here
+        spec = group[0][1].spec
+        w = torch.cat([layer.get_submodule(n).weight.detach().float().reshape(-1) for n in names])
+        scale, zp = F.compute_qparams(w, spec)
+        out.update({n: (scale.clone(), None if zp is None else zp.clone()) for n in names})
+    return out
 
 
 # --------------------------------------------------------------------------- model driver
@@ -246,13 +278,21 @@ def _gptq_layer(li, layer, inputs, report, block_size, percdamp, act_order, min_
             h.remove()
         for q, e in states:
             q.enabled = e
-    # 3. GPTQ every linear.
+    # 3. GPTQ every linear (the shards of a tied group at their one shared scale).
+    shared = shared_weight_qparams(layer)
     for n, ql in qls:
         wq = ql.weight_quantizer
         if wq is None:
             continue
         report.weight_quantizers += 1
         hk = hooks[n]
+        fixed = shared.get(n)
+        if hk.n < min_tokens and fixed is not None:
+            wq.set_qparams(*fixed)  # round to nearest at the shared scale (init_from would overwrite it)
+            report.fallbacks[f"layers.{li}.{n}.weight_quantizer"] = (
+                f"round-to-nearest at the tied scale ({hk.n} calibration tokens)"
+            )
+            continue
         if hk.n < min_tokens:
             wq.init_from(ql.weight)
             report.fallbacks[f"layers.{li}.{n}.weight_quantizer"] = (
@@ -260,7 +300,13 @@ def _gptq_layer(li, layer, inputs, report, block_size, percdamp, act_order, min_
             )
             continue
         Q, scale, zp = gptq_quantize_weight(
-            ql.weight, hk.H, wq.spec, block_size=block_size, percdamp=percdamp, act_order=act_order
+            ql.weight,
+            hk.H,
+            wq.spec,
+            block_size=block_size,
+            percdamp=percdamp,
+            act_order=act_order,
+            fixed=fixed,
         )
         ql.weight.data.copy_(Q.to(ql.weight.dtype))
         wq.set_qparams(scale.to(ql.weight.device), None if zp is None else zp.to(ql.weight.device))

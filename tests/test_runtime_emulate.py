@@ -4,8 +4,8 @@ compared with the trained (fake-quant) model.
 
 Bounds (max |logit difference|, tiny models, logits ~0.6 in magnitude):
 - EQUAL_FP32 = EQUAL_BF16 = 1e-5: where the runtime changes nothing, or where the trained model was
-  given exactly what the runtime does (by hand here; by h-tying's ``deploy_target`` in the xfail
-  test). Measured: 0 in every such case (the emulator's GEMM runs in the kernel's dtype, vLLM's
+  given exactly what the runtime does (by hand here; by ``deploy_target`` in the tied test, W4A8
+  included). Measured: 0 in every such case (the emulator's GEMM runs in the kernel's dtype, vLLM's
   fp16 dequantization in its fp8 requantization moves a code only in fp16's subnormal range);
 - MISMATCH_FP32 = 5e-3, MISMATCH_BF16 = 1e-3: an untied model differs from its deployed self by at
   least this (measured: fp8_static 0.031-0.036, fp8_dynamic 0.045, int4 bf16 scales 0.0049,
@@ -260,13 +260,11 @@ def test_emulator_catches_the_untied_mismatch(tmp_path, case):
         assert tied <= (EQUAL_BF16 if bf16 else EQUAL_FP32), (untied, tied)
 
 
-W4A8_OPEN = pytest.mark.xfail(
-    strict=True,
-    reason="W4A8 tied: trained vs emulated logits still differ by 0.08 (dense) / 0.13 (MoE), "
-    "about what untied differs (0.10 / 0.15); not the GEMM dtype (a bf16 GEMM in the emulator "
-    "gives the same); the trained kernel path and the emulator disagree somewhere else (open, #15)",
-)
-TIED_CASES = [pytest.param(c, marks=W4A8_OPEN) if c[0] == "w4a8_fp8" else c for c in CHANGED]
+# W4A8 tied is exact too (was 0.08 / 0.13 before: the fused fake-quant linear also applied the
+# per-tensor fp8 recast on top of the kernel scale path, the trained fp8 codes were x / s where vLLM's
+# QuantFP8 computes x * (1/s) (ties: bf16 activations under amax/448 hit them often), and the trained
+# GEMM rounded the weight and the dequantized input to bf16 where the CUTLASS kernel keeps fp32)
+TIED_CASES = CHANGED
 
 
 @pytest.mark.parametrize("case", TIED_CASES, ids=_id)
@@ -373,3 +371,20 @@ def test_expert_input_scale_collapse_end_to_end(tmp_path):
         for q in qs:
             q.scale.copy_(top)
     assert _diff(dep.model, model) <= EQUAL_FP32
+
+
+def test_default_model_w4a8_row_is_refused_for_its_shapes():
+    """benchmarks.deployed's w4a8_fp8_g64 row on SmolLM2-135M (hidden 576, k/v 192, MLP 1536): vLLM's
+    CUTLASS W4A8 kernel refuses it even in bf16 at group 128, since 576 is not a multiple of 128; the
+    benchmark's int4_g64 scheme has group 64 (576 and 1536 are multiples of 64)."""
+    from benchmarks.deployed import deployed_scheme
+    from qatlib.runtime.facts import w4a8_kernel_refusal
+
+    shapes = [(576, 576), (192, 576), (1536, 576), (576, 1536)]
+    why = w4a8_kernel_refusal("vllm", shapes, 128, torch.bfloat16)
+    assert why is not None and why.what.endswith(
+        "this export has linears shaped (192, 576), (576, 576), (576, 1536)"
+    )
+    assert w4a8_kernel_refusal("vllm", [(640, 640)], 128, torch.bfloat16) is None
+    assert deployed_scheme("int4_g64").weight.group_size == 64
+    assert deployed_scheme("w4a8_fp8_g64").weight.group_size == 64

@@ -46,7 +46,7 @@ def load_variant(cfg, variant: str, model_path: str, scales: str | None) -> tupl
         if why:
             return None, {"skipped": why, "target": target}
         try:
-            model, record = load_deployed(model_path, target)
+            model, record = load_deployed(model_path, target, getattr(cfg.deploy, "capability", None))
         except RuntimeRefusal as e:
             return None, {"skipped": str(e), "target": target}
         return model.to(device.current()), record
@@ -86,13 +86,15 @@ def bake_weight_fake_quant(model: nn.Module) -> int:
     return n
 
 
-def load_deployed(export_dir: str | Path, target: str) -> tuple[nn.Module, dict[str, Any]]:
+def load_deployed(
+    export_dir: str | Path, target: str, capability: str | None = None
+) -> tuple[nn.Module, dict[str, Any]]:
     """``(model, record)``: the emulated runtime model of ``export_dir`` and the facts for the
     result JSON. Raises `qatlib.runtime.emulate.RuntimeRefusal` where the runtime refuses it."""
     from ..runtime.emulate import emulate_export
     from ..runtime.facts import TARGETS
 
-    dep = emulate_export(export_dir, target)
+    dep = emulate_export(export_dir, target, capability=capability)
     record = {
         "runtime": str(TARGETS[target]),
         "layout": dep.layout.value,

@@ -86,10 +86,12 @@ def _fake_quant_parts(
         d = q - torch.where(inside, v, 0.0)
     del v
     out = q.mul_(s).reshape(w.shape)
-    if spec.fp8_recast:
+    if spec.fp8_recast and not spec.w4a8_kernel:  # the kernel scale path replaces the recast
         s2 = (out.abs().amax() / FP8_E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
         out = _e4m3_values(out.div_(s2)).mul_(s2)
-    return out.to(w.dtype), inside, d, s
+    # vLLM's CUTLASS W4A8 kernel multiplies the exact int4 x fp8-scale products in fp32 (fp32
+    # accumulation, token / channel scales in the epilogue): its weight is not rounded to bf16
+    return (out if spec.w4a8_kernel else out.to(w.dtype)), inside, d, s
 
 
 def _fold(t: torch.Tensor) -> torch.Tensor:
@@ -117,7 +119,7 @@ class _FakeQuantLinear(torch.autograd.Function):
             return x.new_empty(*x.shape[:-1], weight.shape[0])
         with torch.no_grad():
             wq, *_ = _fake_quant_parts(weight, scale, zero_point, spec, global_scale, with_grad_terms=False)
-            return TF.linear(x, wq, bias)
+            return TF.linear(x, wq, None if bias is None else bias.to(wq.dtype))
 
     @staticmethod
     def backward(ctx, g):

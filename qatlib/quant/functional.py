@@ -284,7 +284,8 @@ def _codes_fp32(
     if spec.is_fp4:
         return _fp4_round_ste(torch.clamp(xg / s, -FP4_E2M1_MAX, FP4_E2M1_MAX))
     if spec.is_fp8:
-        return _fp8_cast_ste(torch.clamp(xg / s, -FP8_E4M3_MAX, FP8_E4M3_MAX))
+        v = xg * s.reciprocal() if spec.scale_reciprocal else xg / s
+        return _fp8_cast_ste(torch.clamp(v, -FP8_E4M3_MAX, FP8_E4M3_MAX))
     q = _round_ste(xg / s)
     if zero_point is not None:
         q = q + _round_ste(_expand(zero_point.float(), spec))
@@ -303,7 +304,7 @@ def _clipped_mask(
         xg = _grouped(x.float(), spec)
         s = _effective_scale(scale, spec, global_scale)
         if spec.is_float:
-            v = xg / s
+            v = xg * s.reciprocal() if spec.scale_reciprocal else xg / s
             return (v < spec.qmin) | (v > spec.qmax)
         q = torch.round(xg / s)
         if zero_point is not None:
@@ -335,7 +336,8 @@ def w4a8_kernel_scale(scale: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         b = s.detach().to(torch.bfloat16).float()
         c = (b.abs().amax(-1, keepdim=True) / FP8_E4M3_MAX).clamp_min(1.0 / (FP8_E4M3_MAX * 512.0))
-        q8 = torch.clamp(b / c, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(_FP8).float()
+        # x * (1/c), not x / c: QuantFP8 multiplies by the reciprocal (input_quant_fp8.py:216-220)
+        q8 = torch.clamp(b * c.reciprocal(), -FP8_E4M3_MAX, FP8_E4M3_MAX).to(_FP8).float()
         eff = (q8 / 8.0).to(_FP8).float() * (c * 8.0)
     return eff + _identity_grad(s)
 

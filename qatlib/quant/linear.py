@@ -191,7 +191,7 @@ class QDQLinear(nn.Module):
             self.weight_scale,
             self.weight_zero_point,
             self.weight_spec,
-            self.dtype,
+            torch.float32 if self.weight_spec.w4a8_kernel else self.dtype,  # `_linear`'s kernel32
             global_scale=self.weight_global_scale,
         )
 
@@ -212,12 +212,21 @@ def _linear(
     Computes in the weight's dtype: under DeepSpeed's autocast-wrapped linear an fp32 x against
     bf16 weights would otherwise mix dtypes.
     """
+    out_dtype = x.dtype
+    spec = getattr(layer.weight_quantizer, "spec", None) if hasattr(layer, "weight_quantizer") else None
+    spec = getattr(layer, "weight_spec", spec)
+    kernel32 = spec is not None and spec.w4a8_kernel  # vLLM's W4A8 kernel: fp32 products, bf16 out
+    if kernel32:
+        x = x.float()
     if layer.input_quantizer is not None:
         x = layer.input_quantizer(x)
     if weight_linear is not None:
-        out = weight_linear(x.to(layer.weight.dtype))
+        out = weight_linear(x if kernel32 else x.to(layer.weight.dtype))
     else:
-        out = TF.linear(x.to(w.dtype), w, None if layer.bias is None else layer.bias.to(w.dtype))
+        wd = torch.float32 if kernel32 else w.dtype
+        out = TF.linear(x.to(wd), w.to(wd), None if layer.bias is None else layer.bias.to(wd))
+    if kernel32:
+        out = out.to(out_dtype)
     if layer.output_quantizer is not None and not layer.output_in_attention:
         out = layer.output_quantizer(out)
     return out

@@ -65,7 +65,7 @@ INT_QTYPES = tuple(f"int{b}" for b in range(2, 9))
 QTYPES = (*INT_QTYPES, "fp8", *FP4_FORMATS)
 
 
-_DEPLOY_FIELDS = ("scale_dtype", "w4a8_kernel", "dynamic_granularity")
+_DEPLOY_FIELDS = ("scale_dtype", "w4a8_kernel", "dynamic_granularity", "scale_reciprocal")
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,9 @@ class QuantSpec:
     dynamic_granularity: the quantizer runs dynamic at this granularity (vLLM runs every dynamic
         per-tensor fp8 input of a dense layer per token, and the W4A8 kernel's input per token even
         when the scheme calibrates a static one).
+    scale_reciprocal: fp8 codes are ``x * (1/s)``, not ``x / s``: vLLM's ``QuantFP8`` multiplies by
+        the reciprocal (input_quant_fp8.py:216-220); the two differ at exact ties between fp8
+        codes, which bf16 activations hit often under a per-token scale ``amax / 448``.
     """
 
     qtype: str = "int8"
@@ -106,6 +109,7 @@ class QuantSpec:
     scale_dtype: str | None = field(default=None, compare=False)
     w4a8_kernel: bool = field(default=False, compare=False)
     dynamic_granularity: Granularity | None = field(default=None, compare=False)
+    scale_reciprocal: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.qtype not in QTYPES:

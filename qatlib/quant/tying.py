@@ -45,7 +45,13 @@ _TIES: dict[Transform, tuple[tuple[GroupKind, ...], str]] = {
     Transform.INPUT_SCALE_LAST: (_PAIRS, "input_quantizer"),  # equal scales: "last shard wins" is moot
     Transform.EXPERT_INPUT_SCALE_MAX: (_EXPERTS, "input_quantizer"),
 }
-TIED_KINDS = frozenset({"scale", "zero_point"})
+# NVFP4: the runtime collapses the shards' global scales (not their group scales) to one
+_GLOBAL_TIES: dict[Transform, tuple[tuple[GroupKind, ...], tuple[str, ...]]] = {
+    Transform.FP4_GLOBAL_SCALE_MAX: (_PAIRS, ("weight_quantizer", "input_quantizer")),
+    Transform.FP4_GLOBAL_SCALE_MUST_MATCH: (_PAIRS, ("weight_quantizer",)),
+    Transform.EXPERT_W13_GLOBAL_SCALE: ((GroupKind.GATE_UP,), ("weight_quantizer",)),
+}
+TIED_KINDS = frozenset({"scale", "zero_point", "global_scale"})
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,7 @@ class TiedGroup:
     kind: GroupKind
     parent: str
     names: tuple[str, ...]
+    param: str = "scale"  # "global_scale": NVFP4's per-tensor global scale (group scales stay per shard)
 
 
 def _quantizer_of(model_modules: Mapping[str, nn.Module], linear: str, attr: str) -> Quantizer | None:
@@ -93,7 +100,25 @@ def tie_plan(model: nn.Module, target: str, layout: Layout) -> list[TiedGroup]:
                 out.append(TiedGroup(g.kind, g.parent, tuple(f"{m}.{attr}" for m in g.members)))
     # an expert's gate/up input pair lies inside its layer's w13 group: keep the larger group only
     sets = [frozenset(g.names) for g in out]
-    return [g for g, s in zip(out, sets) if not any(s < t for t in sets)]
+    out = [g for g, s in zip(out, sets) if not any(s < t for t in sets)]
+    return out + _global_plan(model, target, layout, mods)
+
+
+def _global_plan(model, target, layout, mods) -> list[TiedGroup]:
+    """The NVFP4 global-scale groups: q/k/v and gate/up (dense and each expert's) weight global
+    scales, and for W4A4 the input global scales of the same groups."""
+    attrs = {a for t, _ in transforms(target, layout) if t in _GLOBAL_TIES for a in _GLOBAL_TIES[t][1]}
+    out: list[TiedGroup] = []
+    for g in fused_groups(model):
+        if g.kind not in _PAIRS:
+            continue
+        for attr in sorted(attrs):
+            qs = [_quantizer_of(mods, m, attr) for m in g.members]
+            if len(qs) > 1 and all(q is not None and q.global_scale is not None for q in qs):
+                out.append(
+                    TiedGroup(g.kind, g.parent, tuple(f"{m}.{attr}" for m in g.members), "global_scale")
+                )
+    return out
 
 
 def _readable(p: torch.Tensor) -> bool:
@@ -120,6 +145,9 @@ def tie(model: nn.Module, groups: Iterable[TiedGroup]) -> list[TiedGroup]:
     for g in groups:
         qs = [mods[n] for n in g.names]
         first = qs[0]
+        if g.param == "global_scale":
+            _tie_global(model, g, qs)
+            continue
         if all(_readable(q.scale) for q in qs):
             scale, zp = merged_qparams(qs)
             with torch.no_grad():
@@ -138,6 +166,44 @@ def tie(model: nn.Module, groups: Iterable[TiedGroup]) -> list[TiedGroup]:
 
 
 @torch.no_grad()
+def _tie_global(model: nn.Module, g: TiedGroup, qs: list[Quantizer]) -> None:
+    """Share the first member's ``global_scale`` and, when readable, set it to the union of the
+    members' ranges (``fp4_global_scale(max amax)``, i.e. the smallest of their own global scales:
+    no shard's group scales saturate E4M3), then re-derive each weight member's group scales
+    relative to it (`init_from` on its own weight would overwrite the shared value)."""
+    first = qs[0]
+    for q in qs[1:]:
+        q.global_scale = first.global_scale
+    if g.names[0].endswith("weight_quantizer"):  # inputs: calibration sets it (one shared input)
+        _reset_global(model, g.names, qs)
+
+
+@torch.no_grad()
+def _reset_global(model: nn.Module, names, qs: list[Quantizer]) -> None:
+    from .functional import compute_qparams, fp4_global_scale
+
+    owners = [_owner_weight(model, n) for n in names]
+    if any(w is None or not _readable(w) for w in owners) or not _readable(qs[0].global_scale):
+        return
+    if any(q.uses_lwc or q.scale is None for q in qs):
+        return
+    gs = fp4_global_scale(torch.stack([w.detach().float().abs().amax() for w in owners]).amax())
+    qs[0].global_scale.copy_(gs.reshape(qs[0].global_scale.shape))
+    for q, w in zip(qs, owners):
+        scale, zp = compute_qparams(w, q.spec, qs[0].global_scale)
+        q.set_qparams(scale, zp)
+
+
+def shared_global_groups(model: nn.Module) -> list[list[tuple[str, Quantizer]]]:
+    """Quantizers that share one NVFP4 ``global_scale`` Parameter (by identity), in module order."""
+    by_id: dict[int, list[tuple[str, Quantizer]]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, Quantizer) and m.global_scale is not None:
+            by_id.setdefault(id(m.global_scale), []).append((name, m))
+    return [g for g in by_id.values() if len(g) > 1]
+
+
+@torch.no_grad()
 def retie_weights(model: nn.Module) -> None:
     """After per-linear weight initialisation (`Quantizer.init_from` on each member overwrites the
     shared scale: the last member would win), set every tied weight scale to the max over its
@@ -151,6 +217,9 @@ def retie_weights(model: nn.Module) -> None:
 
         scales = [compute_qparams(w, q.spec)[0] for q, w in zip(qs, owners)]
         qs[0].scale.copy_(torch.stack(scales).amax(0))
+    for group in shared_global_groups(model):
+        if group[0][0].endswith("weight_quantizer"):
+            _reset_global(model, [n for n, _ in group], [q for _, q in group])
 
 
 def _owner_weight(model: nn.Module, quantizer_name: str) -> torch.Tensor | None:
@@ -173,6 +242,8 @@ def deploy_spec(spec: QuantSpec, target: str, layout: Layout, *, role: str, expe
         # the W4A8-FP8 kernel quantizes its input per token, dynamically, whatever was calibrated
         # (vLLM CT compressed_tensors.py:648-654 `_is_fp8_w4a8_sm90`); the export writes that too
         changes["dynamic_granularity"] = Granularity.TOKEN
+    if role == "input" and spec.is_fp8:  # vLLM QuantFP8: x * (1/s) (input_quant_fp8.py:216-220)
+        changes["scale_reciprocal"] = True
     if role == "weight" and Transform.W4A8_FP8_GROUP_SCALES in ts:
         changes.update(w4a8_kernel=True, scale_dtype="bfloat16")  # the kernel needs a bf16 model
     elif role == "weight" and Transform.SCALE_MODEL_DTYPE in ts and dtype in (torch.bfloat16, torch.float16):
@@ -218,7 +289,7 @@ def shared_groups(model: nn.Module) -> list[list[tuple[str, Quantizer]]]:
 
 def is_tied(model: nn.Module) -> bool:
     """Does ``model`` share scales between quantizers (prepared under a ``deploy.target``)?"""
-    return bool(shared_groups(model))
+    return bool(shared_groups(model)) or bool(shared_global_groups(model))
 
 
 def untied_groups(model: nn.Module, target: str) -> list[TiedGroup]:
@@ -230,7 +301,9 @@ def untied_groups(model: nn.Module, target: str) -> list[TiedGroup]:
         return []
     mods = dict(model.named_modules())
     return [
-        g for g in tie_plan(model, target, layout_of(scheme)) if len({id(mods[n].scale) for n in g.names}) > 1
+        g
+        for g in tie_plan(model, target, layout_of(scheme))
+        if len({id(getattr(mods[n], g.param)) for n in g.names}) > 1
     ]
 
 
@@ -256,7 +329,7 @@ def key_groups(model: nn.Module, target: str) -> list[list[str]]:
     keys = scale_keys(model)
     out = []
     for g in tie_plan(model, target, layout_of(scheme)):
-        for kind in sorted(TIED_KINDS):
+        for kind in [g.param] if g.param == "global_scale" else sorted(TIED_KINDS - {"global_scale"}):
             ks = [keys[f"{n}.{kind}"] for n in g.names if f"{n}.{kind}" in keys]
             if len(ks) > 1:
                 out.append(ks)
@@ -292,7 +365,7 @@ def checkpoint_max(
     fix: dict[str, torch.Tensor] = {}
     bad: list[str] = []
     for canon, names in members.items():
-        if not canon.endswith(".scale"):
+        if not canon.endswith((".scale", ".global_scale")):
             continue  # zero points are resolved with their scale
         vals = [read.get(keys.get(n, "")) for n in names]
         if any(v is None for v in vals) or all(torch.equal(vals[0].flatten(), v.flatten()) for v in vals[1:]):
@@ -302,7 +375,8 @@ def checkpoint_max(
         zvals = [read.get(keys.get(z, "")) for z in znames]
         bad.append(f"{', '.join(keys[n] for n in names[:3])}{' ...' if len(names) > 3 else ''}")
         vals = [v.float().reshape(-1) for v in vals]
-        if all(z is None for z in zvals):
+        if all(z is None for z in zvals) or canon.endswith(".global_scale"):
+            # NVFP4 global scales: vLLM's max (its group scales stay as stored)
             fix[canon] = torch.stack(vals).amax(0)
             continue
         q = model.get_submodule(canon.rpartition(".")[0])

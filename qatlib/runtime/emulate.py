@@ -14,6 +14,8 @@ The skeleton (embeddings, norms, router, lm_head) is the transformers reload wit
 stored codes (compressed-tensors' own ``unpack_from_int32`` for packed formats), never from the
 dequantized reload, so the requantization sees the exact fp8 / int codes the runtime loads.
 
+FP4 exports: `qatlib.runtime.emulate_fp4`.
+
 Not emulated (recorded in `DeployedModel.not_emulated`): kernel accumulation order, the CUTLASS W4A8
 kernel's in-register product precision, SGLang fused-MoE per-tensor dynamic activations being
 taken over the whole layer input (emulated per expert), the int8 asymmetric zero-point truncation
@@ -185,9 +187,10 @@ class DeployedLinear(nn.Module):
         self.output_in_attention = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act is not None:
-            x = self.act(x)
         w = self.weight
+        if self.act is not None:
+            # an fp32 kernel applies the activation scale in its fp32 epilogue: x_deq not rounded
+            x = self.act(x.to(w.dtype) if w.dtype == torch.float32 else x)
         b = None if self.bias is None else self.bias.to(w.dtype)
         return TF.linear(x.to(w.dtype), w, b).to(self.out_dtype)
 
@@ -365,12 +368,16 @@ def _activation(layout: Layout, s: Stored, per_token: bool):
     return None
 
 
-def emulate_export(export_dir: str | Path, target: str, *, fa3: bool = True) -> DeployedModel:
+def emulate_export(
+    export_dir: str | Path, target: str, *, fa3: bool = True, capability: str | None = None
+) -> DeployedModel:
     """The model ``target`` (``vllm`` / ``sglang``) computes from ``export_dir``.
 
     ``fa3``: vLLM's attention backend is FlashAttention 3 (Hopper), which also quantizes the
-    queries to fp8 when the KV cache is fp8. Raises `RuntimeRefusal` for an export the target
-    refuses at load (`facts.load_refusal`, the W4A8 kernel limits)."""
+    queries to fp8 when the KV cache is fp8. ``capability`` (``"9.0"``, ``deploy.capability``): the
+    GPU's; below ``"10.0"`` an FP4 W4A4 export runs weight-only; None: not checked (FP4: the
+    native SM100 path). Raises `RuntimeRefusal` for an export the target refuses at load
+    (`facts.load_refusal`, the W4A8 kernel limits, SGLang's differing FP4 global scales)."""
     from ..quant.attention import enable_qkv_quantization
 
     if target not in TARGETS:
@@ -382,12 +389,9 @@ def emulate_export(export_dir: str | Path, target: str, *, fa3: bool = True) -> 
         model = _skeleton(d)
         return DeployedModel(model, target, Layout.OTHER, ["unquantized checkpoint: computed as stored"])
     layout, scheme = _export_layout(d, qc)
-    if scheme.weight is not None and scheme.weight.qtype in FP4_FORMATS:
-        raise NotImplementedError(
-            f"{d}: the runtime emulator does not model {scheme.weight.qtype} exports yet"
-        )
+    fp4 = scheme.weight is not None and scheme.weight.qtype in FP4_FORMATS
     moe = any(k in cfg for k in ("num_experts", "num_local_experts"))
-    refusal = load_refusal(target, layout, moe=moe)
+    refusal = load_refusal(target, layout, moe=moe, capability=capability)
     if refusal is not None:  # before anything is loaded
         raise RuntimeRefusal(
             f"{TARGETS[target]} cannot load {d} ({layout.value}): {refusal.what} [{refusal.source}]"
@@ -397,13 +401,17 @@ def emulate_export(export_dir: str | Path, target: str, *, fa3: bool = True) -> 
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     wargs, _ = _config_args(qc)
     mods = dict(model.named_modules())
+    groups = fused_groups(model)
+    experts = {m for g in groups if g.kind is GroupKind.MOE_LAYER for m in g.members}
+    if fp4:
+        from .emulate_fp4 import emulate_fp4
+
+        return emulate_fp4(d, model, tensors, scheme, layout, target, groups, experts, capability, dtype)
     stored = {
         n: _read_stored(tensors, n, wargs)
         for n, m in mods.items()
         if isinstance(m, nn.Linear) and f"{n}.weight_scale" in tensors
     }
-    groups = fused_groups(model)
-    experts = {m for g in groups if g.kind is GroupKind.MOE_LAYER for m in g.members}
     if layout is Layout.W4A8:
         shapes = [s.codes.shape for n, s in stored.items() if n not in experts]
         eshapes = [s.codes.shape for n, s in stored.items() if n in experts]
