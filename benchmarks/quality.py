@@ -99,6 +99,12 @@ class QualitySettings:
     # FP8 weight scales are amax / 448 (~1e-4 here), ~100x an int3 scale: Adam's ~lr step must stay
     # well below them (2e-4 took them below 0 at step 1); the repo's fp8 configs train at 1e-6
     fp8_lr: float = 1e-6
+    # FP4 group scales are trained in their own units, so one absolute lr cannot serve them and int
+    # scales alike (Adam moves every element by ~lr per step): on SmolLM2 NVFP4's E4M3 group scales
+    # are ~64 (3.75..448, amax / 6 over the fp32 global scale) and lr 2e-4 left QAT = PTQ to every
+    # digit; MXFP4's E8M0 scales are ~0.0625 (min 2^-7) and lr 2e-3 took one below 0 at step 7
+    nvfp4_lr: float = 0.5
+    mxfp4_lr: float = 3e-4
     lwc: bool = True
     lwc_init: float = 4.0
     lwc_lr: float = 1e-2
@@ -480,6 +486,10 @@ class Lab:
         ]
         if lr is None and fp8_scales:  # learnable fp8 scales (~1e-4: amax / 448) need the small lr
             lr = s.fp8_lr
+        elif lr is None and scheme.weight is not None and scheme.weight.is_fp4:
+            from qatlib.quant.spec import ScaleFormat
+
+            lr = s.nvfp4_lr if scheme.weight.scale_format is ScaleFormat.E4M3 else s.mxfp4_lr
         m = start if start is not None else self.rtn(scheme, lwc_init=s.lwc_init if lwc else None)
         args = TrainingArguments(
             output_dir=str(self.work / "trainer"),
