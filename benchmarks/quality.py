@@ -138,6 +138,20 @@ FP4_ROWS = QualitySettings(
     norm=False,
     blockwise=False,
     ablation_format="int4_g32",
+    # on the default model (SmolLM2-135M, the workflow's gguf_model rule), with the default
+    # experiment's recipe (forward KL, lr 1e-3 for integer scales; FP4 scales at nvfp4_lr /
+    # mxfp4_lr), sized for 2 CPU cores: 30 steps of 256 tokens, 32 test windows, no GPTQ
+    base_model="smollm2-135m",
+    gptq=False,
+    seq_len=256,
+    eval_windows=32,
+    calib_windows=16,
+    qat_steps=30,
+    qat_batch=1,
+    lr=1e-3,
+    loss_type="kl",
+    lm_loss_weight=0.0,
+    warmup_steps=3,
 )
 
 QUICK = QualitySettings(
@@ -945,6 +959,11 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{name}: wrote {write_result(a.out, name, {'machine': machine(), **body})}")
         return 0
     s = replace(FP4_ROWS, base_model_path=a.base_model) if a.base_model else FP4_ROWS
+    if s.base_model_path is None and find_base_model(a.results, s.base_model) is None:
+        ap.error(
+            f"{a.results}/base/{s.base_model}: the default model is missing; make it with the "
+            f"workflow's gguf_model rule (snakemake {a.results}/base/{s.base_model}) or pass --base-model"
+        )
     body = run(s, results=a.results)
     name = a.name or "quality_fp4"
     log(f"{name}: wrote {write_result(a.out, name, {'machine': machine(), **body})}")
