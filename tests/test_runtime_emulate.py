@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 from qatlib.export import export
 from qatlib.ptq import calibrate
 from qatlib.quant import (
+    PRESETS,
     Granularity,
     PrepareOptions,
     Quantizer,
@@ -154,7 +155,7 @@ def _trained(name, *, moe=False, dtype=None, options=None, kv=None):
         kw.update(head_dim=64)
     else:
         kw = {}
-        if scheme.weight.granularity is Granularity.GROUP:
+        if scheme.weight.granularity is Granularity.GROUP and not scheme.weight.is_fp4:  # FP4 fixes it
             scheme = scheme.replace(weight=scheme.weight.replace(group_size=16))
     config = tiny_qwen3_moe_config(**kw) if moe else tiny_qwen3_config(**kw)
     if dtype is None:
@@ -388,3 +389,28 @@ def test_default_model_w4a8_row_is_refused_for_its_shapes():
     assert w4a8_kernel_refusal("vllm", [(640, 640)], 128, torch.bfloat16) is None
     assert deployed_scheme("int4_g64").weight.group_size == 64
     assert deployed_scheme("w4a8_fp8_g64").weight.group_size == 64
+
+
+SWEEP = [(name, moe) for name in sorted(PRESETS) for moe in (False, True)]
+
+
+@pytest.mark.parametrize("name,moe", SWEEP, ids=[f"{n}-{'moe' if m else 'dense'}" for n, m in SWEEP])
+def test_every_preset_deploys_as_trained_or_is_refused_at_parse_time(tmp_path, name, moe):
+    """Every preset x dense / MoE under ``deploy.target: vllm``: either the parse-time rule
+    (`qatlib.config.deploy.deploy_issues`) refuses it, and then the emulator refuses the export too
+    (the two agree), or the tied, calibrated model deployed by the emulator computes the trained
+    logits (EQUAL_*). W4A8 runs in bfloat16 at the kernel's shapes (see `_trained`)."""
+    from qatlib.config.deploy import deploy_issues
+    from qatlib.config.sections import DeployConfig
+
+    scheme = preset(name)
+    issues = deploy_issues(DeployConfig(target="vllm"), scheme, moe)
+    dtype = torch.bfloat16 if name == "w4a8_fp8" else None
+    if issues:
+        model, scheme = _trained(name, moe=moe, dtype=dtype)
+        with pytest.raises(E.RuntimeRefusal):
+            _deployed(model, scheme, tmp_path / "r")
+        return
+    model, scheme = _trained(name, moe=moe, dtype=dtype, options=PrepareOptions(deploy_target="vllm"))
+    diff = _diff(_deployed(model, scheme, tmp_path / "t").model, model)
+    assert diff <= (EQUAL_BF16 if dtype is torch.bfloat16 else EQUAL_FP32), diff
