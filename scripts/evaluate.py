@@ -110,7 +110,8 @@ def main(argv=None) -> int:
             kw.update(num_fewshot=ev.num_fewshot, max_length=ev.max_seq_length, seed=cfg.global_.seed)
             result["tasks"].update(evaluate_tasks(model, tok, names, **run, **kw))
             for task, m in result["tasks"].items():
-                print(f"{args.variant} {task}: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items()))
+                scalars = {k: v for k, v in m.items() if isinstance(v, (int, float))}  # not *_windows
+                print(f"{args.variant} {task}: " + ", ".join(f"{k} {v:.4f}" for k, v in scalars.items()))
         result["wall_s"] = round(time.perf_counter() - t0, 3)
         bad = [k for k, r in result["ppl"].items() if not math.isfinite(r["ppl"])]
         if bad:
