@@ -193,7 +193,8 @@ def run(
                 traceback.print_exc()
                 errors.append({"format": name, "error": f"{type(e).__name__}: {e}"})
             if partial is not None:
-                write_result(partial.parent, partial.stem, {"partial": True, "rows": rows, "errors": errors})
+                doc = {"partial": True, "rows": rows, "tied_rows": tied_rows, "errors": errors}
+                write_result(partial.parent, partial.stem, doc)
     tied = {r["format"]: r for r in tied_rows}
     for r in rows:
         t = tied.get(r["format"])
