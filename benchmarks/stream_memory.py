@@ -54,7 +54,7 @@ def _warm_up(scheme) -> None:
     import tempfile
 
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
     from qatlib.export import export
     from qatlib.onload import Onloader, load_skeleton, realize_quantizers
@@ -62,15 +62,9 @@ def _warm_up(scheme) -> None:
     from qatlib.quant import prepare
     from qatlib.zero3_load import stream_load_scales
 
-    cfg = Qwen3Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
+    from .common import warmup_qwen3_config
+
+    cfg = warmup_qwen3_config()
     batches = [torch.randint(0, 128, (1, 8))]
     with tempfile.TemporaryDirectory() as d:
         tiny = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
