@@ -107,6 +107,7 @@ class QualitySettings:
     # took one below 0 at step 7. Both values below are kept under the smallest scale's reach
     # over 30 cosine steps (~0.6 x steps x lr); the per-element relative lr is the real fix
     nvfp4_lr: float = 0.1
+    scale_update: str = "additive"  # "log": lr is a relative step (qatlib.trainers.log_scale)
     mxfp4_lr: float = 3e-4
     lwc: bool = True
     lwc_init: float = 4.0
@@ -478,6 +479,7 @@ class Lab:
         weight_lr: float | None = None,
         act_scale: bool = True,
         teacher: str | None = None,
+        scale_update: str | None = None,
     ):
         """RTN warm start (or the prepared model ``start``) + end-to-end QAT; returns (model, record).
 
@@ -486,7 +488,9 @@ class Lab:
         untouched base model (the student's own weights with quantizers off would move with it).
         ``teacher``: ``"base"`` (the untouched base model) or ``"self"`` (the student with its
         quantizers off); default base when weights train or ``start`` is given (a phase before
-        may have trained them, `qatlib.trainers.end2end.base_model_teacher`), else self."""
+        may have trained them, `qatlib.trainers.end2end.base_model_teacher`), else self.
+        ``scale_update``: ``"log"`` steps the scales in log space (``lr`` relative,
+        `qatlib.trainers.log_scale`); default ``QualitySettings.scale_update``."""
         from transformers import TrainingArguments
         from transformers.trainer_callback import PrinterCallback
 
@@ -545,6 +549,7 @@ class Lab:
                 kd_loss_weight=1.0,
             ),
             lwc_lr=s.lwc_lr if lwc else None,
+            scale_update=scale_update or s.scale_update,
             **pick,
             train_dataset=self.train,
             data_collator=PadCollator.for_tokenizer(self.tok),
@@ -565,6 +570,7 @@ class Lab:
             "norm": norm,
             "lr": lr or s.lr,
             "weight_lr": weight_lr,
+            "scale_update": scale_update or s.scale_update,
             "teacher": teacher,
             "first_total_loss": logs[0]["total_loss"] if logs else None,
             "last_total_loss": logs[-1]["total_loss"] if logs else None,

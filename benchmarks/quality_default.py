@@ -105,7 +105,9 @@ def run(d: DefaultModelSettings, *, results: str = "results") -> dict[str, Any]:
         for v in d.variants:
             t1 = time.perf_counter()
             if v == "qatlib":
-                m, rec = lab.qat(scheme, weight_lr=r.get("weight_lr"), act_scale=False)
+                m, rec = lab.qat(
+                    scheme, weight_lr=r.get("weight_lr"), act_scale=False, scale_update=r.get("scale_update")
+                )
                 detail = {
                     "recipe": r,
                     "trainable": rec["trainable"],

@@ -44,6 +44,7 @@ from qatlib.quant import (
     quantizers,
     tying,
 )
+from qatlib.trainers.log_scale import install_log_space_steps
 from qatlib.trainers.params import Learnable, param_groups, select_trainable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +60,7 @@ SCHEME = QuantScheme(
 )
 FP8_STATIC = preset("fp8_static")
 STEPS, BATCH, SEQ, LR, EPS = 2, 2, 16, 1e-4, 1e-8
+LOG_LR = 1e-2  # the log-space phase's relative step
 # Tolerance of "ZeRO-3 == single process": both runs do the same fp32 ops except the order in which
 # the two ranks' gradients are summed (ulp-level). Adam turns a nearly cancelling gradient's ulp
 # error into up to ~1e-3 of a step (lr 1e-4 -> 1e-7), so scales agree within ATOL = 2e-7, losses
@@ -156,7 +158,15 @@ def prepared_from(model_dir: Path, ptq_dir: Path, scheme: QuantScheme = SCHEME, 
 
 
 def reference_run(
-    model_dir: Path, ptq_dir: Path, data: dict, steps: int, scheme: QuantScheme = SCHEME, target: str = "none"
+    model_dir: Path,
+    ptq_dir: Path,
+    data: dict,
+    steps: int,
+    scheme: QuantScheme = SCHEME,
+    target: str = "none",
+    *,
+    lr: float = LR,
+    scale_update: str = "additive",
 ) -> dict:
     """The single-process QAT the ZeRO-3 run must equal: rank r's micro-batch r, the mean of the
     per-rank losses (what ZeRO-3's gradient averaging optimises), torch AdamW on the scales."""
@@ -165,7 +175,7 @@ def reference_run(
         init_params = quant_params(model)
         for p in model.parameters():
             p.requires_grad_(id(p) in _quant_ids(model))
-        opt = scale_optimizer(model, LR, EPS)
+        opt = scale_optimizer(model, lr, EPS, scale_update)
         model.train()
         losses = []
         for s in range(steps):
@@ -238,6 +248,10 @@ def ckpts(tmp_path_factory):
         qptq.save_ptq_checkpoint(pm, NVFP4, tmp / "nvfp4_ptq")
     out["nvfp4_ptq"] = tmp / "nvfp4_ptq"
     out["nvfp4_ref"] = reference_run(out["dense"], out["nvfp4_ptq"], data, STEPS, NVFP4)
+    # log-space scale steps (quant_config.scale_update: log) at a relative lr of 1%
+    out["dense_log_ref"] = reference_run(
+        out["dense"], out["dense_ptq"], data, STEPS, lr=LOG_LR, scale_update="log"
+    )
     # deploy.target vllm on the MoE model: an UNTIED fp8 PTQ checkpoint (its tied keys disagree, so
     # the load takes the max), then QAT with q/k/v, each expert's gate/up and every expert input tied
     with one_thread():
@@ -300,6 +314,15 @@ def zero3_run(ckpts):
                 # 1 step, as MoE: after 2 an MLP scale differed by more than ATOL_LLAMA (magnitude
                 # not measured; the losses of both steps matched)
                 "steps": MOE_STEPS,
+            },
+            {
+                **phase,
+                "name": "dense_log",
+                "model": str(ckpts["dense"]),
+                "ptq": str(ckpts["dense_ptq"]),
+                "compare_ckpt": str(ckpts["dense"]),
+                "scale_update": "log",
+                "lr": LOG_LR,
             },
             {
                 **phase,
@@ -375,7 +398,7 @@ def test_scales_report(zero3_run, ckpts):
 
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", ["dense", "moe", "moe_noleaf", "llama", "nvfp4"])
+@pytest.mark.parametrize("name", ["dense", "moe", "moe_noleaf", "llama", "nvfp4", "dense_log"])
 def test_qat_steps_match_single_process(zero3_run, ckpts, name):
     results, _, _ = zero3_run
     r, ref = results[name], ckpts[f"{name.removesuffix('_noleaf')}_ref"]
@@ -758,9 +781,10 @@ def test_non_zero_path_is_untouched(ckpts):
 ALL_SCALES = Learnable(act_scale=True, weight_scale=True, kv_scale=True)
 
 
-def scale_optimizer(model, lr: float, eps: float) -> torch.optim.AdamW:
+def scale_optimizer(model, lr: float, eps: float, scale_update: str = "additive") -> torch.optim.AdamW:
     """torch AdamW over the trainers' own groups (`qatlib.trainers.params`) of every scale."""
-    return torch.optim.AdamW(param_groups(select_trainable(model, ALL_SCALES), lr=lr), lr=lr, eps=eps)
+    groups = param_groups(select_trainable(model, ALL_SCALES), lr=lr, scale_update=scale_update)
+    return install_log_space_steps(torch.optim.AdamW(groups, lr=lr, eps=eps))
 
 
 def _quant_ids(model):

@@ -254,6 +254,11 @@ class QuantConfig(Section):
     # not upstream: run the fake-quant ops through torch.compile (needs a C++ compiler on CPU);
     # measured 0.85x the QAT step for FP8 formats on CPU, no gain for integer ones
     compile_fake_quant: bool = False
+    # not upstream: how the optimizer moves the scales. "additive" (upstream's): AdamW on the scale
+    # itself, so learning_rate is an absolute step (~lr per step, whatever the scale's size);
+    # "log": AdamW on log(scale), so learning_rate is a relative step per element (1e-2 ~ 1%) that
+    # suits int, FP8 and FP4 scales alike and never takes a scale to 0 (qatlib.trainers.log_scale)
+    scale_update: Literal["additive", "log"] = "additive"
     q: OutputQuantConfig | None = None
     k: OutputQuantConfig | None = None
     v: OutputQuantConfig | None = None

@@ -21,6 +21,9 @@ PARAM_ROLES = {
     "clip_factor_w_max": ROLE_LWC,
     "clip_factor_w_min": ROLE_LWC,
 }
+# The parameters that are positive by construction (scales, not zero points or clip logits): the
+# ones `qatlib.trainers.log_scale` may step in log space.
+POSITIVE_PARAMS = frozenset({"scale", "global_scale"})
 
 
 def role_parameters(model: nn.Module, role: str | None = None):

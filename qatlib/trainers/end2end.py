@@ -4,7 +4,8 @@
 
 - owns its optimizer: AdamW over the tensors the ``learnable`` switches select
   (`qatlib.trainers.params`), scales at ``learning_rate``, LWC clip factors at ``lwc_lr``, norms
-  at ``norm_lr``; everything else is frozen. Works under DeepSpeed (HF hands our optimizer to
+  at ``norm_lr``; everything else is frozen; with ``scale_update="log"`` the scales step in log
+  space, ``learning_rate`` then being a relative step (`qatlib.trainers.log_scale`). Works under DeepSpeed (HF hands our optimizer to
   ``deepspeed.initialize``; a DeepSpeed config with its own ``optimizer`` section is refused,
   because transformers would silently replace ours and lose the groups);
 - computes the QAT objective itself (`qatlib.losses.qat_loss`): LM cross-entropy plus an
@@ -57,6 +58,7 @@ from ..losses import LossConfig, qat_loss
 from ..quant import quantization_disabled
 from ..quant.calibration import calibrate_activations, static_quantizers
 from .guard import TrainingGuard
+from .log_scale import install_log_space_steps
 from .params import Learnable, TrainableParams, apply_learnable, freeze_all_but, param_groups
 
 log = logging.getLogger(__name__)
@@ -93,7 +95,8 @@ class QATTrainer(Trainer):
 
     Keyword arguments beyond the Trainer's: ``loss_config`` (`LossConfig`), ``learnable``
     (`Learnable`, default weight scales only) or an explicit ``trainable`` selection, ``lwc_lr``,
-    ``norm_lr``, ``teacher`` (a separate teacher model; None = the model itself with quantization
+    ``norm_lr``, ``weight_lr``, ``scale_update`` (``"additive"``, or ``"log"``:
+    `qatlib.trainers.log_scale`), ``teacher`` (a separate teacher model; None = the model itself with quantization
     disabled), ``log_file`` (default ``<output_dir>/train_log.jsonl``; False = none).
     """
 
@@ -108,6 +111,7 @@ class QATTrainer(Trainer):
         lwc_lr: float | None = None,
         norm_lr: float | None = None,
         weight_lr: float | None = None,
+        scale_update: str = "additive",
         teacher: nn.Module | None = None,
         log_file: str | os.PathLike | bool | None = None,
         **kwargs: Any,
@@ -126,6 +130,7 @@ class QATTrainer(Trainer):
         self.lwc_lr = lwc_lr
         self.norm_lr = norm_lr
         self.weight_lr = weight_lr
+        self.scale_update = scale_update
         self.teacher = teacher
         if teacher is not None:
             _check_teacher_vocab(teacher, model)
@@ -168,14 +173,17 @@ class QATTrainer(Trainer):
                 norm_lr=self.norm_lr,
                 weight_lr=self.weight_lr,
                 weight_decay=self.args.weight_decay,
+                scale_update=self.scale_update,
             )
             if not groups:
                 raise ValueError("QAT optimizer has no trainable parameters")
-            self.optimizer = torch.optim.AdamW(
-                groups,
-                lr=self.args.learning_rate,
-                betas=(self.args.adam_beta1, self.args.adam_beta2),
-                eps=self.args.adam_epsilon,
+            self.optimizer = install_log_space_steps(
+                torch.optim.AdamW(
+                    groups,
+                    lr=self.args.learning_rate,
+                    betas=(self.args.adam_beta1, self.args.adam_beta2),
+                    eps=self.args.adam_epsilon,
+                )
             )
             log.info(
                 "QAT optimizer groups: %s",
@@ -398,6 +406,7 @@ def train_end2end(
         loss_config=loss_cfg,
         learnable=cfg.learnable(),
         lwc_lr=qc.lwc.lwc_lr if qc.lwc.enable_lwc else None,
+        scale_update=qc.scale_update,
         teacher=teacher,
         train_dataset=train_dataset,
         data_collator=collator,

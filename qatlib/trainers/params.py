@@ -28,7 +28,8 @@ from torch import nn
 
 from ..quant import quant_linears
 from ..quant.linear import attention_role
-from ..quant.quantizer import PARAM_ROLES, ROLE_LWC, ROLE_SCALE, Quantizer
+from ..quant.quantizer import PARAM_ROLES, POSITIVE_PARAMS, ROLE_LWC, ROLE_SCALE, Quantizer
+from .log_scale import LOG_SPACE
 
 NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
 
@@ -168,15 +169,32 @@ def param_groups(
     norm_lr: float | None = None,
     weight_lr: float | None = None,
     weight_decay: float = 0.0,
+    scale_update: str = "additive",
 ) -> list[dict]:
     """AdamW groups (empty groups left out), each named for logs: ``scale`` at ``lr``, ``lwc`` at
-    ``lwc_lr``, ``norm`` at ``norm_lr``, ``weight`` at ``weight_lr`` (defaults: ``lr``)."""
+    ``lwc_lr``, ``norm`` at ``norm_lr``, ``weight`` at ``weight_lr`` (defaults: ``lr``).
+
+    ``scale_update="log"``: the positive scales (`POSITIVE_PARAMS`) form a ``log_space`` group
+    without weight decay (`qatlib.trainers.log_scale`: ``lr`` is then a relative step); zero points
+    stay additive in a ``zero_point`` group at the same ``lr``. The optimizer must then go through
+    `qatlib.trainers.log_scale.install_log_space_steps`."""
+    if scale_update not in ("additive", "log"):
+        raise ValueError(f"scale_update must be 'additive' or 'log'; got {scale_update!r}")
     lrs = {"scale": lr, "lwc": lwc_lr, "norm": norm_lr, "weight": weight_lr}
     groups = []
-    for g, ps in trainable.items():
+
+    def add(name: str, ps: list, glr: float, **extra) -> None:
         if ps:
-            glr = lr if lrs[g] is None else lrs[g]
             groups.append(
-                {"params": [p for _, p in ps], "lr": float(glr), "weight_decay": weight_decay, "name": g}
+                {"params": ps, "lr": float(glr), "weight_decay": weight_decay, "name": name, **extra}
             )
+
+    for g, ps in trainable.items():
+        glr = lr if lrs[g] is None else lrs[g]
+        if g == "scale" and scale_update == "log":
+            pos = [p for n, p in ps if n.rpartition(".")[2] in POSITIVE_PARAMS]
+            add("scale", pos, glr, **{LOG_SPACE: True, "weight_decay": 0.0})
+            add("zero_point", [p for n, p in ps if n.rpartition(".")[2] not in POSITIVE_PARAMS], glr)
+        else:
+            add(g, [p for _, p in ps], glr)
     return groups

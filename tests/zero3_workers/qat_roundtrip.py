@@ -5,7 +5,8 @@ Usage: torchrun --standalone --nproc_per_node=2 qat_roundtrip.py SPEC.json
 SPEC: {"out": dir, "scheme": QuantScheme dict, "data": file (torch.save'd {"train": [S, 2, B, T],
 "eval": [B, T]}), "lr": float, "phases": [{"name", "ds_config", "model", "ptq", "compare_ckpt",
 "also_load", "leaf": bool, "steps": int, "skewed_routing": bool, "scheme": a phase's own scheme
-(default: the spec's), "deploy_target": tie the scales that runtime merges (qatlib.quant.tying)}]}.
+(default: the spec's), "deploy_target": tie the scales that runtime merges (qatlib.quant.tying),
+"scale_update": "additive" | "log" (qatlib.trainers.log_scale), "lr": a phase's own lr}]}.
 Rank 0 writes ``{out}/{name}.pt`` (losses, quantizer params after the build and after the steps,
 eval logits, checks) and the consolidated save ``{out}/{name}_saved``.
 """
@@ -64,6 +65,7 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
     from qatlib.models import load_model
     from qatlib.moe import LinearizedMoeExperts
     from qatlib.quant import PrepareOptions, Quantizer, QuantScheme, tying
+    from qatlib.trainers.log_scale import install_log_space_steps
     from qatlib.trainers.params import Learnable, param_groups, select_trainable
 
     out = Path(spec["out"])
@@ -118,8 +120,11 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
         p.requires_grad_(id(p) in _quant_ids(model))
     # every scale trains (weight, input, k/v outputs), in the trainers' own groups
     every_scale = Learnable(act_scale=True, weight_scale=True, kv_scale=True)
-    groups = param_groups(select_trainable(model, every_scale), lr=spec["lr"])
-    opt = torch.optim.AdamW(groups, lr=spec["lr"], eps=spec["eps"])
+    lr = ph.get("lr", spec["lr"])
+    groups = param_groups(
+        select_trainable(model, every_scale), lr=lr, scale_update=ph.get("scale_update", "additive")
+    )
+    opt = install_log_space_steps(torch.optim.AdamW(groups, lr=lr, eps=spec["eps"]))
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
     engine.train()
     losses = []

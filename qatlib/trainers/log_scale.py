@@ -1,0 +1,67 @@
+"""Adam steps in log space for positive quantization scales (``quant_config.scale_update: log``).
+
+Why: Adam moves every element by about ``lr`` per step whatever its gradient, so one absolute
+``learning_rate`` cannot serve scales whose sizes differ by orders of magnitude: int4 g16 weight
+scales are ~5e-3 on SmolLM2 (lr 1e-3 is a 20% step: the guard stopped int4 g16 at step 8), FP8
+scales ~1e-4, NVFP4's E4M3 group scales ~64 (lr 2e-4 left QAT = PTQ to every digit). Training
+``u = log(scale)`` instead makes ``lr`` a RELATIVE step per element (lr 1e-2 ~ 1% of each scale),
+the same for every format and every element of a tensor, and a scale can never reach 0 or below.
+
+How: the optimizer stays the stock ``torch.optim.AdamW`` (DeepSpeed ZeRO-3 accepts it and hands it
+its flat fp32 partitions, one param group at a time); the groups marked ``log_space`` are moved
+into log space around each ``step`` by the optimizer's public step hooks: before, the gradient
+becomes ``dL/du = scale * dL/ds`` and the tensor ``log(scale)``; after, ``exp`` again. All of it is
+elementwise, so it is the same on a flat ZeRO-3 partition as on the full tensor (ZeRO-3 parity),
+and the checkpoint keeps the scale itself (layout unchanged). Adam's moments are in log units;
+decoupled weight decay would pull ``log(scale)`` toward 0 (scale 1), so these groups have none.
+Zero points are not positive and stay in an ordinary (additive) group.
+
+No library does this: torch / DeepSpeed optimizers have no per-element relative rate, and a
+reparametrised Parameter (``torch.nn.utils.parametrize``) would change the checkpoint keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOG_SPACE = "log_space"  # the param-group key marking a group trained in log space
+SCALE_UPDATES = ("additive", "log")
+# padding of a flat ZeRO-3 partition is 0: log would make it -inf (harmless but noisy); a scale
+# this small is not a scale anyone trains
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def _log_groups(optimizer: torch.optim.Optimizer):
+    for g in optimizer.param_groups:
+        if g.get(LOG_SPACE):
+            yield g
+
+
+def _to_log(optimizer: torch.optim.Optimizer, *_args) -> None:
+    with torch.no_grad():
+        for g in _log_groups(optimizer):
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(p)  # chain rule: d L / d log s = s * d L / d s
+                p.clamp_(min=_TINY).log_()
+
+
+def _from_log(optimizer: torch.optim.Optimizer, *_args) -> None:
+    with torch.no_grad():
+        for g in _log_groups(optimizer):
+            for p in g["params"]:
+                p.exp_()
+
+
+def install_log_space_steps(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Make ``optimizer`` step its ``log_space`` groups in log space (see the module docstring).
+    Refuses a group with weight decay. Returns the optimizer."""
+    for g in _log_groups(optimizer):
+        if g.get("weight_decay", 0.0):
+            raise ValueError(
+                f"param group {g.get('name', '?')!r} is stepped in log space: weight decay there would "
+                "pull every scale toward 1; set its weight_decay to 0"
+            )
+    optimizer.register_step_pre_hook(_to_log)
+    optimizer.register_step_post_hook(_from_log)
+    return optimizer

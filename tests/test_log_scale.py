@@ -1,0 +1,147 @@
+"""Log-space scale steps (`qatlib.trainers.log_scale`, ``quant_config.scale_update: log``): the
+steps against a hand-written Adam on ``log(scale)``, the groups, and the trainer / config wiring.
+The ZeRO-3 2-rank parity of the same steps is ``test_zero3.py::test_qat_steps_match_single_process[dense_log]``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import build_model, tiny_qwen3_config
+from test_trainers import make_data, prepared_model, targs
+
+from qatlib.data import PadCollator
+from qatlib.losses import LossConfig
+from qatlib.quant import PrepareOptions, QuantScheme, QuantSpec, prepare, quant_linears
+from qatlib.quant.spec import Granularity
+from qatlib.trainers.end2end import QATTrainer
+from qatlib.trainers.log_scale import LOG_SPACE, install_log_space_steps
+from qatlib.trainers.params import Learnable, param_groups, select_trainable
+
+
+def hand_adam_log(s0, grads, lr, betas=(0.9, 0.999), eps=1e-8):
+    """Adam (torch's bias-corrected form, no weight decay) on u = log(s), written out per element
+    in float64: du = lr * m_hat / (sqrt(v_hat) + eps), with g_u = s * g_s."""
+    s = [float(v) for v in s0]
+    m = [0.0] * len(s)
+    v = [0.0] * len(s)
+    for t, g in enumerate(grads, start=1):
+        for i in range(len(s)):
+            gu = s[i] * float(g[i])
+            m[i] = betas[0] * m[i] + (1 - betas[0]) * gu
+            v[i] = betas[1] * v[i] + (1 - betas[1]) * gu * gu
+            mh, vh = m[i] / (1 - betas[0] ** t), v[i] / (1 - betas[1] ** t)
+            s[i] = math.exp(math.log(s[i]) - lr * mh / (math.sqrt(vh) + eps))
+    return s
+
+
+def test_log_steps_equal_a_hand_written_adam_on_log_scale():
+    # scales 4 orders of magnitude apart (an int4 g16 scale, an fp8 one, an NVFP4 E4M3 group scale):
+    # each moves by the same RELATIVE amount; additive Adam would take the small ones below 0
+    s0 = torch.tensor([5e-3, 1e-4, 64.0, 0.3])
+    grads = [
+        torch.tensor([1.0, 2.0, -0.5, 3.0]),
+        torch.tensor([0.5, -1.0, -0.25, 1.0]),
+        torch.tensor([2.0, 1.0, 1.0, -1.0]),
+    ]
+    p = torch.nn.Parameter(s0.clone())
+    opt = install_log_space_steps(
+        torch.optim.AdamW([{"params": [p], "lr": 0.1, "weight_decay": 0.0, LOG_SPACE: True}])
+    )
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    want = torch.tensor(hand_adam_log(s0.tolist(), [g.tolist() for g in grads], 0.1), dtype=torch.float32)
+    torch.testing.assert_close(p.detach(), want, rtol=1e-6, atol=0)
+    # first step alone: every element moved by the factor exp(-+lr), whatever its size
+    q = torch.nn.Parameter(s0.clone())
+    opt = install_log_space_steps(
+        torch.optim.AdamW([{"params": [q], "lr": 0.1, "weight_decay": 0.0, LOG_SPACE: True}])
+    )
+    q.grad = grads[0].clone()
+    opt.step()
+    torch.testing.assert_close(q.detach() / s0, torch.exp(-0.1 * torch.sign(grads[0])), rtol=1e-5, atol=0)
+    # the gradient Adam saw was d L / d log s (it is left so; HF zeroes it before the next step)
+    torch.testing.assert_close(q.grad, grads[0] * s0)
+
+
+def test_groups_without_the_flag_step_as_plain_adamw():
+    a, b = torch.nn.Parameter(torch.tensor([0.5, 2.0])), torch.nn.Parameter(torch.tensor([0.5, 2.0]))
+    plain = torch.optim.AdamW([a], lr=0.1, weight_decay=0.0)
+    hooked = install_log_space_steps(torch.optim.AdamW([{"params": [b], "lr": 0.1, "weight_decay": 0.0}]))
+    for opt, p in ((plain, a), (hooked, b)):
+        p.grad = torch.tensor([1.0, -1.0])
+        opt.step()
+    assert torch.equal(a, b) and torch.allclose(a, torch.tensor([0.4, 2.1]))
+
+
+def test_weight_decay_in_a_log_group_is_refused():
+    p = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match="'scale'.*weight decay"):
+        install_log_space_steps(
+            torch.optim.AdamW([{"params": [p], "weight_decay": 0.01, LOG_SPACE: True, "name": "scale"}])
+        )
+
+
+def test_param_groups_put_positive_scales_in_log_space_and_zero_points_additive():
+    asym = QuantScheme("asym-w4", weight=QuantSpec("int4", Granularity.GROUP, group_size=16, symmetric=False))
+    model = prepare(build_model(tiny_qwen3_config()), asym, options=PrepareOptions())
+    tp = select_trainable(model, Learnable())
+    groups = param_groups(tp, lr=1e-2, weight_decay=0.1, scale_update="log")
+    by = {g["name"]: g for g in groups}
+    assert set(by) == {"scale", "zero_point"}
+    assert by["scale"][LOG_SPACE] is True and by["scale"]["weight_decay"] == 0.0
+    assert not by["zero_point"].get(LOG_SPACE) and by["zero_point"]["weight_decay"] == 0.1
+    ids = lambda ps: {id(p) for p in ps}  # noqa: E731
+    quantizers = [ql.weight_quantizer for _, ql in quant_linears(model)]
+    assert ids(by["scale"]["params"]) == ids(q.scale for q in quantizers)
+    assert ids(by["zero_point"]["params"]) == ids(q.zero_point for q in quantizers)
+    assert [g["name"] for g in param_groups(tp, lr=1e-2)] == ["scale"]  # additive: one group as before
+    with pytest.raises(ValueError, match="scale_update"):
+        param_groups(tp, lr=1e-2, scale_update="relative")
+
+
+def test_trainer_steps_scales_relatively_and_config_reaches_it(tmp_path):
+    """An lr of 0.05 is a 5% step in log space: on the tiny model's int4 scales (~7e-3) the
+    additive rule takes them below 0 in one step (the guard stops that, see test_trainers.targs)."""
+    model = prepared_model()
+    before = {
+        n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("weight_quantizer.scale")
+    }
+    tr = QATTrainer(
+        model,
+        targs(tmp_path, learning_rate=0.05, max_steps=1, adam_epsilon=1e-20),
+        loss_config=LossConfig(),
+        scale_update="log",
+        train_dataset=make_data(),
+        data_collator=PadCollator(0),
+        log_file=False,
+    )
+    tr.train()
+    assert {g["name"]: bool(g.get(LOG_SPACE)) for g in tr.optimizer.param_groups} == {"scale": True}
+    ratios = torch.cat(
+        [(dict(model.named_parameters())[n].detach() / v).flatten() for n, v in before.items()]
+    )
+    moved = ratios[ratios != 1]
+    assert moved.numel() > 0.9 * ratios.numel()
+    # one Adam step (constant lr, no warm-up, eps ~0): each moved element by exp(+-0.05)
+    torch.testing.assert_close(torch.log(moved).abs(), torch.full_like(moved, 0.05), rtol=2e-3, atol=0)
+
+
+def test_scale_update_is_a_checked_config_key(tmp_path):
+    from qatlib.config import ConfigError, load_config
+
+    cfg_path = tmp_path / "exp.yaml"
+    (tmp_path / "train.jsonl").write_text('{"text": "hello"}\n')
+    body = (
+        "model: {name: Qwen, model_path: /nonexistent}\n"
+        "dataset: {name: TextDataset, data_path: train.jsonl}\n"
+        "compression:\n  name: QAT\n  quantization: {name: fp8_static}\n"
+        "  QAT:\n    plugin_config:\n      quant_config: {scale_update: %s}\n"
+    )
+    cfg_path.write_text(body % "log")
+    assert load_config(cfg_path).qat.plugin_config.quant_config.scale_update == "log"
+    cfg_path.write_text(body % "relative")
+    with pytest.raises(ConfigError, match="scale_update"):
+        load_config(cfg_path)
