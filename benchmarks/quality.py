@@ -505,7 +505,10 @@ class Lab:
         fp8_scales = [
             sp for sp in (scheme.weight, scheme.input) if sp is not None and sp.is_fp8 and not sp.dynamic
         ]
-        if lr is None and fp8_scales:  # learnable fp8 scales (~1e-4: amax / 448) need the small lr
+        scale_update = scale_update or s.scale_update
+        if scale_update == "log":
+            pass  # lr is relative: one value serves every format (qatlib.trainers.log_scale)
+        elif lr is None and fp8_scales:  # learnable fp8 scales (~1e-4: amax / 448) need the small lr
             lr = s.fp8_lr
         elif lr is None and scheme.weight is not None and scheme.weight.is_fp4:
             from qatlib.quant.spec import ScaleFormat
@@ -549,7 +552,7 @@ class Lab:
                 kd_loss_weight=1.0,
             ),
             lwc_lr=s.lwc_lr if lwc else None,
-            scale_update=scale_update or s.scale_update,
+            scale_update=scale_update,
             **pick,
             train_dataset=self.train,
             data_collator=PadCollator.for_tokenizer(self.tok),
@@ -570,7 +573,7 @@ class Lab:
             "norm": norm,
             "lr": lr or s.lr,
             "weight_lr": weight_lr,
-            "scale_update": scale_update or s.scale_update,
+            "scale_update": scale_update,
             "teacher": teacher,
             "first_total_loss": logs[0]["total_loss"] if logs else None,
             "last_total_loss": logs[-1]["total_loss"] if logs else None,

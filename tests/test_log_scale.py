@@ -145,3 +145,32 @@ def test_scale_update_is_a_checked_config_key(tmp_path):
     cfg_path.write_text(body % "relative")
     with pytest.raises(ConfigError, match="scale_update"):
         load_config(cfg_path)
+
+
+def test_blockwise_steps_scales_in_log_space(tmp_path):
+    """Blockwise (``scale_update: log`` reaches it from the config through `train_blockwise`): the
+    quantizer group is a log-space group; with lr 0.05 one step (one epoch of one batch per block)
+    moves each scale by a factor of at most exp(+-0.05) (Adam's first step is ~lr per element): an
+    additive step of 0.05 would take the tiny model's scales (~7e-3) below 0."""
+    from qatlib.trainers.blockwise import BlockwiseSettings, BlockwiseTrainer
+
+    model = prepared_model()
+    before = {
+        n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("weight_quantizer.scale")
+    }
+    g = torch.Generator().manual_seed(1)
+    samples = [torch.randint(0, 64, (16,), generator=g) for _ in range(3)]
+    settings = BlockwiseSettings(
+        epochs=1, batch_size=2, train_size=2, val_size=1, training_seqlen=16, quant_lr=0.05, weight_lr=0.0
+    )
+    tr = BlockwiseTrainer(model, settings, calibrate_activations=False, scale_update="log")
+    opt = tr._optimizer(model.model.layers[0], "model.layers.0")
+    assert [(g["name"], bool(g.get(LOG_SPACE))) for g in opt.param_groups] == [("quant", True)]
+    tr.train(samples)
+    params = dict(model.named_parameters())
+    r = torch.cat([(params[n].detach() / v).flatten() for n, v in before.items()])
+    assert (r[r != 1] > 0).all() and r[r != 1].numel() > 0.5 * r.numel()
+    step = torch.log(r[r != 1]).abs()  # relative: at most lr (Adam: ~lr where |grad| >> eps)
+    assert 0.04 < step.max() <= 0.05 * (1 + 1e-5)
+    with pytest.raises(ValueError, match="scale_update"):
+        BlockwiseTrainer(model, settings, scale_update="relative")

@@ -44,7 +44,8 @@ from ..checkpoint.layout import TRAIN_LOG_FILE
 from ..models import decoder_layers
 from ..quant import quantization_disabled
 from ..quant.calibration import calibrate_activations
-from .params import Learnable, freeze_all_but, select_trainable
+from .log_scale import LOG_SPACE, SCALE_UPDATES, install_log_space_steps
+from .params import Learnable, freeze_all_but, select_trainable, split_positive
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,11 @@ class BlockwiseTrainer:
         calibrate_activations: bool = True,
         log_file: str | os.PathLike | None = None,
         seed: int = 0,
+        scale_update: str = "additive",
     ) -> None:
+        if scale_update not in SCALE_UPDATES:
+            raise ValueError(f"scale_update must be one of {SCALE_UPDATES}; got {scale_update!r}")
+        self.scale_update = scale_update
         self.model = model
         self.settings = settings
         self.learnable = learnable or Learnable()
@@ -203,7 +208,15 @@ class BlockwiseTrainer:
             tp.scale, tp.lwc = [], []
         freeze_all_but(block, tp)
         groups = []
-        if tp.scale or tp.lwc:
+        if self.scale_update == "log":  # positive scales in log space, lr relative (log_scale)
+            pos, rest = split_positive(tp.scale + tp.lwc)
+            if pos:
+                groups.append(
+                    {"params": pos, "lr": s.quant_lr, "name": "quant", LOG_SPACE: True, "weight_decay": 0.0}
+                )
+            if rest:
+                groups.append({"params": rest, "lr": s.quant_lr, "name": "quant_additive"})
+        elif tp.scale or tp.lwc:
             groups.append({"params": [p for _, p in tp.scale + tp.lwc], "lr": s.quant_lr, "name": "quant"})
         if tp.weight or tp.norm:
             groups.append(
@@ -211,7 +224,7 @@ class BlockwiseTrainer:
             )
         if not groups:
             return None
-        return torch.optim.AdamW(groups, weight_decay=s.wd)
+        return install_log_space_steps(torch.optim.AdamW(groups, weight_decay=s.wd))
 
     def _emit(self, rec: dict[str, Any], result: BlockwiseResult) -> None:
         result.log.append(rec)
@@ -334,6 +347,7 @@ def train_blockwise(
         calibrate_activations=not scales_loaded,
         log_file=log_file or None,
         seed=cfg.global_.seed,
+        scale_update=cfg.qat.plugin_config.quant_config.scale_update,
     )
     torch.manual_seed(cfg.global_.seed)
     return trainer.train(samples)

@@ -177,6 +177,8 @@ class TrainingGuard(TrainerCallback):
                 msg += (
                     f". A scale <= 0: the update was too large for it; lower the scales' learning rate "
                     f"(compression.QAT.hf_args.learning_rate, now {lr}; Adam moves every element by "
-                    "about the learning rate per step, so keep it well below the smallest scale)"
+                    "about the learning rate per step, so keep it well below the smallest scale; or set "
+                    "compression.QAT.plugin_config.quant_config.scale_update: log, where the learning "
+                    "rate is a relative step and no scale can reach 0)"
                 )
             raise GuardError(msg + ". No checkpoint of this step was written: resume from the last one.")

@@ -161,6 +161,14 @@ def apply_learnable(model: nn.Module, learnable: Learnable) -> TrainableParams:
     return tp
 
 
+def split_positive(named: list[tuple[str, nn.Parameter]]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """``(positive scales, the rest)`` of quantizer ``(qualified name, param)`` pairs: the
+    attributes in `POSITIVE_PARAMS` (the tensors log-space steps may take) vs zero points / clip
+    factors / anything else."""
+    pos = [p for n, p in named if n.rpartition(".")[2] in POSITIVE_PARAMS]
+    return pos, [p for n, p in named if n.rpartition(".")[2] not in POSITIVE_PARAMS]
+
+
 def param_groups(
     trainable: TrainableParams,
     *,
@@ -192,9 +200,9 @@ def param_groups(
     for g, ps in trainable.items():
         glr = lr if lrs[g] is None else lrs[g]
         if g == "scale" and scale_update == "log":
-            pos = [p for n, p in ps if n.rpartition(".")[2] in POSITIVE_PARAMS]
+            pos, rest = split_positive(ps)
             add("scale", pos, glr, **{LOG_SPACE: True, "weight_decay": 0.0})
-            add("zero_point", [p for n, p in ps if n.rpartition(".")[2] not in POSITIVE_PARAMS], glr)
+            add("zero_point", rest, glr)
         else:
             add(g, [p for _, p in ps], glr)
     return groups
