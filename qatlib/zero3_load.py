@@ -266,11 +266,12 @@ def stream_load_scales(
     _execute_plan(model, plan, comm, chunk_bytes=64 << 20, cast=lambda t: t.float())
     report["tied_disagreeing"] = _tied_max(model, ptq_dir, scheme, comm)
     loaded = {a.target for e in plan for a in e.assigns}
-    for name, q in model.named_modules():
+    # by identity: a scale shared by a tied group is loaded under its first name only, and every
+    # member holds it (otherwise the others look uninitialised: export warned of hundreds)
+    loaded_ids = {id(p) for n, p in model.named_parameters() if n in loaded}
+    for q in model.modules():
         # any parameter: an NVFP4 input quantizer (dynamic groups) stores only its global scale
-        if isinstance(q, Quantizer) and any(
-            f"{name}.{p}" in loaded for p, _ in q.named_parameters(recurse=False)
-        ):
+        if isinstance(q, Quantizer) and any(id(p) in loaded_ids for p in q.parameters(recurse=False)):
             q.initialized.fill_(True)
     report["seconds"] = round(time.perf_counter() - t0, 3)
     if comm.is_main:
