@@ -29,7 +29,13 @@ import torch.nn.functional as F
 from .common import find_base_model, format_scheme, log
 
 # The default experiment's recipe (config/experiments/smollm2-135m.yaml: loss_type, lr, learnable).
-RECIPE: dict[str, Any] = {"loss_type": "kl", "lr": 1e-3, "weight_lr": None, "warmup_steps": 3}
+RECIPE: dict[str, Any] = {
+    "loss_type": "kl",
+    "lr": 1e-2,
+    "scale_update": "log",
+    "weight_lr": None,
+    "warmup_steps": 3,
+}
 
 
 @dataclass
