@@ -73,9 +73,10 @@ class DeployedSettings:
     qat_steps: int = 20
     qat_batch: int = 1
     eval_windows: int = 16
-    # the default experiment's recipe (config/experiments/smollm2-135m.yaml) for integer scales;
-    # fp8 / FP4 scales get `QualitySettings.fp8_lr` / `nvfp4_lr` / `mxfp4_lr`
-    lr: float = 1e-3
+    # the default experiment's recipe (config/experiments/smollm2-135m.yaml): scales in log space
+    # at a relative lr, one value for int / fp8 / FP4 scales (qatlib.trainers.log_scale)
+    lr: float = 1e-2
+    scale_update: str = "log"
     loss_type: str = "kl"
     tied: bool = True  # also the tied run, where the library supports it
     base_model: str | None = None  # --base-model DIR (default: the workflow's results/base/<base_name>)
@@ -160,6 +161,7 @@ def run(
         qat_steps=s.qat_steps,
         qat_batch=s.qat_batch,
         lr=s.lr,
+        scale_update=s.scale_update,
         loss_type=s.loss_type,
         warmup_steps=3,
         mc=False,
