@@ -195,6 +195,7 @@ def reference_run(
         "logits": logits,
         "report": report,
         "shared": [[n for n, _ in g] for g in tying.shared_groups(model)],
+        "shared_global": [[n for n, _ in g] for g in tying.shared_global_groups(model)],
     }
 
 
@@ -248,6 +249,11 @@ def ckpts(tmp_path_factory):
         qptq.save_ptq_checkpoint(pm, NVFP4, tmp / "nvfp4_ptq")
     out["nvfp4_ptq"] = tmp / "nvfp4_ptq"
     out["nvfp4_ref"] = reference_run(out["dense"], out["nvfp4_ptq"], data, STEPS, NVFP4)
+    # NVFP4 under deploy.target vllm (q/k/v and gate/up share their global scales), from the untied
+    # NVFP4 PTQ checkpoint, scales in log space (#14: a tied NVFP4 warm start on 2 ranks)
+    out["nvfp4_tied_ref"] = reference_run(
+        out["dense"], out["nvfp4_ptq"], data, STEPS, NVFP4, "vllm", lr=LOG_LR, scale_update="log"
+    )
     # log-space scale steps (quant_config.scale_update: log) at a relative lr of 1%
     out["dense_log_ref"] = reference_run(
         out["dense"], out["dense_ptq"], data, STEPS, lr=LOG_LR, scale_update="log"
@@ -326,6 +332,17 @@ def zero3_run(ckpts):
             },
             {
                 **phase,
+                "name": "nvfp4_tied",
+                "model": str(ckpts["dense"]),
+                "ptq": str(ckpts["nvfp4_ptq"]),
+                "compare_ckpt": str(ckpts["dense"]),
+                "scheme": NVFP4.to_dict(),
+                "deploy_target": "vllm",
+                "scale_update": "log",
+                "lr": LOG_LR,
+            },
+            {
+                **phase,
                 "name": "nvfp4",
                 "model": str(ckpts["dense"]),
                 "ptq": str(ckpts["nvfp4_ptq"]),
@@ -398,7 +415,7 @@ def test_scales_report(zero3_run, ckpts):
 
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", ["dense", "moe", "moe_noleaf", "llama", "nvfp4", "dense_log"])
+@pytest.mark.parametrize("name", ["dense", "moe", "moe_noleaf", "llama", "nvfp4", "dense_log", "nvfp4_tied"])
 def test_qat_steps_match_single_process(zero3_run, ckpts, name):
     results, _, _ = zero3_run
     r, ref = results[name], ckpts[f"{name.removesuffix('_noleaf')}_ref"]
@@ -469,6 +486,31 @@ def test_tied_scales_partition_train_and_save(zero3_run, ckpts):
             logits = model(input_ids=torch.load(run_dir.parent / "data.pt")["eval"]).logits
     assert report["misses"] == 0 and report["tied_disagreeing"] == []
     assert torch.equal(logits, r["logits"])
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_tied_nvfp4_warm_start_shares_global_scales_on_every_rank(zero3_run, ckpts):
+    """NVFP4 under deploy.target vllm on 2 ranks: the global scales vLLM merges (q/k/v, gate/up)
+    are one partitioned Parameter per group on every rank, as in the single-process model (whose
+    steps the run matches: test_qat_steps_match_single_process[nvfp4_tied]), loaded from an untied
+    PTQ checkpoint, trained, and saved as one value under every member's key."""
+    results, run_dir, _ = zero3_run
+    r, ref = results["nvfp4_tied"], ckpts["nvfp4_tied_ref"]
+    groups = ref["shared_global"]
+    assert groups and sorted({len(g) for g in groups}) == [2, 3]  # q/k/v and gate/up, per layer
+    for rank_checks in r["checks"]:
+        assert rank_checks["shared_global"] == groups and rank_checks["bad_shares"] == []
+    assert len(ref["report"]["tied_disagreeing"]) > 0  # the untied checkpoint's global scales differed
+    scales = load_file(str(run_dir / "nvfp4_tied_saved" / SCALES_FILE))
+    for g in groups:
+        keys = [
+            key_of(layer, q.removesuffix("_quantizer"), "global_scale")
+            for layer, q in (n.rsplit(".", 1) for n in g)
+        ]
+        assert all(k in scales for k in keys), keys
+        assert all(torch.equal(scales[keys[0]], scales[k]) for k in keys[1:]), keys
+        assert not torch.equal(scales[keys[0]], ref["init_params"][g[0] + ".global_scale"])  # it trained
 
 
 @pytest.mark.slow

@@ -91,6 +91,7 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
     )
     # quantizers sharing one (partitioned) scale Parameter: one list per group
     checks["shared"] = [[n for n, _ in g] for g in tying.shared_groups(model)]
+    checks["shared_global"] = [[n for n, _ in g] for g in tying.shared_global_groups(model)]
     # each rank holds ceil(n / world) elements of every parameter (its half, padded)
     checks["bad_shares"] = [
         n for n, p in model.named_parameters() if p.ds_tensor.numel() != math.ceil(p.ds_numel / world)
