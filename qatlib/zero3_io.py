@@ -216,6 +216,12 @@ def _resolved_init_config(ds_config: dict, dtype: torch.dtype) -> dict:
     return cfg
 
 
+def inference_ds_config(ctx: Zero3Context) -> dict:
+    """The run's DeepSpeed config for an inference-only engine (a partitioned KD teacher): no
+    optimizer or scheduler, the "auto" values HF fills for training dropped, the run's dtype."""
+    return _resolved_init_config(ctx.ds_config, ctx.dtype)
+
+
 @dataclasses.dataclass(eq=False)
 class Zero3Context:
     """What a ZeRO-3 run keeps alive: the DeepSpeed config, the model dtype and the registered

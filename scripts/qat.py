@@ -89,7 +89,14 @@ def main(argv=None) -> int:
                 if args.no_progress:
                     overrides["disable_tqdm"] = True
                 trainer = train_end2end(
-                    cfg, model, tok, data, scales_loaded=bool(ptq), args_overrides=overrides, scheme=scheme
+                    cfg,
+                    model,
+                    tok,
+                    data,
+                    scales_loaded=bool(ptq),
+                    args_overrides=overrides,
+                    scheme=scheme,
+                    zero3_ctx=ctx,
                 )
                 done = {"steps": trainer.state.global_step}
 

@@ -535,6 +535,34 @@ def test_train_end2end_from_config_with_lazy_init_and_saved_resume(tmp_path, tin
     )
 
 
+def test_config_weight_lr_trains_weights_against_the_original_teacher(tmp_path, tiny_tokenizer):
+    """``quant_config.weight_lr`` from the config: the weights train at that rate (their own group),
+    the scales at learning_rate in log space, and the KD teacher is model.model_path's model, a
+    separate copy whose weights stay the original's."""
+    from qatlib.data import training_data_from_config
+    from qatlib.trainers.end2end import train_end2end
+
+    tok_dir = tmp_path / "tok"
+    tiny_tokenizer.save_pretrained(tok_dir)
+    model = build_model(tiny_qwen3_config())
+    model.save_pretrained(tok_dir)  # model.model_path: the teacher
+    qc = {"lazy_init_samples": 2, "weight_lr": 3e-3, "scale_update": "log"}
+    cfg, _ = _experiment(tmp_path, tok_dir, plugin_config={"quant_config": qc})
+    scheme = cfg.quant_scheme()
+    prepare(model, scheme)
+    before = snapshot(model)
+    tr = train_end2end(cfg, model, tiny_tokenizer, training_data_from_config(cfg, tiny_tokenizer))
+    groups = {g["name"]: g for g in tr.optimizer.param_groups}
+    assert groups["weight"]["initial_lr"] == pytest.approx(3e-3) and groups["scale"].get("log_space") is True
+    assert tr.teacher is not None and tr.teacher is not model
+    moved = changed(before, model)
+    assert any(n.endswith("proj.weight") for n in moved) and any(
+        n.endswith("weight_quantizer.scale") for n in moved
+    )
+    for n, p in tr.teacher.named_parameters():  # the teacher is the original, untouched
+        assert torch.equal(p, before[n]), n
+
+
 def test_resume_from_trained_weights_distils_toward_the_original_model(tmp_path, tiny_tokenizer):
     """Phase 2 of a two-phase recipe (end-to-end after a phase that trained the weights, e.g.
     blockwise with weight_lr > 0): the trained weights are loaded into the student, and the KD
@@ -894,6 +922,81 @@ def test_zero3_two_ranks_lm_plus_cakld_matches_single_process(tmp_path, compile_
         for k in exp:
             torch.testing.assert_close(got[k], exp[k], rtol=1e-5, atol=1e-8, msg=f"step {step}: {k}")
     _assert_trained(spec, final)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_zero3_weight_training_with_a_partitioned_original_teacher_matches_single_process(tmp_path):
+    """``quant_config.weight_lr`` under ZeRO-3: the linear weights train with the scales, and the KD
+    teacher is the ORIGINAL model, partitioned in an inference-only DeepSpeed engine. On 2 ranks
+    (batch 1 each) vs one process (batch 1 x 2 accumulation steps, a plain copy of the original as
+    teacher): the step's losses, the trained weights and the scales agree (one step: with the
+    weights training, ulp differences flip weight codes from step 2 on, see `_z3_reference`; Adam
+    eps = 1 as there). After training, the teacher engine computes the original model's logits,
+    which the student's own weights with quantizers off no longer do."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from qatlib import zero3_load as zl
+
+    steps, wlr = 1, 0.1
+    spec, data = _z3_setup(tmp_path, 2, steps, eps=1.0, weight_lr=wlr)
+    proc, _ = torchrun(Z3_WORKER, spec, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    res = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert res["teacher"] == "DeepSpeedEngine" and res["teacher_partitioned"] is True
+    assert res["teacher_forwards"] == steps and res["trainable"]["weight"] > 0
+    lines = read_log(tmp_path / "run" / "trainer" / LOG_FILE)
+
+    with one_thread():
+        ref = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+        original = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+        prepare(ref, Z3_SCHEME, options=PrepareOptions(init_from_weight=False))
+        zl.stream_load_scales(ref, spec["ptq"], Z3_SCHEME)
+        learnable = Learnable(weight_scale=True, act_scale=True)
+        QATTrainer(
+            ref,
+            targs(
+                tmp_path / "ref",
+                max_steps=steps,
+                learning_rate=spec["lr"],
+                adam_epsilon=1.0,
+                max_grad_norm=0.0,
+                per_device_train_batch_size=1,
+                gradient_accumulation_steps=2,
+                train_sampling_strategy="sequential",
+            ),
+            loss_config=LossConfig(loss_type="cakld", lm_loss_weight=1.0, kd_loss_weight=1.0),
+            trainable=select_trainable(ref, learnable, weights=True),
+            weight_lr=wlr,
+            teacher=original,
+            train_dataset=data,
+            data_collator=PadCollator(0),
+        ).train()
+    ref_lines = read_log(tmp_path / "ref" / "out" / LOG_FILE)
+    assert [x["step"] for x in lines] == [x["step"] for x in ref_lines] == [1]
+    for a, b in zip(lines, ref_lines):
+        for k in ("lm_loss", "kd/cakld", "total_loss"):
+            assert a[k] == pytest.approx(b[k], rel=1e-6), (a["step"], k)
+    saved = tmp_path / "run" / "saved"
+    got = {k: v for f in saved.glob("model*.safetensors") for k, v in load_file(str(f)).items()}
+    base = {k: v for f in Path(spec["model"]).glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    moved = 0
+    for n, p in ref.named_parameters():
+        if n.endswith("proj.weight"):
+            torch.testing.assert_close(got[n], p.detach(), rtol=1e-5, atol=1e-7, msg=n)
+            moved += not torch.equal(got[n], base[n])
+    assert moved > 0  # the weights trained
+    scales = _saved_scales(saved)
+    for n, q in ((n, q) for n, q in ref.named_modules() if n.endswith("weight_quantizer")):
+        key = n.removesuffix("_quantizer") + "_scale"
+        torch.testing.assert_close(scales[key], q.scale.detach(), rtol=1e-5, atol=1e-8, msg=key)
+    x = torch.tensor([data[0]["input_ids"]])
+    with torch.no_grad(), quantization_disabled(ref):
+        want, self_teacher = original(input_ids=x).logits, ref(input_ids=x).logits
+    teacher = torch.load(tmp_path / "run" / "teacher_logits.pt")
+    torch.testing.assert_close(teacher, want, rtol=1e-5, atol=1e-6)
+    assert (self_teacher - want).abs().max() > 100 * (teacher - want).abs().max()
 
 
 @pytest.mark.slow

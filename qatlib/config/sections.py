@@ -259,6 +259,10 @@ class QuantConfig(Section):
     # "log": AdamW on log(scale), so learning_rate is a relative step per element (1e-2 ~ 1%) that
     # suits int, FP8 and FP4 scales alike and never takes a scale to 0 (qatlib.trainers.log_scale)
     scale_update: Literal["additive", "log"] = "additive"
+    # not upstream: the quantized linears' weights train too (straight-through), at this absolute
+    # AdamW lr; the KD teacher is then the original model, a second copy (ZeRO-3: partitioned, M /
+    # world more per rank), since the student's own weights with quantizers off no longer are it
+    weight_lr: float | None = Field(None, gt=0)
     q: OutputQuantConfig | None = None
     k: OutputQuantConfig | None = None
     v: OutputQuantConfig | None = None

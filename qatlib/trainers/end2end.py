@@ -59,7 +59,14 @@ from ..quant import quantization_disabled
 from ..quant.calibration import calibrate_activations, static_quantizers
 from .guard import TrainingGuard
 from .log_scale import install_log_space_steps
-from .params import Learnable, TrainableParams, apply_learnable, freeze_all_but, param_groups
+from .params import (
+    Learnable,
+    TrainableParams,
+    apply_learnable,
+    freeze_all_but,
+    param_groups,
+    select_trainable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -326,20 +333,43 @@ def training_arguments(cfg, **overrides: Any) -> Seq2SeqTrainingArguments:
     return Seq2SeqTrainingArguments(**kw)
 
 
-def base_model_teacher(cfg) -> nn.Module:
+def base_model_teacher(cfg, zero3=None) -> nn.Module:
     """The unquantized original model (``model.model_path``) as a separate KD teacher.
 
-    Needed when the student's weights are not the original's (resumed from a run that trained
-    them, such as a blockwise phase with ``weight_lr > 0``): the default teacher, the student with
-    its quantizers off, would then be those trained weights, which were fitted to be good only
-    after quantization, not to match the original model unquantized: phase 2 then distils toward
-    another target than phase 1 fitted (#12: end-to-end after blockwise lost most of blockwise's
-    gain). Costs a second copy of the model (single process only)."""
+    Needed when the student's weights are not the original's: trained in this run
+    (``quant_config.weight_lr``) or resumed from a run that trained them (a blockwise phase with
+    ``weight_lr > 0``). The default teacher, the student with its quantizers off, would then be
+    those trained weights, which are fitted to be good only after quantization, not to match the
+    original model unquantized: the run would distil toward a moving target (#12: end-to-end after
+    blockwise lost most of blockwise's gain).
+
+    One process: a plain second copy. ZeRO-3 (``zero3``, the run's `Zero3Context`): built empty and
+    partitioned and streamed in like the student (`qatlib.zero3_load.load_model`), then wrapped in
+    an inference-only DeepSpeed engine (no optimizer), which gathers each layer's weights for its
+    forward as the training engine does: the teacher costs each rank M / world more, not M."""
     from ..models import load_model, resolve_model_dir
 
     m = cfg.model
     path = resolve_model_dir(m.model_path, cache_dir=m.cache_dir)
-    return load_model(path, torch_dtype=m.torch_dtype, trust_remote_code=m.trust_remote_code)
+    if zero3 is None:
+        return load_model(path, torch_dtype=m.torch_dtype, trust_remote_code=m.trust_remote_code)
+    import deepspeed
+
+    from ..zero3_io import inference_ds_config
+
+    teacher = load_model(path, torch_dtype=m.torch_dtype, trust_remote_code=m.trust_remote_code, zero3=zero3)
+    engine, *_ = deepspeed.initialize(model=teacher, config=inference_ds_config(zero3))
+    engine.eval()
+    return engine
+
+
+def _zero3_for_teacher(cfg, zero3):
+    if getattr(cfg, "zero3_enabled", False) and zero3 is None:
+        raise ValueError(
+            "a separate KD teacher under ZeRO-3 is built partitioned: pass the run's Zero3Context "
+            "(train_end2end(..., zero3_ctx=ctx))"
+        )
+    return zero3
 
 
 def train_end2end(
@@ -353,11 +383,14 @@ def train_end2end(
     args_overrides: dict[str, Any] | None = None,
     callbacks: Sequence[Any] | None = None,
     scheme=None,
+    zero3_ctx=None,
 ) -> QATTrainer:
     """Run end-to-end QAT as ``cfg`` says, on a prepared model (QuantLinear layers in place).
 
     ``scales_loaded``: the scales came from a PTQ checkpoint (``from_ptq_ckpt``), so no lazy
-    activation init. ``compression.QAT.resume_ckpt_dir`` may name an HF checkpoint (a
+    activation init. ``quant_config.weight_lr``: the linear weights train too, at that rate, and
+    the KD teacher is the original model (`base_model_teacher`; under ZeRO-3 ``zero3_ctx``, the run's
+    `Zero3Context`, is then needed to build it partitioned). ``compression.QAT.resume_ckpt_dir`` may name an HF checkpoint (a
     ``checkpoint-N`` folder, or an output dir holding them: the last one is used) or a saved model
     with scales (a ``fake`` export or a consolidated save, `qatlib.resume.load_saved_model`); when
     that save's weights were trained, the KD teacher is the original model (`base_model_teacher`).
@@ -382,7 +415,7 @@ def train_end2end(
             rep = load_saved_model(model, path, scheme)
             scales_loaded = True
             if loss_cfg.kd_enabled and not rep["kept_base_weights"] and teacher is None:
-                teacher = base_model_teacher(cfg)
+                teacher = base_model_teacher(cfg, _zero3_for_teacher(cfg, zero3_ctx))
                 log.info(
                     "resume_ckpt_dir %s holds trained weights (e.g. a blockwise phase): the KD "
                     "teacher is the original model from model.model_path, loaded separately",
@@ -400,11 +433,20 @@ def train_end2end(
             num_samples=qc.lazy_init_samples,
             batch_size=args.per_device_train_batch_size,
         )
+    pick: dict[str, Any] = {"learnable": cfg.learnable()}
+    if qc.weight_lr:
+        pick = {
+            "trainable": select_trainable(model, cfg.learnable(), weights=True),
+            "weight_lr": qc.weight_lr,
+        }
+        if loss_cfg.kd_enabled and teacher is None:
+            teacher = base_model_teacher(cfg, _zero3_for_teacher(cfg, zero3_ctx))
+            log.info("quant_config.weight_lr: the weights train; the KD teacher is model.model_path's model")
     trainer = QATTrainer(
         model,
         args,
         loss_config=loss_cfg,
-        learnable=cfg.learnable(),
+        **pick,
         lwc_lr=qc.lwc.lwc_lr if qc.lwc.enable_lwc else None,
         scale_update=qc.scale_update,
         teacher=teacher,

@@ -4,7 +4,8 @@
 Usage: torchrun --standalone --nproc_per_node=2 e2e_zero3.py SPEC.json
 
 SPEC: {"out", "model", "ptq", "ds_config", "scheme", "data" (list of {"input_ids", "labels"}),
-"steps", "lr", optional "eps" (Adam's), "save_steps", "crash_at" (raise after that optimizer step, on every rank:
+"steps", "lr", optional "eps" (Adam's), "weight_lr" (the linear weights train too; the KD teacher
+is then the original model as an inference-only ZeRO-3 engine, `base_model_teacher`), "save_steps", "crash_at" (raise after that optimizer step, on every rank:
 a killed run; its state at that moment is first saved to ``{out}/at_kill``), "gradient_checkpointing" (+ "use_reentrant"), "save_every_step" (the
 consolidated save after each optimizer step k in ``{out}/steps/k``) and "resume_from" (a checkpoint
 directory)}. Rank 0 writes ``{out}/result.json`` (log history, teacher forwards, trainable counts) and
@@ -94,11 +95,27 @@ def main() -> None:
                 z.save_consolidated(model, out / "at_kill", scheme=scheme)
                 raise SystemExit(f"killed at step {state.global_step}")
 
+    learnable = Learnable(weight_scale=True, act_scale=True)
+    pick = {"learnable": learnable}
+    if spec.get("weight_lr"):
+        from types import SimpleNamespace
+
+        from qatlib.trainers.end2end import base_model_teacher
+        from qatlib.trainers.params import select_trainable
+
+        mcfg = SimpleNamespace(
+            model_path=spec["model"], cache_dir=None, torch_dtype="float32", trust_remote_code=False
+        )
+        pick = {
+            "trainable": select_trainable(model, learnable, weights=True),
+            "weight_lr": spec["weight_lr"],
+            "teacher": base_model_teacher(SimpleNamespace(model=mcfg), ctx),
+        }
     trainer = QATTrainer(
         model,
         args,
         loss_config=LossConfig(loss_type="cakld", lm_loss_weight=1.0, kd_loss_weight=1.0),
-        learnable=Learnable(weight_scale=True, act_scale=True),
+        **pick,
         train_dataset=spec["data"],
         data_collator=PadCollator(0),
         callbacks=[Crash()],
@@ -106,6 +123,14 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=spec.get("resume_from"))
     saved = z.save_consolidated(model, out / "saved", scheme=scheme)
     rank = z.get_rank()
+    if spec.get("weight_lr"):  # the teacher after training, on the first sample (a collective forward)
+        import torch
+
+        with torch.no_grad():
+            x = torch.tensor([spec["data"][0]["input_ids"]], device=device.current())
+            t_logits = trainer.teacher(input_ids=x).logits.cpu()
+        if rank == 0:
+            torch.save(t_logits, out / "teacher_logits.pt")
     if rank == 0:
         assert saved is not None
         (out / "result.json").write_text(
@@ -118,6 +143,9 @@ def main() -> None:
                     "compiled_calls": compiled_calls[0],
                     "layer0_forwards": layer0_forwards[0],
                     "checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+                    "teacher": type(trainer.teacher).__name__,
+                    "teacher_partitioned": trainer.teacher is not None
+                    and all(hasattr(p, "ds_id") for p in trainer.teacher.parameters()),
                 }
             )
         )
