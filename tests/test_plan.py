@@ -105,6 +105,12 @@ def test_tiny_model_terms_by_hand():
     t = terms(qp.plan(m, tiny_inputs(kd=False, grad_ckpt=False), run)[1])
     assert "KD teacher logits (no grad)" not in t
     assert t["activations of every layer (no checkpointing)"] == 2 * 16 * qp.act_per_token(m, 2, True, True)
+    # quant_config.weight_lr: every (partitioned) weight gets fp32 master + grad + Adam m, v (16 B),
+    # and the teacher is a second, partitioned copy of the model
+    t = terms(qp.plan(m, tiny_inputs(train_weights=True), run)[1])
+    assert t["trained weights: fp32 master + grad + Adam m, v"] == TOTAL * 16 // 2
+    assert t["teacher: the original model, a second copy (model / world)"] == TOTAL * 2 // 2
+    assert "teacher: the model itself, quantization disabled" not in t
 
 
 def test_int4_group_scales_and_weight_only_by_hand():
@@ -186,6 +192,7 @@ def test_torch_free_inputs_agree_with_qatlib_config(path):
     assert x.calib == (scheme.input is not None and not scheme.input.dynamic)
     assert x.kd == cfg.loss_config().kd_enabled
     assert x.train_scales == (cfg.learnable().weight_scale or cfg.learnable().act_scale)
+    assert x.train_weights == bool(cfg.qat.plugin_config.quant_config.weight_lr)
     assert x.zero3 == cfg.zero3_enabled
     assert (x.seq_len, x.calib_samples, x.calib_batch) == (
         cfg.dataset.max_seq_length,

@@ -160,6 +160,7 @@ class PlanInputs:
     weight: WeightFormat = field(default_factory=lambda: WeightFormat(8))
     act_quant: bool = True
     train_scales: bool = True
+    train_weights: bool = False  # quant_config.weight_lr: weights train, the teacher is a 2nd model
     zero3: bool = True
     blockwise: bool = False
     offload_optimizer: bool = False
@@ -293,6 +294,7 @@ def from_experiment(
         weight=_weight_format(quant),
         act_quant=use_act,
         train_scales=bool(learn.get("weight_scale", True)) or bool(learn.get("act_scale", False)),
+        train_weights=bool(qc.get("weight_lr")),
         zero3=section(ds, "zero_optimization.stage") == 3,
         blockwise=g("compression.QAT.training_mode", "end2end") == "blockwise",
         offload_optimizer=str(section(zo, "offload_optimizer.device") or "none") == "cpu",

@@ -179,8 +179,13 @@ def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
     work += acts + [
         Term("fake-quant temporaries (one linear, not kept for backward)", 2 * m.largest_linear * (d + 4)),
         *_logits(m, tokens, d, x.kd),
-        Term("teacher: the model itself, quantization disabled", 0, "no second copy of the weights"),
     ]
+    if x.train_weights and x.kd:  # `qatlib.trainers.end2end.base_model_teacher`
+        work.append(Term("teacher: the original model, a second copy (model / world)", shard))
+    else:
+        work.append(
+            Term("teacher: the model itself, quantization disabled", 0, "no second copy of the weights")
+        )
     host_each = [Term("load staging (largest tensor)", m.vocab * m.hidden * d)]
     if x.offload_optimizer:
         host_each.append(Term("offloaded optimizer state", scales * 16 // world))
@@ -188,6 +193,9 @@ def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
     if x.offload_param:
         host_each.append(Term("offloaded parameter shard", shard))
         work[0] = Term(work[0].name + " (offloaded)", 0)
+    if x.train_weights:  # quant_config.weight_lr: DeepSpeed's fp32 master + grad + Adam m, v per weight
+        weights = m.total_params - persist
+        work.insert(1, Term("trained weights: fp32 master + grad + Adam m, v", weights * 16 // world))
     work.insert(1, opt)
     save = min(m.total_params * d, SAVE_SHARD_BYTES + m.largest_layer * d)
     node = [Term("rank 0: consolidated-save buffer (one shard + one unit + scales)", save + scales * 4)]
