@@ -541,7 +541,7 @@ class Lab:
             if weight_lr
             else {"learnable": learnable}
         )
-        teacher = teacher or ("base" if weight_lr or start is not None else "self")
+        teacher = teacher or ("base" if weight_lr or norm or start is not None else "self")
         if teacher not in ("base", "self"):
             raise ValueError(f"teacher must be 'base' or 'self'; got {teacher!r}")
         pick["teacher"] = self.base if teacher == "base" else None

@@ -144,6 +144,11 @@ def test_each_stage_config_changes_only_with_the_sections_it_reads(tmp_path):
         "zero3_qat",
         "report",
     }
+    for key in ("scale_update: log", "weight_lr: 1.0e-5"):  # how and what QAT trains
+        edit = lambda s, k=key: s.replace(  # noqa: E731
+            "        weight_scale_init_value: 0.1", f"        weight_scale_init_value: 0.1\n        {k}"
+        )
+        assert changed(edit) == {"zero3_qat", "report"}, key
     assert changed(lambda s: s.replace("  num_samples: 40 ", "  num_samples: 32 ")) == {
         "ptq_calibrate",
         "zero3_qat",

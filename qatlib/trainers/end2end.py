@@ -433,15 +433,16 @@ def train_end2end(
             num_samples=qc.lazy_init_samples,
             batch_size=args.per_device_train_batch_size,
         )
-    pick: dict[str, Any] = {"learnable": cfg.learnable()}
+    learnable = cfg.learnable()
+    pick: dict[str, Any] = {"learnable": learnable}
     if qc.weight_lr:
-        pick = {
-            "trainable": select_trainable(model, cfg.learnable(), weights=True),
-            "weight_lr": qc.weight_lr,
-        }
-        if loss_cfg.kd_enabled and teacher is None:
-            teacher = base_model_teacher(cfg, _zero3_for_teacher(cfg, zero3_ctx))
-            log.info("quant_config.weight_lr: the weights train; the KD teacher is model.model_path's model")
+        pick = {"trainable": select_trainable(model, learnable, weights=True), "weight_lr": qc.weight_lr}
+    # trained weights or norms change the model with its quantizers off too: that is no longer the
+    # original model, so it cannot be the teacher (it would drift with the student)
+    if (qc.weight_lr or learnable.norm) and loss_cfg.kd_enabled and teacher is None:
+        teacher = base_model_teacher(cfg, _zero3_for_teacher(cfg, zero3_ctx))
+        what = "weights" if qc.weight_lr else "norms"
+        log.info("the %s train: the KD teacher is model.model_path's model, a separate copy", what)
     trainer = QATTrainer(
         model,
         args,

@@ -84,6 +84,8 @@ TRAINING_ONLY = [
     "compression.QAT.plugin_config.quant_config.learnable",
     "compression.QAT.plugin_config.quant_config.lazy_init_samples",
     "compression.QAT.plugin_config.quant_config.lwc.lwc_lr",
+    "compression.QAT.plugin_config.quant_config.scale_update",
+    "compression.QAT.plugin_config.quant_config.weight_lr",
 ]
 STAGE_EXCLUDE = {
     stage: TRAINING_ONLY for stage in ("ptq_calibrate", "convert_export", "evaluate_quant", "sqnr")
