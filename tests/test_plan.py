@@ -107,7 +107,7 @@ def test_tiny_model_terms_by_hand():
     assert t["activations of every layer (no checkpointing)"] == 2 * 16 * qp.act_per_token(m, 2, True, True)
     # quant_config.weight_lr: every (partitioned) weight gets fp32 master + grad + Adam m, v (16 B),
     # and the teacher is a second, partitioned copy of the model
-    t = terms(qp.plan(m, tiny_inputs(train_weights=True), run)[1])
+    t = terms(qp.plan(m, tiny_inputs(train_weights=True, separate_teacher=True), run)[1])
     assert t["trained weights: fp32 master + grad + Adam m, v"] == TOTAL * 16 // 2
     assert t["teacher: the original model, a second copy (model / world)"] == TOTAL * 2 // 2
     assert "teacher: the model itself, quantization disabled" not in t
@@ -193,6 +193,7 @@ def test_torch_free_inputs_agree_with_qatlib_config(path):
     assert x.kd == cfg.loss_config().kd_enabled
     assert x.train_scales == (cfg.learnable().weight_scale or cfg.learnable().act_scale)
     assert x.train_weights == bool(cfg.qat.plugin_config.quant_config.weight_lr)
+    assert x.separate_teacher == (x.train_weights or cfg.learnable().norm)
     assert x.zero3 == cfg.zero3_enabled
     assert (x.seq_len, x.calib_samples, x.calib_batch) == (
         cfg.dataset.max_seq_length,

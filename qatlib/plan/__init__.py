@@ -26,7 +26,9 @@ What each stage's terms model (the code as it is after #16's streaming and QAT-m
                    them; one linear's temporaries), and the logits terms of ``losses.py``
                    (student logits, the KD teacher's logits, the gradient buffer and one chunk's
                    fp32 working set, ``CHUNK_ELEMENTS``). The teacher is the model itself with
-                   quantization disabled (``end2end.py``): no second copy of the weights.
+                   quantization disabled (``end2end.py``): no second copy of the weights, unless
+                   weights (``quant_config.weight_lr``, + their optimizer state) or norms train:
+                   then the original model, a second partitioned copy (``base_model_teacher``).
                    Rank 0's host also holds ``zero3_io.save_consolidated``'s buffer (one shard +
                    one gathered unit + every scale).
 ``convert_export`` ``export_stream.py`` (``scripts/export.py --layerwise``, host only): the

@@ -160,7 +160,9 @@ class PlanInputs:
     weight: WeightFormat = field(default_factory=lambda: WeightFormat(8))
     act_quant: bool = True
     train_scales: bool = True
-    train_weights: bool = False  # quant_config.weight_lr: weights train, the teacher is a 2nd model
+    train_weights: bool = False  # quant_config.weight_lr: the weights train (their optimizer state)
+    # trained weights or norms: the KD teacher is the original model, a second (partitioned) copy
+    separate_teacher: bool = False
     zero3: bool = True
     blockwise: bool = False
     offload_optimizer: bool = False
@@ -295,6 +297,7 @@ def from_experiment(
         act_quant=use_act,
         train_scales=bool(learn.get("weight_scale", True)) or bool(learn.get("act_scale", False)),
         train_weights=bool(qc.get("weight_lr")),
+        separate_teacher=bool(qc.get("weight_lr")) or bool(learn.get("norm", False)),
         zero3=section(ds, "zero_optimization.stage") == 3,
         blockwise=g("compression.QAT.training_mode", "end2end") == "blockwise",
         offload_optimizer=str(section(zo, "offload_optimizer.device") or "none") == "cpu",

@@ -180,7 +180,7 @@ def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
         Term("fake-quant temporaries (one linear, not kept for backward)", 2 * m.largest_linear * (d + 4)),
         *_logits(m, tokens, d, x.kd),
     ]
-    if x.train_weights and x.kd:  # `qatlib.trainers.end2end.base_model_teacher`
+    if x.separate_teacher and x.kd:  # `qatlib.trainers.end2end.base_model_teacher`
         work.append(Term("teacher: the original model, a second copy (model / world)", shard))
     else:
         work.append(
