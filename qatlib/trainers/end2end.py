@@ -349,6 +349,11 @@ def base_model_teacher(cfg, zero3=None) -> nn.Module:
     forward as the training engine does: the teacher costs each rank M / world more, not M."""
     from ..models import load_model, resolve_model_dir
 
+    if getattr(cfg, "zero3_enabled", False) and zero3 is None:
+        raise ValueError(
+            "a separate KD teacher under ZeRO-3 is built partitioned: pass the run's Zero3Context "
+            "(train_end2end(..., zero3_ctx=ctx))"
+        )
     m = cfg.model
     path = resolve_model_dir(m.model_path, cache_dir=m.cache_dir)
     if zero3 is None:
@@ -361,15 +366,6 @@ def base_model_teacher(cfg, zero3=None) -> nn.Module:
     engine, *_ = deepspeed.initialize(model=teacher, config=inference_ds_config(zero3))
     engine.eval()
     return engine
-
-
-def _zero3_for_teacher(cfg, zero3):
-    if getattr(cfg, "zero3_enabled", False) and zero3 is None:
-        raise ValueError(
-            "a separate KD teacher under ZeRO-3 is built partitioned: pass the run's Zero3Context "
-            "(train_end2end(..., zero3_ctx=ctx))"
-        )
-    return zero3
 
 
 def train_end2end(
@@ -415,7 +411,7 @@ def train_end2end(
             rep = load_saved_model(model, path, scheme)
             scales_loaded = True
             if loss_cfg.kd_enabled and not rep["kept_base_weights"] and teacher is None:
-                teacher = base_model_teacher(cfg, _zero3_for_teacher(cfg, zero3_ctx))
+                teacher = base_model_teacher(cfg, zero3_ctx)
                 log.info(
                     "resume_ckpt_dir %s holds trained weights (e.g. a blockwise phase): the KD "
                     "teacher is the original model from model.model_path, loaded separately",
@@ -440,7 +436,7 @@ def train_end2end(
     # trained weights or norms change the model with its quantizers off too: that is no longer the
     # original model, so it cannot be the teacher (it would drift with the student)
     if (qc.weight_lr or learnable.norm) and loss_cfg.kd_enabled and teacher is None:
-        teacher = base_model_teacher(cfg, _zero3_for_teacher(cfg, zero3_ctx))
+        teacher = base_model_teacher(cfg, zero3_ctx)
         what = "weights" if qc.weight_lr else "norms"
         log.info("the %s train: the KD teacher is model.model_path's model, a separate copy", what)
     trainer = QATTrainer(
