@@ -109,6 +109,11 @@ class QualitySettings:
     nvfp4_lr: float = 0.1
     scale_update: str = "additive"  # "log": lr is a relative step (qatlib.trainers.log_scale)
     mxfp4_lr: float = 3e-4
+    # log space, MXFP4: an E8M0 master starts on a power of two, the centre of its rounding bucket,
+    # and must move ln(2)/2 = 0.35 in log before the forward changes; at the relative 1e-2 of the
+    # other formats 30 cosine steps move it ~0.2 and QAT = RTN to every digit (SmolLM2 W4A16:
+    # recovery 0.000); at 5e-2 it recovers 0.526 +- 0.032 (benchmarks/README.md, FP4 rows)
+    mxfp4_log_lr: float = 5e-2
     lwc: bool = True
     lwc_init: float = 4.0
     lwc_lr: float = 1e-2
@@ -419,6 +424,27 @@ def recovery_record(bf16: dict, ptq: dict, qat: dict) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- methods
+
+
+def scale_lr(s: QualitySettings, scheme, scale_update: str, lr: float | None) -> float:
+    """The scale learning rate of a QAT row: ``lr`` when given; in log space the relative
+    ``s.lr`` (int, fp8, NVFP4) or ``s.mxfp4_log_lr`` (E8M0 scales: their rounding buckets are a
+    factor of 2 wide); additive, the per-format absolute values (fp8 ~1e-4 scales, FP4 scales in
+    their own units)."""
+    from qatlib.quant.spec import ScaleFormat
+
+    if lr is not None:
+        return lr
+    e8m0 = scheme.weight is not None and scheme.weight.scale_format is ScaleFormat.E8M0
+    if scale_update == "log":
+        return s.mxfp4_log_lr if e8m0 else s.lr
+    if any(sp is not None and sp.is_fp8 and not sp.dynamic for sp in (scheme.weight, scheme.input)):
+        return s.fp8_lr  # learnable fp8 scales (~1e-4: amax / 448) need the small lr
+    if scheme.weight is not None and scheme.weight.is_fp4:
+        return s.mxfp4_lr if e8m0 else s.nvfp4_lr
+    return s.lr
+
+
 class Lab:
     """The base model, data and evaluator, and the quantization methods as one-liners."""
 
@@ -505,18 +531,8 @@ class Lab:
         s = self.s
         steps = steps or s.qat_steps
         loss_type = loss_type or s.loss_type
-        fp8_scales = [
-            sp for sp in (scheme.weight, scheme.input) if sp is not None and sp.is_fp8 and not sp.dynamic
-        ]
         scale_update = scale_update or s.scale_update
-        if scale_update == "log":
-            pass  # lr is relative: one value serves every format (qatlib.trainers.log_scale)
-        elif lr is None and fp8_scales:  # learnable fp8 scales (~1e-4: amax / 448) need the small lr
-            lr = s.fp8_lr
-        elif lr is None and scheme.weight is not None and scheme.weight.is_fp4:
-            from qatlib.quant.spec import ScaleFormat
-
-            lr = s.nvfp4_lr if scheme.weight.scale_format is ScaleFormat.E4M3 else s.mxfp4_lr
+        lr = scale_lr(s, scheme, scale_update, lr)
         m = start if start is not None else self.rtn(scheme, lwc_init=s.lwc_init if lwc else None)
         args = TrainingArguments(
             output_dir=str(self.work / "trainer"),
