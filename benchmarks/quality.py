@@ -109,11 +109,8 @@ class QualitySettings:
     nvfp4_lr: float = 0.1
     scale_update: str = "additive"  # "log": lr is a relative step (qatlib.trainers.log_scale)
     mxfp4_lr: float = 3e-4
-    # log space, MXFP4: an E8M0 master starts on a power of two, the centre of its rounding bucket,
-    # and must move ln(2)/2 = 0.35 in log before the forward changes; at the relative 1e-2 of the
-    # other formats 30 cosine steps move it ~0.2 and QAT = RTN to every digit (SmolLM2 W4A16:
-    # recovery 0.000); at 5e-2 it recovers 0.526 +- 0.032 (benchmarks/README.md, FP4 rows)
-    mxfp4_log_lr: float = 5e-2
+    # log space: MXFP4's E8M0 scales step at the library's own multiple of lr
+    # (qatlib.trainers.log_scale.e8m0_lr; at lr itself MXFP4 QAT changed no scale)
     lwc: bool = True
     lwc_init: float = 4.0
     lwc_lr: float = 1e-2
@@ -427,20 +424,19 @@ def recovery_record(bf16: dict, ptq: dict, qat: dict) -> dict[str, Any]:
 
 
 def scale_lr(s: QualitySettings, scheme, scale_update: str, lr: float | None) -> float:
-    """The scale learning rate of a QAT row: ``lr`` when given; in log space the relative
-    ``s.lr`` (int, fp8, NVFP4) or ``s.mxfp4_log_lr`` (E8M0 scales: their rounding buckets are a
-    factor of 2 wide); additive, the per-format absolute values (fp8 ~1e-4 scales, FP4 scales in
-    their own units)."""
+    """The scale learning rate of a QAT row: ``lr`` when given; in log space the relative ``s.lr``
+    for every format (the trainer gives E8M0 scales `qatlib.trainers.log_scale.e8m0_lr` of it);
+    additive, the per-format absolute values (fp8 ~1e-4 scales, FP4 scales in their own units)."""
     from qatlib.quant.spec import ScaleFormat
 
     if lr is not None:
         return lr
-    e8m0 = scheme.weight is not None and scheme.weight.scale_format is ScaleFormat.E8M0
     if scale_update == "log":
-        return s.mxfp4_log_lr if e8m0 else s.lr
+        return s.lr
     if any(sp is not None and sp.is_fp8 and not sp.dynamic for sp in (scheme.weight, scheme.input)):
         return s.fp8_lr  # learnable fp8 scales (~1e-4: amax / 448) need the small lr
     if scheme.weight is not None and scheme.weight.is_fp4:
+        e8m0 = scheme.weight.scale_format is ScaleFormat.E8M0
         return s.mxfp4_lr if e8m0 else s.nvfp4_lr
     return s.lr
 
@@ -591,6 +587,7 @@ class Lab:
             "lwc": lwc,
             "norm": norm,
             "lr": lr,
+            "lr_groups": {g["name"]: g["lr"] for g in trainer.optimizer.param_groups},
             "weight_lr": weight_lr,
             "scale_update": scale_update,
             "teacher": teacher,

@@ -232,19 +232,15 @@ def test_default_model_row_refuses_a_missing_base_model(tmp_path):
     assert common.format_scheme("int4_g64").weight.group_size == 64
 
 
-def test_scale_lr_gives_e8m0_scales_their_own_relative_lr_in_log_space():
-    """Log space: one relative lr for int / fp8 / NVFP4 scales, MXFP4's E8M0 scales their own
-    (a factor-2 bucket: at the common 1e-2 no master crossed one in 30 steps); an explicit lr
-    wins; additive keeps the per-format absolute values."""
+def test_scale_lr_is_one_relative_lr_in_log_space_and_per_format_additive():
+    """Log space: one relative lr for every format (E8M0 scales get theirs from the trainer,
+    ``test_log_scale.py::test_e8m0_scales_get_their_own_lr_from_the_config``); an explicit lr wins;
+    additive keeps the per-format absolute values."""
     from dataclasses import replace
 
-    s = replace(
-        quality.QualitySettings(), lr=0.011, mxfp4_log_lr=0.07, fp8_lr=3e-6, nvfp4_lr=0.2, mxfp4_lr=4e-4
-    )
+    s = replace(quality.QualitySettings(), lr=0.011, fp8_lr=3e-6, nvfp4_lr=0.2, mxfp4_lr=4e-4)
     f = common.format_scheme
-    assert quality.scale_lr(s, f("mxfp4_w4a16"), "log", None) == 0.07
-    assert quality.scale_lr(s, f("mxfp4"), "log", None) == 0.07
-    for name in ("int4_g32", "nvfp4_w4a16", "nvfp4", "fp8_static"):
+    for name in ("int4_g32", "nvfp4_w4a16", "nvfp4", "fp8_static", "mxfp4_w4a16", "mxfp4"):
         assert quality.scale_lr(s, f(name), "log", None) == 0.011, name
     assert quality.scale_lr(s, f("mxfp4_w4a16"), "log", 0.003) == 0.003
     assert quality.scale_lr(s, f("mxfp4_w4a16"), "additive", None) == 4e-4

@@ -174,3 +174,116 @@ def test_blockwise_steps_scales_in_log_space(tmp_path):
     assert 0.04 < step.max() <= 0.05 * (1 + 1e-5)
     with pytest.raises(ValueError, match="scale_update"):
         BlockwiseTrainer(model, settings, scale_update="relative")
+
+
+MXFP4_W = QuantScheme("mxfp4-w", weight=QuantSpec("mxfp4", Granularity.GROUP, group_size=32))
+
+
+def test_e8m0_rate_crosses_the_power_of_two_bucket_the_common_rate_cannot():
+    """Why E8M0 scales need their own rate, by hand: a master on 2^-4 (where `mx_scale_from_amax`
+    puts it, the centre of `round_e8m0`'s bucket) under L = log s (d L / d log s = 1, constant)
+    moves by exactly lr per constant-lr Adam step in log space. 30 steps at 1e-2: log2 s = -4 - 0.3 / ln 2 = -4.433, still
+    rounds to 2^-4 (the forward never changes); at the default 5 x 1e-2: -4 - 1.5 / ln 2 = -6.164,
+    rounds to 2^-6."""
+    from qatlib.quant.functional import round_e8m0
+    from qatlib.trainers.params import quantizer_groups
+
+    def train(e8m0_scale_lr):
+        p = torch.nn.Parameter(torch.full((4,), 2.0**-4))
+        groups = quantizer_groups(
+            [("w.weight_quantizer.scale", p)],
+            lr=1e-2,
+            scale_update="log",
+            e8m0={id(p)},
+            e8m0_scale_lr=e8m0_scale_lr,
+        )
+        opt = install_log_space_steps(torch.optim.AdamW(groups, eps=1e-30))
+        for _ in range(30):
+            p.grad = 1 / p.detach()  # L = log s: the scale wants to shrink, d L / d log s = 1
+            opt.step()
+        return p.detach()
+
+    stuck = train(1e-2)
+    torch.testing.assert_close(torch.log2(stuck), torch.full((4,), -4 - 0.3 / math.log(2)), rtol=0, atol=1e-5)
+    assert torch.equal(round_e8m0(stuck), torch.full((4,), 2.0**-4))
+    moved = train(None)  # the library's default for E8M0 scales
+    torch.testing.assert_close(torch.log2(moved), torch.full((4,), -4 - 1.5 / math.log(2)), rtol=0, atol=1e-5)
+    assert torch.equal(round_e8m0(moved), torch.full((4,), 2.0**-6))
+
+
+def test_param_groups_give_e8m0_scales_their_own_group():
+    """Selected by the quantizer's scale format (MXFP4 -> E8M0), not by name: under log the MXFP4
+    weight scales form ``scale_e8m0`` at 5 x lr; an NVFP4 model (E4M3 group scales, fp32 global
+    scales) has no such group; additive keeps one group unless ``e8m0_scale_lr`` is set."""
+    from qatlib.trainers.log_scale import E8M0_LOG_LR_FACTOR
+
+    model = prepare(build_model(tiny_qwen3_config()), MXFP4_W, options=PrepareOptions())
+    tp = select_trainable(model, Learnable())
+    ids = lambda ps: {id(p) for p in ps}  # noqa: E731
+    scales = ids(ql.weight_quantizer.scale for _, ql in quant_linears(model))
+    assert len(scales) == 14 and tp.e8m0 == scales
+    by = {g["name"]: g for g in param_groups(tp, lr=1e-2, scale_update="log")}
+    assert set(by) == {"scale_e8m0"} and ids(by["scale_e8m0"]["params"]) == scales
+    assert by["scale_e8m0"]["lr"] == pytest.approx(5e-2) and E8M0_LOG_LR_FACTOR == 5.0
+    assert by["scale_e8m0"][LOG_SPACE] is True and by["scale_e8m0"]["weight_decay"] == 0.0
+    by = {g["name"]: g for g in param_groups(tp, lr=1e-2, scale_update="log", e8m0_scale_lr=0.03)}
+    assert by["scale_e8m0"]["lr"] == 0.03
+    assert [(g["name"], g["lr"]) for g in param_groups(tp, lr=1e-3)] == [("scale", 1e-3)]
+    assert [(g["name"], g["lr"]) for g in param_groups(tp, lr=1e-3, e8m0_scale_lr=2e-3)] == [
+        ("scale_e8m0", 2e-3)
+    ]
+    nv = QuantScheme("nvfp4-w", weight=QuantSpec("nvfp4", Granularity.GROUP, group_size=16))
+    tp_nv = select_trainable(
+        prepare(build_model(tiny_qwen3_config()), nv, options=PrepareOptions()), Learnable()
+    )
+    assert not tp_nv.e8m0
+    assert [g["name"] for g in param_groups(tp_nv, lr=1e-2, scale_update="log")] == ["scale"]
+
+
+@pytest.mark.parametrize("explicit", [None, 0.03])
+def test_e8m0_scales_get_their_own_lr_from_the_config(tmp_path, tiny_tokenizer, explicit):
+    """``quant_config.e8m0_scale_lr`` (default: 5 x learning_rate in log space) reaches the
+    end-to-end trainer's optimizer (which then trains) and the blockwise one."""
+    from test_trainers import _experiment
+
+    from qatlib.config import parse_config
+    from qatlib.data import training_data_from_config
+    from qatlib.trainers.blockwise import BlockwiseTrainer
+    from qatlib.trainers.end2end import train_end2end
+
+    tok_dir = tmp_path / "tok"
+    tiny_tokenizer.save_pretrained(tok_dir)
+    qc = {"lazy_init_samples": 2, "scale_update": "log"}
+    if explicit is not None:
+        qc["e8m0_scale_lr"] = explicit
+    d, _ = _experiment(tmp_path, tok_dir, raw=True, plugin_config={"quant_config": qc})
+    d["compression"]["quantization"] = {"name": "mxfp4_weight_only"}
+    d["compression"]["QAT"]["hf_args"]["learning_rate"] = 1e-2
+    cfg = parse_config(d)
+    want = 5e-2 if explicit is None else explicit
+    model = prepare(build_model(tiny_qwen3_config()), cfg.quant_scheme())
+    tr = train_end2end(cfg, model, tiny_tokenizer, training_data_from_config(cfg, tiny_tokenizer))
+    assert {g["name"]: g["initial_lr"] for g in tr.optimizer.param_groups} == {
+        "scale_e8m0": pytest.approx(want)
+    }
+    bw = BlockwiseTrainer(
+        model,
+        cfg.blockwise(),
+        scale_update="log",
+        e8m0_scale_lr=cfg.qat.plugin_config.quant_config.e8m0_scale_lr,
+    )
+    opt = bw._optimizer(model.model.layers[0], "model.layers.0")
+    q_lr = cfg.blockwise().quant_lr
+    assert [(g["name"], g["lr"]) for g in opt.param_groups if g["name"] != "weight"] == [
+        ("quant_e8m0", pytest.approx(5 * q_lr if explicit is None else explicit))
+    ]
+
+
+def test_e8m0_scale_lr_is_a_checked_config_key(tmp_path):
+    from test_trainers import _experiment
+
+    from qatlib.config import ConfigError, parse_config
+
+    d, _ = _experiment(tmp_path, tmp_path, raw=True, plugin_config={"quant_config": {"e8m0_scale_lr": 0}})
+    with pytest.raises(ConfigError, match="e8m0_scale_lr"):
+        parse_config(d)

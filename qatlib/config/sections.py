@@ -259,6 +259,10 @@ class QuantConfig(Section):
     # "log": AdamW on log(scale), so learning_rate is a relative step per element (1e-2 ~ 1%) that
     # suits int, FP8 and FP4 scales alike and never takes a scale to 0 (qatlib.trainers.log_scale)
     scale_update: Literal["additive", "log"] = "additive"
+    # not upstream: the lr of E8M0 (power-of-two: MXFP4) scales; null = 5 x learning_rate under
+    # scale_update log (their log-space rounding bucket is ln 2 wide: at the relative lr of the other
+    # scales MXFP4 QAT changed no scale), learning_rate under additive (qatlib.trainers.log_scale)
+    e8m0_scale_lr: float | None = Field(None, gt=0)
     # not upstream: the quantized linears' weights train too (straight-through), at this absolute
     # AdamW lr; the KD teacher is then the original model, a second copy (ZeRO-3: partitioned, M /
     # world more per rank), since the student's own weights with quantizers off no longer are it

@@ -44,8 +44,8 @@ from ..checkpoint.layout import TRAIN_LOG_FILE
 from ..models import decoder_layers
 from ..quant import quantization_disabled
 from ..quant.calibration import calibrate_activations
-from .log_scale import LOG_SPACE, SCALE_UPDATES, install_log_space_steps
-from .params import Learnable, freeze_all_but, select_trainable, split_positive
+from .log_scale import SCALE_UPDATES, install_log_space_steps
+from .params import Learnable, freeze_all_but, quantizer_groups, select_trainable
 
 log = logging.getLogger(__name__)
 
@@ -181,10 +181,12 @@ class BlockwiseTrainer:
         log_file: str | os.PathLike | None = None,
         seed: int = 0,
         scale_update: str = "additive",
+        e8m0_scale_lr: float | None = None,
     ) -> None:
         if scale_update not in SCALE_UPDATES:
             raise ValueError(f"scale_update must be one of {SCALE_UPDATES}; got {scale_update!r}")
         self.scale_update = scale_update
+        self.e8m0_scale_lr = e8m0_scale_lr
         self.model = model
         self.settings = settings
         self.learnable = learnable or Learnable()
@@ -207,17 +209,16 @@ class BlockwiseTrainer:
         if s.quant_lr <= 0:
             tp.scale, tp.lwc = [], []
         freeze_all_but(block, tp)
-        groups = []
-        if self.scale_update == "log":  # positive scales in log space, lr relative (log_scale)
-            pos, rest = split_positive(tp.scale + tp.lwc)
-            if pos:
-                groups.append(
-                    {"params": pos, "lr": s.quant_lr, "name": "quant", LOG_SPACE: True, "weight_decay": 0.0}
-                )
-            if rest:
-                groups.append({"params": rest, "lr": s.quant_lr, "name": "quant_additive"})
-        elif tp.scale or tp.lwc:
-            groups.append({"params": [p for _, p in tp.scale + tp.lwc], "lr": s.quant_lr, "name": "quant"})
+        # scales / LWC (log space: lr relative; E8M0 scales at their own lr): params.quantizer_groups
+        groups = quantizer_groups(
+            tp.scale + tp.lwc,
+            lr=s.quant_lr,
+            scale_update=self.scale_update,
+            e8m0=tp.e8m0,
+            e8m0_scale_lr=self.e8m0_scale_lr,
+            weight_decay=s.wd,
+            names=("quant", "quant_additive"),
+        )
         if tp.weight or tp.norm:
             groups.append(
                 {"params": [p for _, p in tp.weight + tp.norm], "lr": s.weight_lr, "name": "weight"}
@@ -348,6 +349,7 @@ def train_blockwise(
         log_file=log_file or None,
         seed=cfg.global_.seed,
         scale_update=cfg.qat.plugin_config.quant_config.scale_update,
+        e8m0_scale_lr=cfg.qat.plugin_config.quant_config.e8m0_scale_lr,
     )
     torch.manual_seed(cfg.global_.seed)
     return trainer.train(samples)

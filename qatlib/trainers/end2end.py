@@ -103,7 +103,8 @@ class QATTrainer(Trainer):
     Keyword arguments beyond the Trainer's: ``loss_config`` (`LossConfig`), ``learnable``
     (`Learnable`, default weight scales only) or an explicit ``trainable`` selection, ``lwc_lr``,
     ``norm_lr``, ``weight_lr``, ``scale_update`` (``"additive"``, or ``"log"``:
-    `qatlib.trainers.log_scale`), ``teacher`` (a separate teacher model; None = the model itself with quantization
+    `qatlib.trainers.log_scale`), ``e8m0_scale_lr`` (MXFP4's E8M0 scales; None:
+    `qatlib.trainers.log_scale.e8m0_lr` of ``learning_rate``), ``teacher`` (a separate teacher model; None = the model itself with quantization
     disabled), ``log_file`` (default ``<output_dir>/train_log.jsonl``; False = none).
     """
 
@@ -119,6 +120,7 @@ class QATTrainer(Trainer):
         norm_lr: float | None = None,
         weight_lr: float | None = None,
         scale_update: str = "additive",
+        e8m0_scale_lr: float | None = None,
         teacher: nn.Module | None = None,
         log_file: str | os.PathLike | bool | None = None,
         **kwargs: Any,
@@ -138,6 +140,7 @@ class QATTrainer(Trainer):
         self.norm_lr = norm_lr
         self.weight_lr = weight_lr
         self.scale_update = scale_update
+        self.e8m0_scale_lr = e8m0_scale_lr
         self.teacher = teacher
         if teacher is not None:
             _check_teacher_vocab(teacher, model)
@@ -181,6 +184,7 @@ class QATTrainer(Trainer):
                 weight_lr=self.weight_lr,
                 weight_decay=self.args.weight_decay,
                 scale_update=self.scale_update,
+                e8m0_scale_lr=self.e8m0_scale_lr,
             )
             if not groups:
                 raise ValueError("QAT optimizer has no trainable parameters")
@@ -446,6 +450,7 @@ def train_end2end(
         **pick,
         lwc_lr=qc.lwc.lwc_lr if qc.lwc.enable_lwc else None,
         scale_update=qc.scale_update,
+        e8m0_scale_lr=qc.e8m0_scale_lr,
         teacher=teacher,
         train_dataset=train_dataset,
         data_collator=collator,

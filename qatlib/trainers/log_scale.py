@@ -16,6 +16,13 @@ and the checkpoint keeps the scale itself (layout unchanged). Adam's moments are
 decoupled weight decay would pull ``log(scale)`` toward 0 (scale 1), so these groups have none.
 Zero points are not positive and stay in an ordinary (additive) group.
 
+E8M0 scales (MXFP4's power-of-two group scales) get their own rate, `e8m0_lr`: the forward
+rounds a master to the nearest power of two, so in log space its rounding bucket is ln 2 wide, and
+a master starts on a power of two (the bucket's centre): it must move ln(2)/2 = 0.35 before the
+forward changes at all. At the relative 1e-2 that suits fp32 / E4M3 scales, Adam moves it at most
+~0.2 in a 30-step cosine schedule, so QAT left every MXFP4 scale where RTN put it (SmolLM2 W4A16:
+recovery 0.000); at 5 x that rate it recovers 0.526 +- 0.032 (benchmarks/README.md, FP4 rows).
+
 No library does this: torch / DeepSpeed optimizers have no per-element relative rate, and a
 reparametrised Parameter (``torch.nn.utils.parametrize``) would change the checkpoint keys.
 """
@@ -29,6 +36,18 @@ SCALE_UPDATES = ("additive", "log")
 # padding of a flat ZeRO-3 partition is 0: log would make it -inf (harmless but noisy); a scale
 # this small is not a scale anyone trains
 _TINY = torch.finfo(torch.float32).tiny
+# log space: E8M0 scales step at this multiple of the scales' relative lr (module docstring: the
+# measured 5e-2 against 1e-2); additive steps keep one absolute lr (E8M0 scales are ~2^-4 there)
+E8M0_LOG_LR_FACTOR = 5.0
+
+
+def e8m0_lr(lr: float, scale_update: str, explicit: float | None = None) -> float:
+    """The learning rate of E8M0 (power-of-two) scales when the other scales train at ``lr``:
+    ``explicit`` (``quant_config.e8m0_scale_lr``) when set, else ``E8M0_LOG_LR_FACTOR * lr`` in
+    log space and ``lr`` under additive steps. The one place that default is decided."""
+    if explicit is not None:
+        return float(explicit)
+    return E8M0_LOG_LR_FACTOR * lr if scale_update == "log" else lr
 
 
 def _log_groups(optimizer: torch.optim.Optimizer):

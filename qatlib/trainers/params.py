@@ -14,9 +14,10 @@ lwc           ``weight_quantizer`` clip factors (``clip_factor_w_max/min``)
 ============  ===========================================================================
 
 Everything else is frozen (``requires_grad=False``). q-projection output scales (``q`` in the
-scheme) belong to no switch and stay frozen. Groups: scales at ``learning_rate``, LWC at
-``lwc_lr``, norms at ``norm_lr`` (default ``learning_rate``) — upstream marked norms trainable but
-never handed them to its optimizer, so ``norm: true`` trained nothing there.
+scheme) belong to no switch and stay frozen. Groups: scales at ``learning_rate`` (E8M0 scales at
+`qatlib.trainers.log_scale.e8m0_lr` of it), LWC at ``lwc_lr``, norms at ``norm_lr`` (default
+``learning_rate``) — upstream marked norms trainable but never handed them to its optimizer, so
+``norm: true`` trained nothing there.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from torch import nn
 from ..quant import quant_linears
 from ..quant.linear import attention_role
 from ..quant.quantizer import PARAM_ROLES, POSITIVE_PARAMS, ROLE_LWC, ROLE_SCALE, Quantizer
-from .log_scale import LOG_SPACE
+from ..quant.spec import ScaleFormat
+from .log_scale import LOG_SPACE, SCALE_UPDATES, e8m0_lr
 
 NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
 
@@ -51,12 +53,16 @@ class Learnable:
 
 @dataclass
 class TrainableParams:
-    """Selected parameters by group, each a list of ``(name, Parameter)`` without duplicates."""
+    """Selected parameters by group, each a list of ``(name, Parameter)`` without duplicates.
+
+    ``e8m0``: the ids of the selected scales whose quantizer rounds them to E8M0 (MXFP4 group
+    scales), known from the quantizer's spec when selected; they step at their own lr."""
 
     scale: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     lwc: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     norm: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     weight: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    e8m0: set[int] = field(default_factory=set)
 
     GROUPS = ("scale", "lwc", "norm", "weight")
 
@@ -96,6 +102,13 @@ def _role_params(q: Quantizer | None, prefix: str, role: str) -> Iterator[tuple[
             yield f"{prefix}.{pname}", p
 
 
+def _e8m0_scale(q: Quantizer | None) -> nn.Parameter | None:
+    """``q``'s group scale when its forward rounds it to E8M0 (MXFP4), else None."""
+    if q is None or q.scale is None or q.spec.scale_format is not ScaleFormat.E8M0:
+        return None
+    return q.scale
+
+
 def select_trainable(
     model: nn.Module,
     learnable: Learnable,
@@ -116,19 +129,24 @@ def select_trainable(
                 seen.add(id(p))
                 getattr(out, group).append((n, p))
 
+    def add_scales(q: Quantizer | None, prefix: str) -> None:
+        add("scale", _role_params(q, prefix, ROLE_SCALE))
+        if (p := _e8m0_scale(q)) is not None:
+            out.e8m0.add(id(p))
+
     scopes = [("", model)] if modules is None else list(modules)
     for scope_name, scope in scopes:
         pre = f"{scope_name}." if scope_name else ""
         for rel, ql in quant_linears(scope):
             name = pre + rel
             if learnable.weight_scale:
-                add("scale", _role_params(ql.weight_quantizer, f"{name}.weight_quantizer", ROLE_SCALE))
+                add_scales(ql.weight_quantizer, f"{name}.weight_quantizer")
             if learnable.lwc:
                 add("lwc", _role_params(ql.weight_quantizer, f"{name}.weight_quantizer", ROLE_LWC))
             if learnable.act_scale:
-                add("scale", _role_params(ql.input_quantizer, f"{name}.input_quantizer", ROLE_SCALE))
+                add_scales(ql.input_quantizer, f"{name}.input_quantizer")
             if learnable.kv_scale and _is_kv_projection(model, name):
-                add("scale", _role_params(ql.output_quantizer, f"{name}.output_quantizer", ROLE_SCALE))
+                add_scales(ql.output_quantizer, f"{name}.output_quantizer")
             if weights:
                 add("weight", ((f"{name}.{k}", p) for k, p in ql.named_parameters(recurse=False)))
         if learnable.norm:
@@ -169,6 +187,47 @@ def split_positive(named: list[tuple[str, nn.Parameter]]) -> tuple[list[nn.Param
     return pos, [p for n, p in named if n.rpartition(".")[2] not in POSITIVE_PARAMS]
 
 
+def quantizer_groups(
+    named: list[tuple[str, nn.Parameter]],
+    *,
+    lr: float,
+    scale_update: str,
+    e8m0: set[int] = frozenset(),
+    e8m0_scale_lr: float | None = None,
+    weight_decay: float = 0.0,
+    names: tuple[str, str] = ("scale", "zero_point"),
+) -> list[dict]:
+    """AdamW groups for quantizer parameters ``named`` (empty groups left out).
+
+    Additive: one group ``names[0]`` at ``lr``. ``scale_update="log"``: the positive scales
+    (`POSITIVE_PARAMS`) in a ``log_space`` group ``names[0]`` without weight decay
+    (`qatlib.trainers.log_scale`: ``lr`` is then a relative step), the rest (zero points, clip
+    factors) additive in ``names[1]`` at ``lr``. Either way the E8M0 scales among them (ids in
+    ``e8m0``) get a group ``<names[0]>_e8m0`` of their own at `log_scale.e8m0_lr` when that differs
+    from ``lr``. Shared by the end-to-end and the blockwise trainers."""
+    if scale_update not in SCALE_UPDATES:
+        raise ValueError(f"scale_update must be one of {SCALE_UPDATES}; got {scale_update!r}")
+    elr = e8m0_lr(lr, scale_update, e8m0_scale_lr)
+    split = elr != lr
+    groups = []
+
+    def add(name: str, ps: list, glr: float, **extra) -> None:
+        if ps:
+            groups.append(
+                {"params": ps, "lr": float(glr), "weight_decay": weight_decay, "name": name, **extra}
+            )
+
+    if scale_update == "log":
+        pos, rest = split_positive(named)
+        log_group = {LOG_SPACE: True, "weight_decay": 0.0}
+    else:
+        pos, rest, log_group = [p for _, p in named], [], {}
+    add(names[0], [p for p in pos if not (split and id(p) in e8m0)], lr, **log_group)
+    add(f"{names[0]}_e8m0", [p for p in pos if split and id(p) in e8m0], elr, **log_group)
+    add(names[1], rest, lr)
+    return groups
+
+
 def param_groups(
     trainable: TrainableParams,
     *,
@@ -178,31 +237,32 @@ def param_groups(
     weight_lr: float | None = None,
     weight_decay: float = 0.0,
     scale_update: str = "additive",
+    e8m0_scale_lr: float | None = None,
 ) -> list[dict]:
-    """AdamW groups (empty groups left out), each named for logs: ``scale`` at ``lr``, ``lwc`` at
-    ``lwc_lr``, ``norm`` at ``norm_lr``, ``weight`` at ``weight_lr`` (defaults: ``lr``).
+    """AdamW groups (empty groups left out), each named for logs: ``scale`` at ``lr`` (laid out by
+    `quantizer_groups`: log space, zero points, E8M0 scales at `log_scale.e8m0_lr`, explicit
+    ``e8m0_scale_lr`` first), ``lwc`` at ``lwc_lr``, ``norm`` at ``norm_lr``, ``weight`` at
+    ``weight_lr`` (defaults: ``lr``).
 
-    ``scale_update="log"``: the positive scales (`POSITIVE_PARAMS`) form a ``log_space`` group
-    without weight decay (`qatlib.trainers.log_scale`: ``lr`` is then a relative step); zero points
-    stay additive in a ``zero_point`` group at the same ``lr``. The optimizer must then go through
+    With ``scale_update="log"`` the optimizer must go through
     `qatlib.trainers.log_scale.install_log_space_steps`."""
-    if scale_update not in ("additive", "log"):
-        raise ValueError(f"scale_update must be 'additive' or 'log'; got {scale_update!r}")
+    if scale_update not in SCALE_UPDATES:
+        raise ValueError(f"scale_update must be one of {SCALE_UPDATES}; got {scale_update!r}")
     lrs = {"scale": lr, "lwc": lwc_lr, "norm": norm_lr, "weight": weight_lr}
     groups = []
-
-    def add(name: str, ps: list, glr: float, **extra) -> None:
-        if ps:
-            groups.append(
-                {"params": ps, "lr": float(glr), "weight_decay": weight_decay, "name": name, **extra}
-            )
-
     for g, ps in trainable.items():
         glr = lr if lrs[g] is None else lrs[g]
-        if g == "scale" and scale_update == "log":
-            pos, rest = split_positive(ps)
-            add("scale", pos, glr, **{LOG_SPACE: True, "weight_decay": 0.0})
-            add("zero_point", rest, glr)
-        else:
-            add(g, [p for _, p in ps], glr)
+        if g == "scale":
+            groups += quantizer_groups(
+                ps,
+                lr=glr,
+                scale_update=scale_update,
+                e8m0=trainable.e8m0,
+                e8m0_scale_lr=e8m0_scale_lr,
+                weight_decay=weight_decay,
+            )
+        elif ps:
+            groups.append(
+                {"params": [p for _, p in ps], "lr": float(glr), "weight_decay": weight_decay, "name": g}
+            )
     return groups

@@ -85,6 +85,7 @@ TRAINING_ONLY = [
     "compression.QAT.plugin_config.quant_config.lazy_init_samples",
     "compression.QAT.plugin_config.quant_config.lwc.lwc_lr",
     "compression.QAT.plugin_config.quant_config.scale_update",
+    "compression.QAT.plugin_config.quant_config.e8m0_scale_lr",
     "compression.QAT.plugin_config.quant_config.weight_lr",
 ]
 STAGE_EXCLUDE = {
