@@ -71,6 +71,7 @@ LOG_LR = 1e-2  # the log-space phase's relative step
 # flip: 2 steps: 3e-6 on scales, 2e-3 on logits), so MoE is compared after 1 step.
 MOE_STEPS = 1
 NVFP4 = preset("nvfp4")
+MXFP4 = preset("mxfp4")
 RTOL, ATOL = 1e-5, 2e-7
 # Llama (tied embeddings): after 1 step one of 48 scales differed by 2.5e-7 (2.5e-3 of its 1e-4
 # Adam step: the same nearly-cancelling-gradient effect), the others within ATOL; a wrong
@@ -254,6 +255,16 @@ def ckpts(tmp_path_factory):
     out["nvfp4_tied_ref"] = reference_run(
         out["dense"], out["nvfp4_ptq"], data, STEPS, NVFP4, "vllm", lr=LOG_LR, scale_update="log"
     )
+    # MXFP4 (W4A4: E8M0 group scales, dynamic inputs) in log space: its E8M0 scales step in their
+    # own group at log_scale.e8m0_lr (5 x LOG_LR) on both ranks as in one process (#14)
+    with one_thread():
+        pm = load_plain(out["dense"])
+        qptq.calibrate(pm, MXFP4, [calib])
+        qptq.save_ptq_checkpoint(pm, MXFP4, tmp / "mxfp4_ptq")
+    out["mxfp4_log_ref"] = reference_run(
+        out["dense"], tmp / "mxfp4_ptq", data, STEPS, MXFP4, lr=LOG_LR, scale_update="log"
+    )
+    out["mxfp4_ptq"] = tmp / "mxfp4_ptq"
     # log-space scale steps (quant_config.scale_update: log) at a relative lr of 1%
     out["dense_log_ref"] = reference_run(
         out["dense"], out["dense_ptq"], data, STEPS, lr=LOG_LR, scale_update="log"
@@ -343,6 +354,16 @@ def zero3_run(ckpts):
             },
             {
                 **phase,
+                "name": "mxfp4_log",
+                "model": str(ckpts["dense"]),
+                "ptq": str(ckpts["mxfp4_ptq"]),
+                "compare_ckpt": str(ckpts["dense"]),
+                "scheme": MXFP4.to_dict(),
+                "scale_update": "log",
+                "lr": LOG_LR,
+            },
+            {
+                **phase,
                 "name": "nvfp4",
                 "model": str(ckpts["dense"]),
                 "ptq": str(ckpts["nvfp4_ptq"]),
@@ -404,6 +425,18 @@ def test_partitioned_and_loaded_exactly(zero3_run, name):
 
 @pytest.mark.slow
 @pytest.mark.multirank
+def test_e8m0_scales_step_in_their_own_group_on_every_rank(zero3_run):
+    """The ZeRO-3 optimizer's groups (DeepSpeed flattens each group separately): the MXFP4 phase's
+    E8M0 weight scales alone, in log space at 5 x the relative lr; the int4 log phase has none."""
+    results, _, _ = zero3_run
+    for rank_checks in results["mxfp4_log"]["checks"]:
+        assert rank_checks["groups"] == [["scale_e8m0", pytest.approx(5 * LOG_LR), True]]
+    for rank_checks in results["dense_log"]["checks"]:
+        assert [g[0] for g in rank_checks["groups"]] == ["scale", "zero_point"]
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
 def test_scales_report(zero3_run, ckpts):
     _, run_dir, _ = zero3_run
     for name in ("dense", "moe", "llama"):
@@ -415,7 +448,9 @@ def test_scales_report(zero3_run, ckpts):
 
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", ["dense", "moe", "moe_noleaf", "llama", "nvfp4", "dense_log", "nvfp4_tied"])
+@pytest.mark.parametrize(
+    "name", ["dense", "moe", "moe_noleaf", "llama", "nvfp4", "dense_log", "nvfp4_tied", "mxfp4_log"]
+)
 def test_qat_steps_match_single_process(zero3_run, ckpts, name):
     results, _, _ = zero3_run
     r, ref = results[name], ckpts[f"{name.removesuffix('_noleaf')}_ref"]

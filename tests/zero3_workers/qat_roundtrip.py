@@ -125,6 +125,7 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
     groups = param_groups(
         select_trainable(model, every_scale), lr=lr, scale_update=ph.get("scale_update", "additive")
     )
+    checks["groups"] = [[g["name"], g["lr"], bool(g.get("log_space"))] for g in groups]
     opt = install_log_space_steps(torch.optim.AdamW(groups, lr=lr, eps=spec["eps"]))
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
     engine.train()
