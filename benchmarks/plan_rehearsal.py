@@ -143,7 +143,7 @@ def run(
             "--save-path",
             str(work / "ptq"),
             "--overwrite",
-            "--layerwise",  # streamed, as the plan models it (the workflow's rule does not pass it yet)
+            "--layerwise",  # streamed, as the plan models it and the workflow's rule runs it
         ],
         "zero3_qat": [
             sys.executable,

@@ -122,6 +122,24 @@ def test_int4_group_scales_and_weight_only_by_hand():
     assert "calibration activations carried (in + out)" not in terms(qp.plan(m, x, qp.Run())[0])
 
 
+def test_ptq_that_does_not_stream_holds_the_whole_model_by_hand():
+    """`qp.streamed` false (GPTQ, or a static input scale on the head): the rule runs the
+    whole-model PTQ, so the plan holds the model, not one layer; GPTQ keeps every sample's layer
+    inputs (and reads data even for a weight-only format), the whole-model calibration one
+    batch's logits."""
+    m = qp.ModelShape.from_config(TINY)
+    wo = dict(weight=qp.WeightFormat(4, "group", 4), act_quant=False, calib=False)
+    t = terms(qp.plan(m, tiny_inputs(gptq=True, ptq_streamed=False, **wo), qp.Run())[0])
+    assert t["the model, loaded whole (not streamed)"] == TOTAL * 2
+    assert not any(k.startswith("one decoder layer") for k in t)
+    assert t["calibration activations carried (in + out)"] == 2 * 4 * 16 * 8 * 2
+    assert "GPTQ Hessians (one layer)" in t and "logits of one batch" not in t
+    t = terms(qp.plan(m, tiny_inputs(ptq_streamed=False), qp.Run(gpus=1))[0])
+    assert t["the model, loaded whole (not streamed)"] == TOTAL * 2
+    assert t["logits of one batch"] == 16 * 100 * 2 and "calibration activations carried (in + out)" not in t
+    assert "read staging (one layer from the shards)" not in t  # nothing is read layer by layer
+
+
 def test_parameter_counts_match_transformers():
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -9,13 +9,17 @@ lives in host RAM, so it is added there. Why arithmetic: a 30B MoE run that does
 after an hour of loading (or is killed by the OOM killer on a shared node); the plan says so in a
 second, and names the term that is too large.
 
-What each stage's terms model (the code as it is after #16's streaming and QAT-memory work):
+What each stage's terms model (the code as it is after #16's streaming and QAT-memory work);
+``streamed(raw, stage)`` decides which stages run streamed, and the workflow's rules pass
+``--layerwise`` exactly there (``workflow/lib/experiment.py``), so the plan sizes what runs:
 
 ``ptq_calibrate``  ``qatlib/ptq.py`` + ``quant/calibration.py``, streamed layer by layer
                    (``scripts/ptq.py --layerwise``): the input embeddings while the first
                    layer's inputs are captured, then ONE decoder layer at a time (never both),
                    its experts read per expert from the shards into the linearised skeleton
-                   (no fused tensor), calibration activations carried from layer to layer.
+                   (no fused tensor), calibration activations carried from layer to layer. Not
+                   streamed where ``streamed`` says so (GPTQ; a static input scale on the head):
+                   the model loaded whole, plus GPTQ's carried activations or one batch's logits.
 ``zero3_qat``      ``zero3_load.py`` / ``trainers/end2end.py`` under DeepSpeed ZeRO-3: each rank
                    holds model/world, the persistent (replicated) small parameters, one gathered
                    unit (a decoder layer: ``Qwen3MoeSparseMoeBlock`` is a ZeRO-3 leaf), the
@@ -31,7 +35,7 @@ What each stage's terms model (the code as it is after #16's streaming and QAT-m
                    then the original model, a second partitioned copy (``base_model_teacher``).
                    Rank 0's host also holds ``zero3_io.save_consolidated``'s buffer (one shard +
                    one gathered unit + every scale).
-``convert_export`` ``export_stream.py`` (``scripts/export.py --layerwise``, host only): the
+``convert_export`` ``export_stream.py`` (``scripts/export.py --layerwise``, always; host only): the
                    output shard as it fills (codes + unquantized tensors, at most 5 GiB), one
                    onloaded decoder layer, one linear's compression temporaries, every scale.
 ``evaluate``       ``scripts/evaluate.py``: the whole model on the device when it fits, else
@@ -61,6 +65,7 @@ from .model import (
     WeightFormat,
     from_experiment,
     section,
+    streamed,
 )
 from .stages import (
     CHUNK_ELEMENTS,
@@ -91,6 +96,7 @@ __all__ = [
     "from_experiment",
     "plan",
     "section",
+    "streamed",
 ]
 
 REPO = Path(__file__).resolve().parents[2]

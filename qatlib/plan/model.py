@@ -4,6 +4,7 @@ the terms / stage results it returns (dataclasses, no torch)."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -155,6 +156,7 @@ class PlanInputs:
     calib_samples: int = 256
     calib_batch: int = 1
     gptq: bool = False
+    ptq_streamed: bool = True  # `streamed(raw, "ptq_calibrate")`: the rule passes --layerwise
     eval_seq: int = 2048
     eval_batch: int = 1
     weight: WeightFormat = field(default_factory=lambda: WeightFormat(8))
@@ -258,6 +260,67 @@ def _weight_format(quant: dict[str, Any]) -> WeightFormat:
     return WeightFormat(bits, gran, int(gs or 128) if gran == "group" else 0)
 
 
+STREAMED_STAGES = ("ptq_calibrate", "convert_export")
+HEAD = "lm_head"  # the output head's module name (Llama / Qwen families)
+
+
+def _matches_any(name: str, patterns: list[str]) -> bool:
+    """`qatlib.quant.linear.matches_any` (a torch-free mirror: dotted suffix, or ``re:`` full match)."""
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.fullmatch(p[3:], name):
+                return True
+            continue
+        p = p.removesuffix(".weight").removesuffix(".bias")
+        if name == p or name.endswith("." + p):
+            return True
+    return False
+
+
+def _static_input(raw: dict[str, Any]) -> bool:
+    """A static input (activation) scale on every quantized linear, as `qatlib.config.scheme`
+    resolves ``compression.quantization`` (tests/test_plan.py checks it for every experiment)."""
+    qc = section(raw, "compression.QAT.plugin_config.quant_config") or {}
+    name = str(section(raw, "compression.quantization.name") or "")
+    use_act = bool(qc.get("use_activation_quant", True)) and "weight_only" not in name
+    return use_act and "dynamic" not in name
+
+
+def _gptq(raw: dict[str, Any]) -> bool:
+    """PTQ by GPTQ (upstream's ``int4_gptq``; `qatlib.config.ExperimentConfig.ptq_algorithm`)."""
+    return "gptq" in str(section(raw, "compression.quantization.name") or "").lower()
+
+
+def streamed(raw: dict[str, Any], stage: str) -> bool:
+    """Whether ``stage`` runs streamed, one decoder layer at a time (its script's ``--layerwise``),
+    for the experiment ``raw`` (raw, validated config). The one owner of that choice: the workflow's
+    rules pass ``--layerwise`` exactly when this is true (`workflow.lib.experiment`), and the plan
+    (`from_experiment`, `qatlib.plan.stages`) models the stage that runs.
+
+    ``convert_export``: always. ``scripts/export.py --layerwise`` (`qatlib.export_stream`) writes
+    the same tensors as the in-memory export for every ``save_format`` (real, fake,
+    real_and_kvcache, save_kvcache_only), dense and MoE, tied embeddings included (the same bytes
+    for a model within one 5 GiB shard; tests/test_export.py, tests/test_workflow.py).
+
+    ``ptq_calibrate``: streamed (``scripts/ptq.py --layerwise``, `qatlib.ptq.calibrate_from_checkpoint`:
+    the same scales bit for bit, tests/test_ptq.py), except
+      - GPTQ: it changes the weights, so it runs on the loaded model (scripts/ptq.py refuses
+        ``--layerwise``);
+      - a static input scale on the output head (a static-activation format with ``lm_head`` not
+        in ``ignore_layers``): the streamed calibration runs the decoder layers only and refuses
+        it (`qatlib.ptq.calibrate_layerwise`); the whole-model forward calibrates it.
+    Other stages: never (``evaluate --layerwise`` is the evaluation's own choice).
+    """
+    if stage == "convert_export":
+        return True
+    if stage != "ptq_calibrate":
+        return False
+    if _gptq(raw):
+        return False
+    ignore = list(section(raw, "compression.quantization.ignore_layers") or []) or [HEAD]
+    return not (_static_input(raw) and not _matches_any(HEAD, ignore))
+
+
 def from_experiment(
     raw: dict[str, Any], ds: dict[str, Any] | None, model_dtype: str | None = None
 ) -> PlanInputs:
@@ -274,7 +337,6 @@ def from_experiment(
         dtype = str(model_dtype or "bf16").lower()
     loss, kd_w = str(g("compression.QAT.loss_type", "origin")), float(g("compression.QAT.kd_loss_weight", 0))
     use_act = bool(qc.get("use_activation_quant", True)) and "weight_only" not in str(quant.get("name", ""))
-    name = str(quant.get("name") or "")
     zo = section(ds, "zero_optimization") or {}
     threshold = zo.get("stage3_param_persistence_threshold")
     return PlanInputs(
@@ -287,10 +349,11 @@ def from_experiment(
         train_samples=int(g("dataset.num_samples", 256)),
         epochs=float(hf.get("num_train_epochs", 3.0)),
         max_steps=int(hf.get("max_steps", -1)),
-        calib=use_act and "dynamic" not in name,
+        calib=_static_input(raw),
         calib_samples=int(g("dataset.num_samples", 256)),
         calib_batch=int(g("dataset.batch_size", 1)),
-        gptq="gptq" in name.lower(),
+        gptq=_gptq(raw),
+        ptq_streamed=streamed(raw, "ptq_calibrate"),
         eval_seq=int(g("evaluation.max_seq_length", 2048)),
         eval_batch=int(g("evaluation.batch_size", 1)),
         weight=_weight_format(quant),

@@ -119,20 +119,30 @@ def _ptq(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
     # captures the first layer's inputs and offloads them before any layer is onloaded; the head
     # (ignored) is never onloaded; and the experts are read per expert from the shards (the hub's
     # and save_pretrained's key layout) into the linearised skeleton, so no fused tensor exists.
+    # Not streamed (`qatlib.plan.model.streamed`: GPTQ, or a static input scale on the head): the
+    # model is loaded whole (placed by device_map) and calibrated in place.
     emb = m.vocab * m.hidden
-    work = [
-        Term(
+    if x.ptq_streamed:
+        first = Term(
             "one decoder layer or the input embeddings, the larger (never resident together)",
             max(m.largest_layer, emb) * d,
             f"layer {m.largest_layer:,} / embed_tokens {emb:,} params",
-        ),
-    ]
-    if x.calib:
-        carried = 2 * x.calib_samples * x.seq_len * m.hidden * d
-        work.append(
-            Term("calibration activations carried (in + out)", carried, f"{x.calib_samples} x {x.seq_len}")
         )
+    else:
+        why = "GPTQ changes the weights" if x.gptq else "a static input scale on the head"
+        first = Term("the model, loaded whole (not streamed)", m.total_params * d, why)
+    work = [first]
+    if x.calib or x.gptq:
         tok = x.calib_batch * x.seq_len
+        if x.ptq_streamed or x.gptq:  # layer by layer: every sample's layer input is kept
+            carried = 2 * x.calib_samples * x.seq_len * m.hidden * d
+            work.append(
+                Term(
+                    "calibration activations carried (in + out)", carried, f"{x.calib_samples} x {x.seq_len}"
+                )
+            )
+        else:  # the whole model's forward, one batch at a time: its logits too
+            work.append(Term("logits of one batch", tok * m.vocab * d, f"{x.calib_batch} x {x.seq_len}"))
         work.append(
             Term("layer forward working set (one batch)", tok * act_per_token(m, d, x.act_quant, True))
         )
@@ -141,8 +151,8 @@ def _ptq(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
     work.append(Term("fake-quant temporaries (one linear)", m.largest_linear * (d + 4)))
     work.append(Term("scales being written (fp32)", _n_scales(m, x.weight, x.act_quant) * 4))
     # GPU: a layer is read into host memory, then copied to the device; CPU: it is read in place
-    host = [Term("read staging (one layer from the shards)", layer)] if run.gpus else []
-    tokens = x.calib_samples * x.seq_len if x.calib else 0
+    host = [Term("read staging (one layer from the shards)", layer)] if run.gpus and x.ptq_streamed else []
+    tokens = x.calib_samples * x.seq_len if x.calib or x.gptq else 0
     mins = _minutes(2 * m.active_params * tokens, run, 1, m.total_params * d)
     return _place("ptq_calibrate", work, host, [], 1, run, True, mins, [])
 

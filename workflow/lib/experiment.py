@@ -11,7 +11,10 @@
   configured results folder), a local file, or a hub id;
 - the `--set` arguments a stage's script gets: its overrides and the paths resolved here;
 - each job's resources (`Experiments.resources`: mem_mb, runtime) from the memory plan
-  (`qatlib.plan`, arithmetic on the model's config.json: no torch, no weights).
+  (`qatlib.plan`, arithmetic on the model's config.json: no torch, no weights);
+- whether a stage runs streamed, one decoder layer at a time (`Experiments.layerwise`: the
+  ``--layerwise`` of ptq_calibrate and convert_export, where `qatlib.plan.streamed` says so, the
+  stage the plan models).
 """
 
 from __future__ import annotations
@@ -383,6 +386,18 @@ class Experiments:
             if new != old and (new or old):  # an absent list stays absent
                 sets[key] = new
         return " ".join(shlex.quote(f"--set={k}={json.dumps(v)}") for k, v in sorted(sets.items()))
+
+    def streamed(self, exp: str, stage: str) -> bool:
+        """Whether `stage` of `exp` runs streamed, one decoder layer at a time:
+        `qatlib.plan.streamed` (its docstring says where and why not), the one owner the plan's
+        terms follow too."""
+        from qatlib.plan import streamed
+
+        return streamed(self.get(exp), stage)
+
+    def layerwise(self, exp: str, stage: str) -> str:
+        """The ``--layerwise`` argument of `stage`'s script when it runs streamed, else ""."""
+        return "--layerwise" if self.streamed(exp, stage) else ""
 
     # ------------------------------------------------------------------ resources (the memory plan)
     @cache  # noqa: B019 (one instance per workflow run)

@@ -1,0 +1,203 @@
+"""The workflow's streamed stages: `qatlib.plan.streamed` decides where ``ptq_calibrate`` /
+``convert_export`` run one decoder layer at a time, the DAG passes ``--layerwise`` exactly there,
+the torch-free decision agrees with what the scripts refuse (`qatlib.config`), and the streamed
+scripts write what the whole-model ones write, tensor by tensor, for the experiments' own formats
+and architectures (SmolLM2's tied Llama, the tiny Qwen3-MoE)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_model, local_texts, tiny_llama_config, tiny_qwen3_moe_config
+
+from qatlib import plan as qp
+from qatlib.yamlio import apply_overrides, load_yaml, yaml_value
+
+REPO = Path(__file__).resolve().parents[1]
+EXPS = REPO / "config/experiments"
+ENV_KEYS = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+STAGES = {"ptq_calibrate": "scripts/ptq.py", "convert_export": "scripts/export.py"}
+
+# (experiment, --set overrides) -> whether PTQ streams (convert_export always does)
+VARIANTS = [
+    ("smollm2-135m", [], True),
+    ("tiny-qwen3-moe", [], True),
+    ("tiny-qwen3-moe", ["compression.quantization.name=int4_gptq"], False),  # GPTQ changes the weights
+    # a static input scale on the head: the streamed calibration never runs it
+    ("qwen3-4b", ['compression.quantization.ignore_layers=["embed_tokens"]'], False),
+    ("qwen3-4b", [], True),  # fp8_static with lm_head ignored
+    ("qwen3-4b", ["compression.quantization.ignore_layers=[]"], True),  # empty: lm_head by default
+    ("qwen3-4b", ['compression.quantization.ignore_layers=["re:lm_h.*"]'], True),
+    # the head quantized, but weight-only / dynamic: nothing static to calibrate on it
+    ("tiny-qwen3-moe", ['compression.quantization.ignore_layers=["gate"]'], True),
+]
+
+
+def _raw(exp: str, sets: list[str]) -> dict:
+    raw = load_yaml(EXPS / f"{exp}.yaml")
+    apply_overrides(raw, [(k, yaml_value(v)) for k, v in (s.split("=", 1) for s in sets)], "test")
+    return raw
+
+
+@pytest.mark.parametrize("exp,sets,ptq", VARIANTS, ids=lambda v: v if isinstance(v, str) else None)
+def test_streamed_is_what_the_scripts_can_stream(exp, sets, ptq):
+    """The torch-free rule against `qatlib.config` (the owner of the config's meaning) and the
+    refusals of scripts/ptq.py (GPTQ) and `qatlib.ptq.calibrate_layerwise` (a static input
+    quantizer outside the decoder layers, i.e. on an unignored lm_head)."""
+    from qatlib.config import load_config
+    from qatlib.quant.linear import matches_any
+
+    raw = _raw(exp, sets)
+    assert qp.streamed(raw, "ptq_calibrate") is ptq
+    assert qp.streamed(raw, "convert_export") is True
+    assert qp.streamed(raw, "evaluate") is False
+    cfg = load_config(EXPS / f"{exp}.yaml", [*sets, "compression.QAT.from_ptq_ckpt=/tmp/ptq"])
+    s = cfg.quant_scheme()
+    static_head = (
+        s.input is not None and not s.input.dynamic and not matches_any("lm_head", cfg.ignore_layers)
+    )
+    assert ptq is (cfg.ptq_algorithm != "gptq" and not static_head)
+    # the plan models the stage the rule runs
+    x = qp.from_experiment(raw, None)
+    assert x.ptq_streamed is ptq
+    m = qp.ModelShape.from_config(tiny_qwen3_moe_config().to_dict())
+    names = {t.name for t in qp.plan(m, x, qp.Run())[0].device + qp.plan(m, x, qp.Run())[0].host}
+    assert ("the model, loaded whole (not streamed)" in names) is not ptq
+    assert any(n.startswith("one decoder layer") for n in names) is ptq
+
+
+# ----------------------------------------------------------------------------- the DAG
+def _shells(args: list[str], workdir: Path) -> dict[str, str]:
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir)]
+    res = subprocess.run(
+        [*cmd, "-n", "-p", *args], cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**__import__("os").environ, **ENV_KEYS},
+    )  # fmt: skip
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    out = {}
+    for line in res.stdout.splitlines():
+        for stage, script in STAGES.items():
+            if line.startswith("Shell command: python ") and f"{script} -c" in line:
+                exp = re.search(r"-c \S*/(\S+)\.yaml", line).group(1)
+                out[f"{exp}/{stage}"] = line
+    return out
+
+
+@pytest.mark.skipif(shutil.which("snakemake") is None, reason="snakemake not installed")
+def test_the_dag_passes_layerwise_exactly_where_streamed_says(tmp_path):
+    from workflow.lib import experiment as xp
+
+    exps = ("smollm2-135m", "tiny-qwen3-moe")
+    shells = _shells([f"results/{e}/export" for e in exps], tmp_path / "wd")
+    e = xp.Experiments(
+        REPO, "results", "config/experiments", "x", None, REPO / "workflow/schemas/experiment.schema.json"
+    )
+    assert set(shells) == {f"{x}/{s}" for x in exps for s in STAGES}
+    for key, shell in shells.items():
+        exp, stage = key.split("/")
+        assert e.streamed(exp, stage) is True  # both stream every stage
+        assert " --layerwise " in shell, shell
+    # where the PTQ cannot stream (GPTQ), its job runs the whole model; the export still streams
+    d = tmp_path / "experiments"
+    shutil.copytree(REPO / ".test/config/experiments", d)
+    p = d / "tiny-test.yaml"
+    p.write_text(p.read_text().replace("name: int3_weight_only", "name: int4_gptq"))
+    cfg = ["--configfile", str(REPO / ".test/config/config.yaml"), "--config", f"experiments_dir={d}"]
+    shells = _shells(["results/tiny-test/export", *cfg], tmp_path / "wd2")
+    e = xp.Experiments(REPO, "results", str(d), "x", None, REPO / "workflow/schemas/experiment.schema.json")
+    assert e.streamed("tiny-test", "ptq_calibrate") is False
+    assert "--layerwise" not in shells["tiny-test/ptq_calibrate"]
+    assert " --layerwise " in shells["tiny-test/convert_export"]
+
+
+# ----------------------------------------------------------------------------- the scripts
+@pytest.fixture(scope="module")
+def scripts():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        yield importlib.import_module("ptq"), importlib.import_module("export")
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")) + sorted(path.glob("qatlib/*.safetensors")):
+        out.update({f"{f.relative_to(path)}:{k}": v for k, v in load_file(f).items()})
+    return out
+
+
+def _same_output(a: Path, b: Path) -> int:
+    """Every file of ``a`` is in ``b``; safetensors: the same tensors bit for bit; JSON: equal.
+    Returns the number of tensors compared."""
+    fa = sorted(str(p.relative_to(a)) for p in a.rglob("*") if p.is_file())
+    fb = sorted(str(p.relative_to(b)) for p in b.rglob("*") if p.is_file())
+    assert fa == fb
+    ta, tb = _tensors(a), _tensors(b)
+    assert ta.keys() == tb.keys() and ta
+    bad = [k for k in ta if ta[k].dtype != tb[k].dtype or not torch.equal(ta[k], tb[k])]
+    assert bad == [], bad[:5]
+    for f in fa:
+        if f.endswith(".json"):
+            assert json.loads((a / f).read_text()) == json.loads((b / f).read_text()), f
+    return len(ta)
+
+
+@pytest.mark.parametrize(
+    "exp,config,sets",
+    [
+        ("smollm2-135m", tiny_llama_config, []),  # int4 g64, tied embeddings (Llama)
+        ("tiny-qwen3-moe", tiny_qwen3_moe_config, []),  # int3 g32, MoE
+        # static activation scales (calibration batches carried layer to layer), k/v untouched
+        ("tiny-qwen3-moe", tiny_qwen3_moe_config, ["compression.quantization.name=fp8_static",
+                                                   "compression.quantization.quant_method.weight=per-tensor",
+                                                   "compression.QAT.plugin_config.quant_config.use_activation_quant=true"]),
+    ],
+    ids=["smollm2-int4-tied", "moe-int3", "moe-fp8_static"],
+)  # fmt: skip
+def test_streamed_scripts_write_the_whole_model_outputs(
+    scripts, tmp_path, tiny_tokenizer, single_thread, exp, config, sets
+):
+    """scripts/ptq.py and scripts/export.py with --layerwise (what the DAG runs) against the same
+    scripts on the loaded model: the same PTQ checkpoint and the same export, tensor by tensor."""
+    ptq, export = scripts
+    assert qp.streamed(_raw(exp, sets), "ptq_calibrate") and qp.streamed(_raw(exp, sets), "convert_export")
+    base = tmp_path / "base"
+    build_model(config()).save_pretrained(base)
+    tiny_tokenizer.save_pretrained(base)
+    (tmp_path / "train.txt").write_text("\n\n".join(local_texts(20)))
+    sets = [*sets, f"dataset.data_path={tmp_path / 'train.txt'}", "dataset.num_samples=3",
+            "dataset.max_seq_length=32", f"compression.QAT.from_ptq_ckpt={tmp_path / 'ptq'}"]  # fmt: skip
+    common = ["-c", str(EXPS / f"{exp}.yaml"), "--no-progress", *(f"--set={s}" for s in sets)]
+    for mode, flag in (("whole", []), ("layerwise", ["--layerwise"])):
+        argv = [*common, "--model-path", str(base), "--save-path", str(tmp_path / f"ptq-{mode}"), *flag]
+        assert ptq.main(argv) == 0
+    n = _same_output(tmp_path / "ptq-whole", tmp_path / "ptq-layerwise")
+    static = any("input_scale" in k for k in _tensors(tmp_path / "ptq-whole"))
+    assert static is ("fp8_static" in str(sets)) and n > 0  # the calibration batches ran where they must
+    # a QAT checkpoint: the weights beside (perturbed, as if trained) scales
+    qat = tmp_path / "qat"
+    shutil.copytree(base, qat)
+    from safetensors.torch import load_file, save_file
+
+    scales = load_file(tmp_path / "ptq-whole/scales.safetensors")
+    g = torch.Generator().manual_seed(0)
+    scales = {k: v * (1 + 0.05 * torch.rand(v.shape, generator=g)) if v.is_floating_point() else v
+              for k, v in scales.items()}  # fmt: skip
+    save_file(scales, str(qat / "scales.safetensors"), metadata={"format": "pt"})
+    shutil.copy(tmp_path / "ptq-whole/quant_scheme.json", qat)
+    for mode, flag in (("whole", []), ("layerwise", ["--layerwise"])):
+        argv = [*common, "--model-path", str(qat), "--save-path", str(tmp_path / f"export-{mode}"), *flag]
+        assert export.main(argv) == 0
+    n = _same_output(tmp_path / "export-whole", tmp_path / "export-layerwise")
+    assert n > 0
