@@ -4,10 +4,10 @@ the terms / stage results it returns (dataclasses, no torch)."""
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from qatlib.patterns import matches_any
 from qatlib.yamlio import ConfigError
 
 DTYPE_BYTES = {
@@ -264,19 +264,6 @@ STREAMED_STAGES = ("ptq_calibrate", "convert_export")
 HEAD = "lm_head"  # the output head's module name (Llama / Qwen families)
 
 
-def _matches_any(name: str, patterns: list[str]) -> bool:
-    """`qatlib.quant.linear.matches_any` (a torch-free mirror: dotted suffix, or ``re:`` full match)."""
-    for p in patterns:
-        if p.startswith("re:"):
-            if re.fullmatch(p[3:], name):
-                return True
-            continue
-        p = p.removesuffix(".weight").removesuffix(".bias")
-        if name == p or name.endswith("." + p):
-            return True
-    return False
-
-
 def _static_input(raw: dict[str, Any]) -> bool:
     """A static input (activation) scale on every quantized linear, as `qatlib.config.scheme`
     resolves ``compression.quantization`` (tests/test_plan.py checks it for every experiment)."""
@@ -318,7 +305,7 @@ def streamed(raw: dict[str, Any], stage: str) -> bool:
     if _gptq(raw):
         return False
     ignore = list(section(raw, "compression.quantization.ignore_layers") or []) or [HEAD]
-    return not (_static_input(raw) and not _matches_any(HEAD, ignore))
+    return not (_static_input(raw) and not matches_any(HEAD, ignore))
 
 
 def from_experiment(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ import torch.nn.functional as TF
 from torch import nn
 
 from ..moe import linearize_moe_experts
+from ..patterns import matches_any
 from . import functional as F
 from .fq_linear import fake_quant_linear
 from .quantizer import Quantizer
@@ -233,25 +233,6 @@ def _linear(
 
 
 # --------------------------------------------------------------------------- selection
-def matches_any(name: str, patterns: Sequence[str]) -> bool:
-    """Does the module ``name`` match one of the user's ``ignore_layers`` patterns?
-
-    A pattern matches whole dotted components at the end of the name (``lm_head``, ``mlp.gate``,
-    upstream's ``gate.weight`` with its ``.weight`` dropped) or, with a ``re:`` prefix, as a full
-    regular expression (compressed-tensors' convention). ``gate`` never matches ``gate_proj``, the
-    substring bug that made the upstream toolkit skip every expert gate projection.
-    """
-    for p in patterns:
-        if p.startswith("re:"):
-            if re.fullmatch(p[3:], name):
-                return True
-            continue
-        p = p.removesuffix(".weight").removesuffix(".bias")
-        if name == p or name.endswith("." + p):
-            return True
-    return False
-
-
 def unmatched_ignores(model: nn.Module, patterns: Sequence[str]) -> list[str]:
     """The ``ignore_layers`` patterns that match no module of ``model`` (by `matches_any`).
 

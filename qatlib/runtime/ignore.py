@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ..quant.linear import QuantLinear, matches_any, quant_linears
+from ..patterns import matches_any
+from ..quant.linear import QuantLinear, quant_linears
 from .fusion import split_groups
 
 

@@ -23,6 +23,13 @@ detects there), other bytes with ``default`` or with another ``MKL_CBWR`` branch
 x86 machine to the AVX2 kernels (present on every x86 CPU since 2013) makes the choice the same
 on all of them; the threads per job are already fixed by config ``threads`` / ``threads_per_rank``
 (Snakemake exports them as ``OMP_NUM_THREADS``).
+
+oneDNN's ISA (``ONEDNN_MAX_CPU_ISA``) is NOT pinned: torch runs no fp32 op of these models through
+oneDNN (forward + backward of a tiny Qwen3 and Qwen3-MoE and an lm_head-shaped GEMM give the same
+bytes with it at AVX2, at AVX512_CORE_AMX and unset, 1 and 2 threads), while bf16 / fp16 GEMMs
+go through oneDNN, whose AVX2 path has no bf16 kernel: a bf16 ``32 x 15,193 @ 15,193 x 2,048``
+took 12.4 s pinned vs 0.05 s unpinned on an AMX Xeon (250 x). That pin stalled the bf16
+real-width rehearsal's ZeRO-3 step (issue #16: the lm_head backward, minutes per GEMM).
 """
 
 from __future__ import annotations
@@ -39,13 +46,14 @@ RDZV_PORT = 29500
 FIRST_NODE = '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
 
 
-# The kernel choice of every stage on x86 (a value the user exported already wins).
-CPU_ARITHMETIC_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+# The kernel choice of every stage on x86 (a value the user exported already wins); not oneDNN's
+# (module docstring: it is on no fp32 path, and its AVX2 pin makes bf16 GEMMs 250 x slower).
+CPU_ARITHMETIC_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
 
 
 def pin_cpu_arithmetic(environ: dict | None = None, machine: str | None = None) -> dict[str, str]:
     """Set `CPU_ARITHMETIC_ENV` in ``environ`` (default ``os.environ``) where unset, on x86-64 only
-    (ATen, MKL and oneDNN pick other kernels on ARM; nothing to pin there). Returns what it set."""
+    (ATen and MKL pick other kernels on ARM; nothing to pin there). Returns what it set."""
     environ = os.environ if environ is None else environ
     if (machine or platform.machine()).lower() not in ("x86_64", "amd64"):
         return {}
