@@ -178,9 +178,9 @@ class Onloader:
             # each onload allocates a layer's tensors and each offload frees them: without a fixed
             # mmap threshold glibc raises its dynamic one to their size and keeps the freed layers
             # in the heap, so the RSS grows layer by layer (the ZeRO-3 loader's remedy, zero3_io)
-            from .zero3_io import _mmap_large_allocations
+            from .heap import mmap_large_allocations
 
-            _mmap_large_allocations()
+            mmap_large_allocations()
             files = weight_files(self.source)
             if not files:
                 raise CheckpointError(f"{self.source}: no {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}")

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import peers
+from . import heap, peers
 from .checkpoint.keys import key_of, scale_keys
 from .checkpoint.layout import (
     RUN_METADATA_FILE,
@@ -327,7 +327,7 @@ def init_zero3(
     with contextlib.suppress(Exception):
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if return_freed_memory:
-        _mmap_large_allocations()
+        heap.mmap_large_allocations()
     # Bind this rank's GPU before the first collective (qatlib.device): NCCL's object collectives run
     # on the current device, which is cuda:0 on every rank until set.
     backend = backend or bind_device().backend
@@ -339,35 +339,6 @@ def init_zero3(
     hf_config = HfDeepSpeedConfig(cfg)
     heartbeat = peers.Heartbeat(get_rank(), get_world_size()).start() if get_world_size() > 1 else None
     return Zero3Context(cfg, dtype, hf_config, timeout, heartbeat)
-
-
-def _mmap_large_allocations(threshold: int = 1 << 20) -> bool:
-    """glibc ``mallopt(M_MMAP_THRESHOLD, threshold)``; False where there is no glibc."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD = -3
-    except (OSError, AttributeError):
-        return False
-
-
-def reuse_training_allocations(threshold: int = 32 << 20, trim: int = 256 << 20) -> bool:
-    """glibc, for training (after the build): allocations up to ``threshold`` (glibc's maximum)
-    from the heap again, keeping up to ``trim`` freed bytes. `init_zero3`'s 1 MiB threshold made
-    each step's 1-4 MiB temporaries (gathered weights, fake-quant copies) fresh zero-filled
-    mappings. Default experiment, per rank per step (shared machine): user 10.0 -> 8.7 CPU-s,
-    system 5.2 -> 1.4 CPU-s; peak RSS 2.3 -> 2.9 GiB per rank."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        # M_TRIM_THRESHOLD = -1, M_MMAP_THRESHOLD = -3
-        return bool(libc.mallopt(-1, trim)) and bool(libc.mallopt(-3, threshold))
-    except (OSError, AttributeError):
-        return False
 
 
 # =========================================================================== gather / save

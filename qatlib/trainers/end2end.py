@@ -459,8 +459,8 @@ def train_end2end(
     )
     if qat.do_train:
         if zero3:
-            from ..zero3_io import reuse_training_allocations
+            from .. import heap
 
-            reuse_training_allocations()  # the step's temporaries from the heap, not fresh mappings
+            log.info("heap during training: %s", heap.configure_training(model, args.device.type))
         trainer.train(resume_from_checkpoint=resume_from)
     return trainer
