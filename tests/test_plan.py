@@ -292,10 +292,15 @@ def test_width_model_writes_the_hub_layout_in_shards(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the rehearsal (CI size)
-# The export, reloaded by transformers (compressed-tensors decompression), against the QAT model
-# it came from (qatlib's fake-quant, same scales), on the same tokens: bf16 rounding of a
-# 2048-wide dot product (~2^-8 relative) is all that may differ.
-REHEARSAL_LOGIT_RTOL = 1e-2
+# The export as vLLM computes it (`qatlib.runtime.emulate`) against the QAT model it came from, on
+# the same 32 tokens, in bf16 with static fp8 activations on random weights: the emulator's GEMMs
+# sum in fp32 where QAT's bf16 GEMMs round, which flips fp8 activation roundings (3 mantissa bits)
+# downstream. Measured 2026-12-02: relative error (Frobenius) 0.044, top-1 agreement 0.94; a
+# 10% error in every weight scale gives 0.105 and 0.78. (The transformers reload, which fuses the
+# experts, measured 0.074 against the QAT model without the experts' input quantization: too
+# close to that control to be a check at this size; the tiny fp32 tests bound both to 1e-5.)
+REHEARSAL_REL_ERR = 0.06
+REHEARSAL_TOP1 = 0.9
 # The CI machine's budget for one process tree of this test (24 GB shared with the suite's other
 # processes): above the measured 2-rank QAT peak, below what would push the machine into OOM.
 REHEARSAL_LIMIT = 12 * 2**30
@@ -308,19 +313,31 @@ def _rehearsal_logits(model, ids):
         return model(input_ids=ids).logits.float()
 
 
+def _rehearsal_skip() -> str | None:
+    """Why the rehearsal does not run here, or None. ``QATLIB_REHEARSAL=1`` / ``0`` forces it."""
+    forced = __import__("os").environ.get("QATLIB_REHEARSAL")
+    if forced is not None:
+        return None if forced == "1" else "QATLIB_REHEARSAL=0"
+    import torch
+
+    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+        return None
+    return (
+        "the CPU has no bf16 GEMM kernels (AVX-512-BF16 / AMX): oneDNN's AVX2 path runs the bf16 "
+        "step ~250x slower (it did not finish in 25 min on an AVX2 EPYC); QATLIB_REHEARSAL=1 forces it"
+    )
+
+
+# Measured 2026-12-02 on a 2-core AMX Xeon: 178 s (PTQ 14 s, 2-rank QAT 107 s at 4.72 / 4.07 GiB
+# per rank, export 36 s, then the reload).
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not __import__("os").environ.get("QATLIB_REHEARSAL"),
-    reason="opt-in (QATLIB_REHEARSAL=1): never completed on the shared 2-core machine. Measured "
-    "2026-12-01 at load ~15: the 2-rank ZeRO-3 step at 1 layer did not finish in 25 min (stuck in "
-    "DeepSpeed's bf16 LinearFunctionForZeroStage3 backward, ~20x slower than fp32 on this CPU); "
-    "the tree peaked at 8.0 GiB before the timeout. Enable in CI once the step fits ~4 min (#12 / #16).",
-)
+@pytest.mark.skipif(_rehearsal_skip() is not None, reason=str(_rehearsal_skip()))
 def test_rehearsal_one_layer_ptq_zero3_qat_export_reload(tmp_path):
     """qwen3-30b-a3b-width at 1 layer (1.25 B params; the real hidden / heads / 128 experts /
     moe_intermediate / vocab): PTQ -> ZeRO-3 QAT on 2 CPU ranks -> export -> reload; every rank
-    holds half of every parameter; the export's logits match the QAT model's within
-    REHEARSAL_LOGIT_RTOL. Smallest size: 1 layer, 1 step per rank, 2 x 32-token samples (PTQ's
+    holds half of every parameter; the export as vLLM computes it (`qatlib.runtime.emulate`)
+    matches the QAT model within REHEARSAL_REL_ERR / REHEARSAL_TOP1, and transformers reloads it.
+    Smallest size: 1 layer, 1 step per rank, 2 x 32-token samples (PTQ's
     calibration too). Each stage's process tree is stopped past REHEARSAL_LIMIT (the 2-rank QAT
     tree is the largest: see benchmarks/README.md for the measured peak and wall time)."""
     import torch
@@ -330,6 +347,7 @@ def test_rehearsal_one_layer_ptq_zero3_qat_export_reload(tmp_path):
     from qatlib.config import load_config
     from qatlib.models import load_prepared
     from qatlib.offline.width_model import write_random_model
+    from qatlib.runtime.emulate import emulate_export
 
     text = corpus(tmp_path / "corpus")
     model = tmp_path / "model"
@@ -365,15 +383,21 @@ def test_rehearsal_one_layer_ptq_zero3_qat_export_reload(tmp_path):
     meta = json.loads((tmp_path / "qat/run_metadata.json").read_text())
     assert (meta["world_size"], meta["zero_stage"], len(meta["ranks"])) == (2, 3, 2)
     for rank in meta["ranks"]:  # real partitioning: each rank holds half of every parameter
-        assert 0.49 <= rank["share_min"] <= rank["share_max"] <= 0.51, rank
+        # (a 1-element per-tensor scale cannot be split: ceil(1 / 2) = 1 is held by both ranks)
+        assert 0.49 <= rank["share_min"] <= 0.51 and rank["share_max"] <= 1.0, rank
         assert rank["param_bytes_held"] <= 0.51 * meta["param_bytes_total"], rank
     ids = torch.randint(0, 4000, (1, 32), generator=torch.Generator().manual_seed(0))
     cfg = load_config(exp, sets)
     qat = load_prepared(cfg, tmp_path / "qat", scales=tmp_path / "qat", complete=True)[0].eval()
     ref = _rehearsal_logits(qat, ids)
     del qat
-    got = _rehearsal_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval(), ids)
-    assert (got - ref).abs().max() <= REHEARSAL_LOGIT_RTOL * ref.abs().max()
+    # what vLLM computes from the export (deploy.target vllm: the scales it merges were tied in QAT)
+    got = _rehearsal_logits(emulate_export(tmp_path / "export", "vllm").model, ids)
+    assert (got - ref).norm() <= REHEARSAL_REL_ERR * ref.norm()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= REHEARSAL_TOP1
+    # transformers + compressed-tensors reload it (fused experts, no expert input quantization)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert torch.isfinite(_rehearsal_logits(hf, ids)).all()
 
 
 def test_rehearsal_watcher_records_the_peak_and_stops_at_the_limit(tmp_path):
