@@ -293,14 +293,15 @@ def test_width_model_writes_the_hub_layout_in_shards(tmp_path):
 
 # ----------------------------------------------------------------------------- the rehearsal (CI size)
 # The export as vLLM computes it (`qatlib.runtime.emulate`) against the QAT model it came from, on
-# the same 32 tokens, in bf16 with static fp8 activations on random weights: the emulator's GEMMs
-# sum in fp32 where QAT's bf16 GEMMs round, which flips fp8 activation roundings (3 mantissa bits)
-# downstream. Measured 2026-12-02: relative error (Frobenius) 0.044, top-1 agreement 0.94; a
-# 10% error in every weight scale gives 0.105 and 0.78. (The transformers reload, which fuses the
-# experts, measured 0.074 against the QAT model without the experts' input quantization: too
-# close to that control to be a check at this size; the tiny fp32 tests bound both to 1e-5.)
+# the same 4 x 32 tokens, in bf16 with static fp8 activations on random weights: the emulator's
+# GEMMs sum in fp32 where QAT's bf16 GEMMs round, which flips fp8 activation roundings (3 mantissa
+# bits) downstream. Measured 2026-12-02 in two runs (the corpus is the repository's docs, so each
+# commit trains on other text): relative error (Frobenius) 0.037 and 0.036; a 3% error in every
+# weight scale gives 0.101 (top-1 agreement 0.91-0.92 against 0.81: too coarse to assert). The
+# transformers reload fuses the experts and skips their input quantization: 0.062 against the QAT
+# model without it, too close to that control to be a check here; the tiny fp32 tests bound both
+# to 1e-5.
 REHEARSAL_REL_ERR = 0.06
-REHEARSAL_TOP1 = 0.9
 # The CI machine's budget for one process tree of this test (24 GB shared with the suite's other
 # processes): above the measured 2-rank QAT peak, below what would push the machine into OOM.
 REHEARSAL_LIMIT = 12 * 2**30
@@ -336,7 +337,7 @@ def test_rehearsal_one_layer_ptq_zero3_qat_export_reload(tmp_path):
     """qwen3-30b-a3b-width at 1 layer (1.25 B params; the real hidden / heads / 128 experts /
     moe_intermediate / vocab): PTQ -> ZeRO-3 QAT on 2 CPU ranks -> export -> reload; every rank
     holds half of every parameter; the export as vLLM computes it (`qatlib.runtime.emulate`)
-    matches the QAT model within REHEARSAL_REL_ERR / REHEARSAL_TOP1, and transformers reloads it.
+    matches the QAT model within REHEARSAL_REL_ERR, and transformers reloads it.
     Smallest size: 1 layer, 1 step per rank, 2 x 32-token samples (PTQ's
     calibration too). Each stage's process tree is stopped past REHEARSAL_LIMIT (the 2-rank QAT
     tree is the largest: see benchmarks/README.md for the measured peak and wall time)."""
@@ -386,7 +387,7 @@ def test_rehearsal_one_layer_ptq_zero3_qat_export_reload(tmp_path):
         # (a 1-element per-tensor scale cannot be split: ceil(1 / 2) = 1 is held by both ranks)
         assert 0.49 <= rank["share_min"] <= 0.51 and rank["share_max"] <= 1.0, rank
         assert rank["param_bytes_held"] <= 0.51 * meta["param_bytes_total"], rank
-    ids = torch.randint(0, 4000, (1, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 4000, (4, 32), generator=torch.Generator().manual_seed(0))
     cfg = load_config(exp, sets)
     qat = load_prepared(cfg, tmp_path / "qat", scales=tmp_path / "qat", complete=True)[0].eval()
     ref = _rehearsal_logits(qat, ids)
@@ -394,7 +395,6 @@ def test_rehearsal_one_layer_ptq_zero3_qat_export_reload(tmp_path):
     # what vLLM computes from the export (deploy.target vllm: the scales it merges were tied in QAT)
     got = _rehearsal_logits(emulate_export(tmp_path / "export", "vllm").model, ids)
     assert (got - ref).norm() <= REHEARSAL_REL_ERR * ref.norm()
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= REHEARSAL_TOP1
     # transformers + compressed-tensors reload it (fused experts, no expert input quantization)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
     assert torch.isfinite(_rehearsal_logits(hf, ids)).all()
