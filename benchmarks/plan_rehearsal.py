@@ -195,13 +195,13 @@ def run(
         p = plan[stage]
         # rank 0 also holds the consolidated save's buffer (the plan's "rank0" figure): the largest
         # peak is taken as rank 0's (peaks are sorted, not by rank), the others against "per_rank"
-        want = [p.get("rank0", p["per_rank"])] + [p["per_rank"]] * (len(m["peak_rss_per_rank"]) - 1)
+        want = [p["rank0"]] + [p["per_rank"]] * (len(m["peak_rss_per_rank"]) - 1)
         ratio = [r / w for r, w in zip(m["peak_rss_per_rank"], want, strict=True)]
         ok = m["rc"] == 0 and all(abs(x - 1) <= TARGET for x in ratio)
         out[stage] = {**m, "predicted": p, "measured_over_predicted": ratio, "within_25pct": ok}
         log(
             f"{stage}: rc {m['rc']}, peaks {[round(r / 2**30, 2) for r in m['peak_rss_per_rank']]} GiB, "
-            f"predicted {p['per_rank'] / 2**30:.2f} GiB/rank (rank 0 {p.get('rank0', p['per_rank']) / 2**30:.2f})"
+            f"predicted {p['per_rank'] / 2**30:.2f} GiB/rank (rank 0 {p['rank0'] / 2**30:.2f})"
         )
         (work / "plan_rehearsal.partial.json").write_text(json.dumps(out, indent=2))  # a kill loses little
         if m["rc"] != 0:

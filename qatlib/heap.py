@@ -140,11 +140,11 @@ def configure_training(model: nn.Module, device_type: str, limit: int = TRIM_LIM
     when freed; on the CPU, `install_layer_trims`. Measured on the 1-layer real-width rehearsal
     (1.25 GB layer): reuse + trims peaked at 6.59 / 5.66 GiB (rank 0 / 1), trims alone at
     4.72 / 4.07, the plan says 6.06 / 3.74; the step took 78 s and 75 s."""
-    big = layer_bytes(model) >= limit
-    reuse = False if big else reuse_training_allocations(trim=limit)
+    size = layer_bytes(model)
+    reuse = size < limit and reuse_training_allocations(trim=limit)
     trims = (
         install_layer_trims(model, functools.partial(trim_freed_memory, limit))
         if device_type == "cpu"
         else []
     )
-    return {"reuse": reuse, "layer_trims": len(trims) // 2, "layer_bytes": layer_bytes(model)}
+    return {"reuse": reuse, "layer_trims": len(trims) // 2, "layer_bytes": size}

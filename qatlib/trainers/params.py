@@ -208,7 +208,7 @@ def quantizer_groups(
     if scale_update not in SCALE_UPDATES:
         raise ValueError(f"scale_update must be one of {SCALE_UPDATES}; got {scale_update!r}")
     elr = e8m0_lr(lr, scale_update, e8m0_scale_lr)
-    split = elr != lr
+    own = e8m0 if elr != lr else frozenset()  # the scales that step at elr
     groups = []
 
     def add(name: str, ps: list, glr: float, **extra) -> None:
@@ -222,8 +222,8 @@ def quantizer_groups(
         log_group = {LOG_SPACE: True, "weight_decay": 0.0}
     else:
         pos, rest, log_group = [p for _, p in named], [], {}
-    add(names[0], [p for p in pos if not (split and id(p) in e8m0)], lr, **log_group)
-    add(f"{names[0]}_e8m0", [p for p in pos if split and id(p) in e8m0], elr, **log_group)
+    add(names[0], [p for p in pos if id(p) not in own], lr, **log_group)
+    add(f"{names[0]}_e8m0", [p for p in pos if id(p) in own], elr, **log_group)
     add(names[1], rest, lr)
     return groups
 
@@ -245,9 +245,8 @@ def param_groups(
     ``weight_lr`` (defaults: ``lr``).
 
     With ``scale_update="log"`` the optimizer must go through
-    `qatlib.trainers.log_scale.install_log_space_steps`."""
-    if scale_update not in SCALE_UPDATES:
-        raise ValueError(f"scale_update must be one of {SCALE_UPDATES}; got {scale_update!r}")
+    `qatlib.trainers.log_scale.install_log_space_steps`. A bad ``scale_update`` is refused by
+    `quantizer_groups` (the scale group is always laid out, also when empty)."""
     lrs = {"scale": lr, "lwc": lwc_lr, "norm": norm_lr, "weight": weight_lr}
     groups = []
     for g, ps in trainable.items():
