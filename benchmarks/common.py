@@ -157,8 +157,10 @@ FORMATS: dict[str, str] = {
     "int4_g64": "int4 sym weight-only, groups of 64 (the default experiment's format)",
     "int4_ch": "int4 sym weight-only, per-channel",
     "w4a8_fp8_g32": "int4 g32 weights (FP8 recast) + static FP8 activations",
+    "w4a8_fp8_g64": "int4 g64 weights (FP8 recast) + static FP8 activations",
     "int8_w8a8": "int8 per-channel weights + int8 per-token dynamic activations",
     "int3_g32": "int3 sym weight-only, groups of 32",
+    "int3_g64": "int3 sym weight-only, groups of 64",
     "int2_g32": "int2 sym weight-only, groups of 32",
     # the 4-bit floats (#14) and int4 at equal storage: int4 g32 = NVFP4 = 4.5 bits per weight
     # (16-bit scale per 32 vs E4M3 per 16), int4 g16 = 5, MXFP4 = 4.25 (E8M0 per 32)
@@ -186,19 +188,15 @@ def format_scheme(name: str):
 
     if name == "fp8_static":
         return PRESETS["fp8_static"]
-    if name == "w4a8_fp8_g32":
+    if name in ("w4a8_fp8_g32", "w4a8_fp8_g64"):
         s = PRESETS["w4a8_fp8"]
-        return s.replace(name=name, weight=s.weight.replace(group_size=32))
+        return s.replace(name=name, weight=s.weight.replace(group_size=int(name[-2:])))
     if name == "int8_w8a8":
         return PRESETS["int8"].replace(name=name)
     if name == "int4_ch":
         return weight_only(4, None)
-    if name in ("int4_g32", "int3_g32", "int2_g32"):
-        return weight_only(int(name[3]), 32)
-    if name == "int4_g16":
-        return weight_only(4, 16)
-    if name == "int4_g64":
-        return weight_only(4, 64)
+    if name in ("int4_g16", "int4_g32", "int4_g64", "int3_g32", "int3_g64", "int2_g32"):
+        return weight_only(int(name[3]), int(name[-2:]))
     fp4 = {
         "nvfp4": "nvfp4",
         "nvfp4_w4a16": "nvfp4_weight_only",

@@ -38,6 +38,13 @@ def _hwm(pid: int) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
+def _rss_file(pid: int) -> int:
+    """The file-backed part of ``pid``'s resident set now (RssFile: mapped file pages, e.g. an
+    mmap'ed safetensors shard; page cache the kernel can drop, unlike RssAnon)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile:"))
+
+
 def watch(
     cmd: list[str], limit: int, env: dict[str, str], log_path: Path, cwd: Path = REPO
 ) -> dict[str, Any]:
@@ -47,6 +54,7 @@ def watch(
 
     t0 = time.perf_counter()
     peaks: dict[int, tuple[int, str]] = {}
+    file_peak: dict[int, int] = {}  # sampled: the largest RssFile seen per pid
     killed = False
     with open(log_path, "w") as logf:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=logf, stderr=subprocess.STDOUT)
@@ -59,6 +67,7 @@ def watch(
                     now += p.memory_info().rss
                     name = peaks.get(p.pid, (0, ""))[1] or " ".join(p.cmdline())  # the first name
                     peaks[p.pid] = (max(_hwm(p.pid), peaks.get(p.pid, (0,))[0]), name)
+                    file_peak[p.pid] = max(_rss_file(p.pid), file_peak.get(p.pid, 0))
             except (psutil.Error, OSError, StopIteration):  # a process ending between two reads
                 time.sleep(0.2)
                 continue
@@ -70,14 +79,14 @@ def watch(
             time.sleep(0.2)
     # the ranks: the processes that run the script (torchrun's own launcher process excluded)
     script = Path(next(c for c in cmd if c.startswith("scripts/"))).name
-    ranks = sorted(
-        (r for r, c in peaks.values() if script in c and "torch.distributed.run" not in c), reverse=True
-    )
+    rank_pids = [pid for pid, (_, c) in peaks.items() if script in c and "torch.distributed.run" not in c]
+    ranks = sorted((peaks[pid][0] for pid in rank_pids), reverse=True)
     return {
         "rc": proc.returncode,
         "killed_at_limit": killed,
         "wall_s": time.perf_counter() - t0,
         "peak_rss_per_rank": ranks,
+        "peak_rss_file_per_rank": sorted((file_peak.get(pid, 0) for pid in rank_pids), reverse=True),
         "log": str(log_path),
     }
 

@@ -41,7 +41,7 @@ import shutil
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +130,11 @@ class QualitySettings:
     base_model_path: str | None = None  # an explicit pre-trained model folder (tokenizer inside)
     micro: bool = False  # --quick: a micro model pre-trained here in seconds (numbers meaningless)
     seed: int = 0
+    # a QAT row from GPTQ's result too (formats with a GPTQ row), against both
+    gptq_init_qat: bool = False
+    # the formats whose QAT recovery of RTN's loss is a target, and its threshold
+    recovery_targets: tuple[str, ...] = ("int4_g32", "int4_ch", "w4a8_fp8_g32")
+    target_recovery: float = TARGET_RECOVERY
 
 
 # The FP4 rows alone: ``python -m benchmarks.quality --fp4`` -> quality_fp4.json. No ablations and
@@ -161,6 +166,23 @@ FP4_ROWS = QualitySettings(
     loss_type="kl",
     lm_loss_weight=0.0,
     warmup_steps=3,
+)
+
+# The issue's other formats on the default model (#12): ``python -m benchmarks.quality
+# --default-formats [LIST]`` -> quality_default_formats.json. The default experiment's recipe and
+# the headline row's budget (100 steps x 256 tokens, 32 spread test windows), RTN / GPTQ / QAT per
+# format; w4a8 and int3 in groups of 64 (128 does not divide SmolLM2's 576-wide layers; the GGUF's
+# own Q4_1 grid is asymmetric in blocks of 32, so no row here is artificially lossless).
+DEFAULT_FORMAT_ROWS = replace(
+    FP4_ROWS,
+    formats=("fp8_static", "w4a8_fp8_g64", "int3_g64"),
+    ablation_format="int3_g64",
+    gptq=True,
+    gptq_init_qat=True,
+    qat_steps=100,
+    # the issue's default-model targets: w4a8 >= 0.85 (int3 g64 is reported, not targeted)
+    recovery_targets=("w4a8_fp8_g64",),
+    target_recovery=0.85,
 )
 
 QUICK = QualitySettings(
@@ -621,6 +643,7 @@ class Lab:
             learnable=Learnable(act_scale=True, weight_scale=True),
             calibrate_activations=False,
             seed=s.seed,
+            scale_update=s.scale_update,
         ).train(samples)
         wall = time.perf_counter() - t0
         m.eval()
@@ -748,15 +771,34 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
             log(f"quality: {name} RTN")
             rtn = ev(lab.rtn(scheme), mc=s.mc)
             variants[f"{name}/rtn"] = rtn
-            gq = None
+            gq = gm = None
             if s.gptq and is_int:
                 log(f"quality: {name} GPTQ")
-                gq = variants[f"{name}/gptq"] = ev(lab.gptq(scheme), mc=s.mc)
+                gm = lab.gptq(scheme)
+                gq = variants[f"{name}/gptq"] = ev(gm, mc=s.mc)
             log(f"quality: {name} QAT ({s.qat_steps} steps)")
             qm, qrec = lab.qat(scheme)
             qat = variants[f"{name}/qat"] = ev(qm, mc=s.mc)
+            del qm
             qat_recs[name] = qrec
             row = format_row(name, bf16, rtn, gq, qat, qrec, tpw, s.mc)
+            if s.gptq_init_qat and gm is not None:
+                # QAT from GPTQ's weights and scales; the teacher is the untouched base model (the
+                # student's own weights with quantizers off are GPTQ's, not the original)
+                log(f"quality: {name} GPTQ-initialised QAT ({s.qat_steps} steps)")
+                gqm, grec = lab.qat(scheme, start=gm, teacher="base")
+                gqat = variants[f"{name}/gptq-qat"] = ev(gqm, mc=s.mc)
+                rv = recovery_record(bf16, rtn, gqat)
+                row.update(
+                    _rounded(
+                        {
+                            "gptq_qat_ppl": gqat["ppl"],
+                            "gptq_qat_recovery_vs_rtn": rv["recovery"],
+                            "gptq_qat_recovery_vs_rtn_se": rv["recovery_se"],
+                            "gptq_qat_train_s": grec["train_s"],
+                        }
+                    )
+                )
             rows.append(row)
             log(
                 f"quality: {name}: bf16 {row['bf16_ppl']} rtn {row['rtn_ppl']} gptq {row['gptq_ppl']} "
@@ -873,7 +915,7 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
     # ------------------------------------------------------------------ targets
     tg = []
     by = {r["format"]: r for r in rows}
-    for f in ("int4_g32", "int4_ch", "w4a8_fp8_g32"):
+    for f in s.recovery_targets:
         if f not in by:
             continue
         r = by[f]
@@ -886,7 +928,7 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
             target(
                 f"QAT recovery of RTN's perplexity loss [{f}]",
                 r["recovery_vs_rtn"],
-                TARGET_RECOVERY,
+                s.target_recovery,
                 higher_is_better=True,
                 note=note,
             )
@@ -902,6 +944,28 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
                 note=f"RTN: {r['rtn_rel_gap']:+.3%}",
             )
         )
+    for r in rows:  # QAT against GPTQ, where both ran (the issue: QAT beats GPTQ at int4 and int3)
+        if r.get("gptq_ppl") is not None:
+            gap = round(r["gptq_ppl"] - r["qat_ppl"], 4)
+            tg.append(
+                target(
+                    f"GPTQ perplexity minus QAT's [{r['format']}]",
+                    gap,
+                    0.0,
+                    higher_is_better=True,
+                    note=f"GPTQ {r['gptq_ppl']}, QAT {r['qat_ppl']}, RTN {r['rtn_ppl']}",
+                )
+            )
+        if r.get("gptq_qat_ppl") is not None:  # GPTQ-initialised QAT against the better of the two
+            tg.append(
+                target(
+                    f"min(GPTQ, QAT) perplexity minus GPTQ-initialised QAT's [{r['format']}]",
+                    round(min(r["gptq_ppl"], r["qat_ppl"]) - r["gptq_qat_ppl"], 4),
+                    0.0,
+                    higher_is_better=True,
+                    note=f"GPTQ-initialised QAT {r['gptq_qat_ppl']}",
+                )
+            )
     wall = time.perf_counter() - t_start
     out = {
         "settings": asdict(s),
@@ -960,6 +1024,18 @@ def main(argv: list[str] | None = None) -> int:
         "--default-model", action="store_true", help="int4 g64 QAT vs plain QAT on SmolLM2-135M"
     )
     which.add_argument("--two-phase", action="store_true", help="blockwise + end-to-end vs each alone")
+    which.add_argument(
+        "--default-blockwise",
+        action="store_true",
+        help="int4 g64 on SmolLM2-135M: blockwise, then end-to-end, against end-to-end at equal wall",
+    )
+    which.add_argument(
+        "--default-formats",
+        nargs="?",
+        const=",".join(DEFAULT_FORMAT_ROWS.formats),
+        default=None,
+        help="RTN / GPTQ / QAT of these formats on SmolLM2-135M (default: DEFAULT_FORMAT_ROWS)",
+    )
     ap.add_argument("--variants", default=None, help="--default-model rows, e.g. qatlib,plain (default both)")
     ap.add_argument(
         "--recipe", default=None, help="--default-model: JSON overriding quality_default.RECIPE keys"
@@ -969,13 +1045,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--base-model", default=None, help="a pre-trained model folder instead of the default")
     a = ap.parse_args(argv)
-    from dataclasses import replace
 
     from . import quality_default as qd
 
     if a.two_phase:
         name = a.name or "quality_two_phase"
         body = qd.two_phase(results=a.results)
+        log(f"{name}: wrote {write_result(a.out, name, {'machine': machine(), **body})}")
+        return 0
+    if a.default_blockwise:
+        b = qd.BlockwiseRows(**json.loads(a.recipe)) if a.recipe else qd.BlockwiseRows()
+        body = qd.blockwise_rows(b, results=a.results)
+        name = a.name or "quality_default_blockwise"
         log(f"{name}: wrote {write_result(a.out, name, {'machine': machine(), **body})}")
         return 0
     if a.default_model:
@@ -986,14 +1067,22 @@ def main(argv: list[str] | None = None) -> int:
         name = a.name or "quality_default"
         log(f"{name}: wrote {write_result(a.out, name, {'machine': machine(), **body})}")
         return 0
-    s = replace(FP4_ROWS, base_model_path=a.base_model) if a.base_model else FP4_ROWS
+    s, name = FP4_ROWS, "quality_fp4"
+    if a.default_formats:
+        formats = tuple(f.strip() for f in a.default_formats.split(","))
+        unknown = [f for f in formats if f not in FORMATS]
+        if unknown:
+            ap.error(f"--default-formats: unknown {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
+        s = replace(DEFAULT_FORMAT_ROWS, formats=formats, ablation_format=formats[-1])
+        name = "quality_default_formats"
+    s = replace(s, base_model_path=a.base_model) if a.base_model else s
     if s.base_model_path is None and find_base_model(a.results, s.base_model) is None:
         ap.error(
             f"{a.results}/base/{s.base_model}: the default model is missing; make it with the "
             f"workflow's gguf_model rule (snakemake {a.results}/base/{s.base_model}) or pass --base-model"
         )
     body = run(s, results=a.results)
-    name = a.name or "quality_fp4"
+    name = a.name or name
     log(f"{name}: wrote {write_result(a.out, name, {'machine': machine(), **body})}")
     return 1 if body.get("errors") else 0
 

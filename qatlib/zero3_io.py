@@ -32,7 +32,12 @@ Decisions (measured with DeepSpeed 0.19.8, 2 CPU ranks, gloo; see tests/test_zer
   default; DeepSpeed's default list already holds transformers' ``Qwen3MoeSparseMoeBlock``). Without
   leaf modules DeepSpeed's parameter prefetch produced wrong MoE gradients (silently; correct with
   ``stage3_prefetch_bucket_size: 0``). Every expert still runs on every rank, so the per-expert
-  hooks of a non-leaf setup stay in step whatever the routing (tested with prefetch off).
+  hooks of a non-leaf setup stay in step whatever the routing (tested with prefetch off). A config
+  with its own ``zero_optimization.leaf_module`` owns the choice: ``{"classes":
+  ["qatlib.moe.ExpertMLP"]}`` gathers one expert at a time (correct with prefetch on), the
+  memory-lean setting for wide layers (a whole Qwen3-30B-A3B MoE layer is 1.2 GB bf16).
+- Loading: rank 0 reads; a tensor larger than the load chunk (an embedding) is sent to each rank
+  as its partition only (`qatlib.zero3_load`), never gathered whole on every rank.
 - bf16: quantizer parameters are created under an fp32 ``zero.Init`` and stay fp32 partitions; the
   engine does not cast ZeRO-Init models, and ZeRO-3's optimizer takes its working dtype from the
   (fp32) trainable parameters, so scales are fp32 in forward and in the optimizer. Keep all

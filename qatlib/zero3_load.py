@@ -77,7 +77,13 @@ def build_empty_model(
 ) -> nn.Module:
     """A causal LM built from its config under ``zero.Init``: partitioned, weights NOT read nor
     initialised (fill them with `stream_load_weights`). Fused MoE experts are linearised inside the
-    same context, so the per-expert linears are partitioned at creation and nothing is copied."""
+    same context, so the per-expert linears are partitioned at creation and nothing is copied.
+
+    ``moe_leaf``: each `LinearizedMoeExperts` becomes a ZeRO-3 leaf (`mark_moe_leaf_modules`),
+    unless the DeepSpeed config has its own ``zero_optimization.leaf_module``: then that list is
+    the one owner of what gathers together (DeepSpeed applies it in ``initialize``). E.g.
+    ``{"classes": ["qatlib.moe.ExpertMLP"]}`` gathers one expert at a time instead of a whole
+    layer's experts (1.2 GB bf16 per Qwen3-30B-A3B layer; config/deepspeed/zero3_cpu_lean.json)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
     from transformers.integrations.deepspeed import prevent_arange_dtype_change
@@ -98,7 +104,7 @@ def build_empty_model(
         n_moe = linearize_moe_experts(model, copy_weights=False) if linearize_moe else 0
     if hasattr(model, "tie_weights"):  # no_init_weights also skipped the tying init_weights does
         model.tie_weights()
-    if n_moe and moe_leaf:
+    if n_moe and moe_leaf and "leaf_module" not in ctx.ds_config.get("zero_optimization", {}):
         mark_moe_leaf_modules(model)
     model.config.use_cache = False
     log.info(
@@ -123,6 +129,9 @@ def _execute_plan(
         return params[name].data if name in params else buffers[name]
 
     for chunk in st.chunks(plan, chunk_bytes):
+        if _partition_wise(chunk, params, comm, chunk_bytes, cast):
+            _load_partitions(params[chunk[0].assigns[0].target], chunk[0], comm)
+            continue
         targets = list(dict.fromkeys(a.target for e in chunk for a in e.assigns))
         chunk_params = [params[t] for t in targets if t in params]
         error = None
@@ -141,6 +150,61 @@ def _execute_plan(
             for t in targets:
                 if t in buffers:
                     _broadcast_tensor(buffers[t])
+
+
+def _partition_wise(
+    chunk: list[st.PlanEntry], params: dict, comm: _Comm, chunk_bytes: int, cast: Callable | None
+) -> bool:
+    """A chunk that is one tensor larger than ``chunk_bytes`` filling one whole partitioned
+    parameter (Qwen3-30B-A3B's embed_tokens / lm_head, 0.62 GB bf16): loaded partition by partition
+    (`_load_partitions`) instead of gathered on every rank."""
+    if not comm.active or len(chunk) != 1 or cast is not None:
+        return False
+    e = chunk[0]
+    a = e.assigns[0]
+    if len(e.assigns) != 1 or a.dst is not None or a.src is not None or a.target not in params:
+        return False
+    p = params[a.target]
+    return (
+        e.info.end - e.info.start > chunk_bytes
+        and is_zero3_param(p)
+        and getattr(p, "ds_secondary_tensor", None) is None  # hpZ: a second partitioning
+        and torch.distributed.get_world_size(p.ds_process_group) == torch.distributed.get_world_size()
+    )
+
+
+def _load_partitions(p: torch.Tensor, e: st.PlanEntry, comm: _Comm) -> None:
+    """Rank 0 reads the tensor and sends each rank its ZeRO-3 partition (elements ``[r * n, (r + 1)
+    * n)`` of the flattened tensor, zero-padded at the end); no rank but 0 ever holds the whole
+    tensor. Gathering it instead holds it on every rank, twice under gloo (its all-gather writes a
+    flat copy first): +1.2 GB per rank for a 0.62 GB embedding, the rank's peak of the whole load."""
+    dev, n = collective_device(), p.ds_tensor.numel()
+    full, error = None, None
+    if comm.is_main:
+        try:
+            full = torch.empty(p.ds_shape, dtype=p.dtype)
+            with open(e.info.file, "rb") as fh:
+                st.copy_entry(fh, e, lambda _name: full)
+        except Exception as err:  # noqa: BLE001 - broadcast and raised on every rank below
+            error = f"{e.info.file}: {err}"
+    error = comm.bcast(error)
+    if error:
+        raise Zero3Error(error)
+    with torch.no_grad():
+        if comm.is_main:
+            flat = full.view(-1)
+            for r in range(torch.distributed.get_world_size()):
+                piece = torch.zeros(n, dtype=p.dtype, device=dev)
+                part = flat[r * n : (r + 1) * n]
+                piece[: part.numel()].copy_(part)
+                if r == 0:
+                    p.ds_tensor.copy_(piece)
+                else:
+                    torch.distributed.send(piece, dst=r)
+        else:
+            piece = torch.empty(n, dtype=p.dtype, device=dev)
+            torch.distributed.recv(piece, src=0)
+            p.ds_tensor.copy_(piece)
 
 
 def _broadcast_tensor(t: torch.Tensor) -> None:
@@ -355,6 +419,7 @@ def build_qat_model(
     attn_implementation: str | None = None,
     scales_report_path: str | os.PathLike | None = None,
     moe_leaf: bool = True,
+    chunk_bytes: int = 64 << 20,
 ) -> nn.Module:
     """The whole ZeRO-3 start: empty model -> streamed weights -> prepare -> streamed PTQ scales.
 
@@ -374,6 +439,7 @@ def build_qat_model(
         trust_remote_code=trust_remote_code,
         attn_implementation=attn_implementation,
         moe_leaf=moe_leaf,
+        chunk_bytes=chunk_bytes,
     )
     prepare_zero3(model, scheme, ctx, ignore=ignore, options=options)
     stream_load_scales(model, from_ptq_ckpt, scheme, report_path=scales_report_path)

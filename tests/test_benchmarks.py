@@ -123,6 +123,11 @@ def test_formats_are_what_they_say():
     assert common.format_scheme("int4_ch").weight.granularity.value == "per-channel"
     assert common.format_scheme("int2_g32").weight.qtype == "int2"
     assert set(common.FORMATS) >= set(quality.QUALITY_FORMATS) | set(quality.FP4_FORMATS)
+    # the default model's rows (#12): groups of 64 (128 does not divide SmolLM2's 576)
+    assert set(common.FORMATS) >= set(quality.DEFAULT_FORMAT_ROWS.formats)
+    s64, i3 = common.format_scheme("w4a8_fp8_g64"), common.format_scheme("int3_g64").weight
+    assert (s64.weight.qtype, s64.weight.group_size, s64.input.is_fp8) == ("int4", 64, True)
+    assert (i3.qtype, i3.group_size, i3.bits_per_element) == ("int3", 64, 3 + 16 / 64)
     # the FP4 rows (#14) at their storage bits: int4 g32 = NVFP4 = 4.5, int4 g16 = 5, MXFP4 = 4.25
     bits = {n: common.format_scheme(n).weight.bits_per_element for n in quality.FP4_FORMATS}
     assert bits == {

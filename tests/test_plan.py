@@ -82,7 +82,7 @@ def test_tiny_model_terms_by_hand():
     assert t["persistent small parameters (replicated)"] == 0
     # fp8 per-tensor weight + static input scale per linear: (4 attn + 12 expert) x 2 x 2 layers
     assert t["trainable scales: param + fp32 master + grad + Adam m, v"] == 64 * 20 // 2
-    assert t["gathered unit (one decoder layer + prefetch)"] == LAYER * 2
+    assert t["gathered unit (one decoder layer, or the embeddings, + prefetch)"] == max(LAYER, 800) * 2
     assert t["checkpointed layer inputs"] == 2 * 16 * 8 * 2
     assert (
         t["student logits"] == t["KD teacher logits (no grad)"] == t["logits gradient buffer"] == 16 * 100 * 2
@@ -120,6 +120,31 @@ def test_int4_group_scales_and_weight_only_by_hand():
     # q 8x2 + k 4x2 + v 4x2 + o 8x2 = 48; per expert gate/up 6x2 each + down 8x2 = 40 -> 160
     assert t["trainable scales: param + fp32 master + grad + Adam m, v"] == 2 * (48 + 160) * 20 // 2
     assert "calibration activations carried (in + out)" not in terms(qp.plan(m, x, qp.Run())[0])
+
+
+def test_expert_leaf_gathers_one_expert_not_the_layer_by_hand():
+    """With the DeepSpeed config's leaf list naming ExpertMLP, a fetch gathers one expert (3 x 8 x 6
+    = 144) or one attention linear (64), not the 824-parameter layer; the embeddings (vocab 10 x 8
+    here, so that neither is hidden behind them) gather whole either way."""
+    m = qp.ModelShape.from_config({**TINY, "vocab_size": 10})
+    zero = {"stage": 3, "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0}
+    exp = load_yaml(REPO / "config/experiments/qwen3-30b-a3b-width.yaml")
+    lean = {"zero_optimization": {**zero, "leaf_module": {"classes": ["qatlib.moe.ExpertMLP"]}}}
+    x_lean, x_layer = qp.from_experiment(exp, lean), qp.from_experiment(exp, {"zero_optimization": zero})
+    assert x_lean.expert_leaf and not x_layer.expert_leaf
+    dtype = x_lean.dtype_bytes
+    assert (
+        terms(qp.plan(m, x_lean, qp.Run())[1])[
+            "gathered unit (one expert or linear, or the embeddings, + prefetch)"
+        ]
+        == 144 * dtype
+    )
+    assert (
+        terms(qp.plan(m, x_layer, qp.Run())[1])[
+            "gathered unit (one decoder layer, or the embeddings, + prefetch)"
+        ]
+        == LAYER * dtype
+    )
 
 
 def test_ptq_that_does_not_stream_holds_the_whole_model_by_hand():
@@ -246,7 +271,8 @@ def test_workflow_resources_come_from_the_plan_without_torch():
     got, heavy = json.loads(subprocess.check_output([sys.executable, "-c", code], cwd=REPO, text=True))
     assert heavy == []
     raw = load_yaml(REPO / "config/experiments/qwen3-30b-a3b-width.yaml")
-    ds = json.loads((REPO / "config/deepspeed/zero3_cpu.json").read_text())
+    ds = json.loads((REPO / raw["compression"]["QAT"]["hf_args"]["deepspeed"]).read_text())
+    assert qp.from_experiment(raw, ds).expert_leaf  # the width rehearsal gathers one expert at a time
     mcfg = qp.find_model_config("results/base/qwen3-30b-a3b-width")
     assert mcfg["num_hidden_layers"] == 2 and mcfg["hidden_size"] == 2048
     stages = qp.plan(

@@ -276,6 +276,9 @@ def ckpts(tmp_path_factory):
         ptq_calibrate(pm, FP8_STATIC, [calib])
         save_ptq_checkpoint(pm, FP8_STATIC, tmp / "moe_fp8_ptq")
     out["moe_fp8_ptq"] = tmp / "moe_fp8_ptq"
+    # the MoE model over every step: from the second forward on, DeepSpeed prefetches along its
+    # recorded trace (the expert-leaf phase trains through it)
+    out["moe_steps_ref"] = reference_run(out["moe"], out["moe_ptq"], data, STEPS)
     out["moe_tied_ref"] = reference_run(out["moe"], tmp / "moe_fp8_ptq", data, MOE_STEPS, FP8_STATIC, "vllm")
     return out
 
@@ -297,6 +300,9 @@ def zero3_run(ckpts):
                 "model": str(ckpts["dense"]),
                 "ptq": str(ckpts["dense_ptq"]),
                 "compare_ckpt": str(ckpts["dense"]),
+                # every tensor above 2 KB is read by rank 0 and sent partition by partition (a
+                # Qwen3-30B-A3B embedding is past the 64 MB default), the rest gathered in chunks
+                "chunk_bytes": 2048,
             },
             {
                 **phase,
@@ -321,6 +327,18 @@ def zero3_run(ckpts):
                 "steps": MOE_STEPS,
                 "skewed_routing": True,
                 "zero_overrides": {"stage3_prefetch_bucket_size": 0},
+            },
+            # one expert gathers at a time (the DeepSpeed config's own leaf list, prefetch on): the
+            # memory-lean setting for wide MoE layers (config/deepspeed/zero3_cpu_lean.json)
+            {
+                **phase,
+                "name": "moe_expertleaf",
+                "model": str(ckpts["moe"]),
+                "ptq": str(ckpts["moe_ptq"]),
+                "compare_ckpt": str(ckpts["moe"]),
+                "steps": STEPS,
+                "skewed_routing": True,
+                "zero_overrides": {"leaf_module": {"classes": ["qatlib.moe.ExpertMLP"]}},
             },
             {
                 **phase,
@@ -404,7 +422,9 @@ def zero3_run(ckpts):
 # --------------------------------------------------------------------------- multi-rank tests
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", ["dense", "moe", "moe_noleaf", "dense_bf16", "llama", "nvfp4"])
+@pytest.mark.parametrize(
+    "name", ["dense", "moe", "moe_noleaf", "moe_expertleaf", "dense_bf16", "llama", "nvfp4"]
+)
 def test_partitioned_and_loaded_exactly(zero3_run, name):
     results, _, _ = zero3_run
     r = results[name]
@@ -449,11 +469,23 @@ def test_scales_report(zero3_run, ckpts):
 @pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    "name", ["dense", "moe", "moe_noleaf", "llama", "nvfp4", "dense_log", "nvfp4_tied", "mxfp4_log"]
+    "name",
+    [
+        "dense",
+        "moe",
+        "moe_noleaf",
+        "moe_expertleaf",
+        "llama",
+        "nvfp4",
+        "dense_log",
+        "nvfp4_tied",
+        "mxfp4_log",
+    ],
 )
 def test_qat_steps_match_single_process(zero3_run, ckpts, name):
     results, _, _ = zero3_run
-    r, ref = results[name], ckpts[f"{name.removesuffix('_noleaf')}_ref"]
+    ref_of = {"moe_noleaf": "moe", "moe_expertleaf": "moe_steps"}
+    r, ref = results[name], ckpts[f"{ref_of.get(name, name)}_ref"]
     torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL)
     assert set(r["quant_params"]) == set(ref["quant_params"])
     moved = 0
@@ -550,7 +582,7 @@ def test_tied_nvfp4_warm_start_shares_global_scales_on_every_rank(zero3_run, ckp
 
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", ["moe", "moe_noleaf"])
+@pytest.mark.parametrize("name", ["moe", "moe_noleaf", "moe_expertleaf"])
 def test_moe_skewed_routing_completes(zero3_run, name):
     results, _, _ = zero3_run
     counts = results[name]["checks"][0]["expert_token_counts"]
@@ -566,6 +598,22 @@ def test_moe_skewed_routing_completes(zero3_run, name):
     for rank in (0, 1):
         computed = {tuple(t) for t in results[name]["checks"][rank]["fake_quantized_experts"]}
         assert computed == {(layer, e) for layer, c in counts[rank].items() for e, n in enumerate(c) if n > 0}
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_moe_gather_unit_follows_the_deepspeed_config(zero3_run):
+    """qatlib makes each layer's experts one leaf unless the DeepSpeed config lists its own leaves;
+    then only the config's classes are leaves (DeepSpeed's default Qwen3MoeSparseMoeBlock is not)."""
+    results, _, _ = zero3_run
+    leaves = {
+        name: results[name]["checks"][0]["leaf_classes"] for name in ("moe", "moe_noleaf", "moe_expertleaf")
+    }
+    assert leaves == {
+        "moe": ["LinearizedMoeExperts", "Qwen3MoeSparseMoeBlock"],
+        "moe_noleaf": [],
+        "moe_expertleaf": ["ExpertMLP"],
+    }
 
 
 @pytest.mark.slow

@@ -171,6 +171,9 @@ class PlanInputs:
     offload_param: bool = False
     persistence_threshold: int | None = None  # None: DeepSpeed "auto" (10 x hidden)
     prefetch: int | None = None  # stage3_prefetch_bucket_size; None: "auto" (0.9 x hidden^2)
+    # zero_optimization.leaf_module lists qatlib.moe.ExpertMLP: one expert gathers at a time, not a
+    # whole layer's experts (`qatlib.zero3_load.build_empty_model`)
+    expert_leaf: bool = False
     eager_attention: bool = False
     eval_sources: int = 1  # evaluation.ppl + evaluation.tasks
     eval_limit: int | None = None
@@ -354,6 +357,9 @@ def from_experiment(
         offload_param=str(section(zo, "offload_param.device") or "none") == "cpu",
         persistence_threshold=int(threshold) if isinstance(threshold, int | float) else None,
         prefetch=int(pf) if isinstance(pf := zo.get("stage3_prefetch_bucket_size"), int | float) else None,
+        expert_leaf=any(
+            str(c).rsplit(".", 1)[-1] == "ExpertMLP" for c in section(zo, "leaf_module.classes") or []
+        ),
         eager_attention=g("model.attn_implementation") == "eager",
         eval_sources=len(g("evaluation.ppl", []) or []) + len(g("evaluation.tasks", []) or []),
         eval_limit=g("evaluation.limit"),

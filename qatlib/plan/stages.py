@@ -168,10 +168,19 @@ def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
     shard = (m.total_params - persist) * d // world
     scales = _n_scales(m, x.weight, x.act_quant) if x.train_scales else 0
     work = [Term("parameter shard (model / world)", shard, f"{m.total_params:,} params / {world}")]
+    unit_params = m.largest_layer  # what one gather holds: the consolidated save gathers the same units
     if zero3:
         work.append(Term("persistent small parameters (replicated)", persist * d, f"< {threshold} elements"))
         prefetch = x.prefetch if x.prefetch is not None else int(0.9 * m.hidden * m.hidden)
-        work.append(Term("gathered unit (one decoder layer + prefetch)", (m.largest_layer + prefetch) * d))
+        # what one fetch gathers: a MoE layer's experts together (qatlib's leaf, the default) or one
+        # expert / one linear at a time (`expert_leaf`); the embeddings and the head gather whole
+        emb = m.vocab * m.hidden
+        if x.expert_leaf and m.moe_layers:
+            unit_params = max(3 * m.hidden * m.moe_intermediate, *(o * i for o, i in m.attn_linears()))
+            name = "gathered unit (one expert or linear, or the embeddings, + prefetch)"
+        else:
+            name = "gathered unit (one decoder layer, or the embeddings, + prefetch)"
+        work.append(Term(name, (max(unit_params, emb) + prefetch) * d))
     opt = Term(
         "trainable scales: param + fp32 master + grad + Adam m, v", scales * 20 // world, f"{scales:,} scales"
     )
@@ -207,7 +216,7 @@ def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
         weights = m.total_params - persist
         work.insert(1, Term("trained weights: fp32 master + grad + Adam m, v", weights * 16 // world))
     work.insert(1, opt)
-    save = min(m.total_params * d, SAVE_SHARD_BYTES + m.largest_layer * d)
+    save = min(m.total_params * d, SAVE_SHARD_BYTES + unit_params * d)
     node = [Term("rank 0: consolidated-save buffer (one shard + one unit + scales)", save + scales * 4)]
     if x.max_steps > 0:
         train_tokens = x.max_steps * tokens * world

@@ -86,6 +86,7 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
         scheme,
         from_ptq_ckpt=ph["ptq"],
         moe_leaf=ph.get("leaf", True),
+        chunk_bytes=ph.get("chunk_bytes", 64 << 20),
         scales_report_path=out / f"{ph['name']}_scales.json",
         options=PrepareOptions(deploy_target=ph.get("deploy_target", "none")),
     )
@@ -128,6 +129,10 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
     checks["groups"] = [[g["name"], g["lr"], bool(g.get("log_space"))] for g in groups]
     opt = install_log_space_steps(torch.optim.AdamW(groups, lr=lr, eps=spec["eps"]))
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    # what gathers as one unit (ZeRO-3 leaf modules), after DeepSpeed applied the config's list
+    checks["leaf_classes"] = sorted(
+        {type(m).__name__ for m in model.modules() if getattr(m, "_z3_leaf", False)}
+    )
     engine.train()
     losses = []
     for step in range(ph["steps"]):
