@@ -130,8 +130,11 @@ class QualitySettings:
     base_model_path: str | None = None  # an explicit pre-trained model folder (tokenizer inside)
     micro: bool = False  # --quick: a micro model pre-trained here in seconds (numbers meaningless)
     seed: int = 0
-    # a QAT row from GPTQ's result too (formats with a GPTQ row), against both
+    # a QAT row from GPTQ's result too (formats with a GPTQ row), against both, at its own lr
+    # (None: the main one); ``rtn_init_qat`` False skips the main (RTN-initialised) QAT row
     gptq_init_qat: bool = False
+    gptq_init_lr: float | None = None
+    rtn_init_qat: bool = True
     # the formats whose QAT recovery of RTN's loss is a target, and its threshold
     recovery_targets: tuple[str, ...] = ("int4_g32", "int4_ch", "w4a8_fp8_g32")
     target_recovery: float = TARGET_RECOVERY
@@ -715,6 +718,8 @@ def format_row(
             mc_acc_stderr=bf16.get("mc_acc_stderr"),
         )
     row["qat_train_s"] = qrec["train_s"]
+    if qrec.get("skipped"):  # rtn_init_qat off: the QAT columns repeat RTN
+        row["qat_skipped"] = True
     return _rounded(row)
 
 
@@ -776,17 +781,20 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
                 log(f"quality: {name} GPTQ")
                 gm = lab.gptq(scheme)
                 gq = variants[f"{name}/gptq"] = ev(gm, mc=s.mc)
-            log(f"quality: {name} QAT ({s.qat_steps} steps)")
-            qm, qrec = lab.qat(scheme)
-            qat = variants[f"{name}/qat"] = ev(qm, mc=s.mc)
-            del qm
-            qat_recs[name] = qrec
+            if s.rtn_init_qat:
+                log(f"quality: {name} QAT ({s.qat_steps} steps)")
+                qm, qrec = lab.qat(scheme)
+                qat = variants[f"{name}/qat"] = ev(qm, mc=s.mc)
+                del qm
+                qat_recs[name] = qrec
+            else:  # the row's QAT columns repeat RTN (no QAT ran); the GPTQ-initialised row is the point
+                qat, qrec = rtn, {"train_s": 0.0, "skipped": True}
             row = format_row(name, bf16, rtn, gq, qat, qrec, tpw, s.mc)
             if s.gptq_init_qat and gm is not None:
                 # QAT from GPTQ's weights and scales; the teacher is the untouched base model (the
                 # student's own weights with quantizers off are GPTQ's, not the original)
                 log(f"quality: {name} GPTQ-initialised QAT ({s.qat_steps} steps)")
-                gqm, grec = lab.qat(scheme, start=gm, teacher="base")
+                gqm, grec = lab.qat(scheme, start=gm, teacher="base", lr=s.gptq_init_lr)
                 gqat = variants[f"{name}/gptq-qat"] = ev(gqm, mc=s.mc)
                 rv = recovery_record(bf16, rtn, gqat)
                 row.update(
@@ -796,6 +804,7 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
                             "gptq_qat_recovery_vs_rtn": rv["recovery"],
                             "gptq_qat_recovery_vs_rtn_se": rv["recovery_se"],
                             "gptq_qat_train_s": grec["train_s"],
+                            "gptq_qat_lr": grec["lr"],
                         }
                     )
                 )
@@ -812,13 +821,14 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
         af = s.ablation_format
         scheme = format_scheme(af)
         abl: dict[str, Any] = {"format": af}
-        if f"{af}/rtn" not in variants:
+        ablations = bool(s.kd_losses or s.lrs or s.lwc or s.norm or s.blockwise)
+        if ablations and f"{af}/rtn" not in variants:
             variants[f"{af}/rtn"] = ev(lab.rtn(scheme), mc=False)
-        rtn = variants[f"{af}/rtn"]
-        if af not in qat_recs:
+        rtn = variants.get(f"{af}/rtn")
+        if ablations and af not in qat_recs:  # the main run the ablations compare with
             qm, qat_recs[af] = lab.qat(scheme)
             variants[f"{af}/qat"] = ev(qm, mc=False)
-        main_res, main_rec = variants[f"{af}/qat"], qat_recs[af]
+        main_res, main_rec = variants.get(f"{af}/qat"), qat_recs.get(af)
 
         def sweep(key: str, kwarg: str, values, main, label, tag, record: bool = False) -> None:
             """The main QAT run with ``kwarg`` set to each of ``values`` at equal steps (the main
@@ -945,7 +955,7 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
             )
         )
     for r in rows:  # QAT against GPTQ, where both ran (the issue: QAT beats GPTQ at int4 and int3)
-        if r.get("gptq_ppl") is not None:
+        if r.get("gptq_ppl") is not None and not r.get("qat_skipped"):
             gap = round(r["gptq_ppl"] - r["qat_ppl"], 4)
             tg.append(
                 target(
@@ -960,7 +970,11 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
             tg.append(
                 target(
                     f"min(GPTQ, QAT) perplexity minus GPTQ-initialised QAT's [{r['format']}]",
-                    round(min(r["gptq_ppl"], r["qat_ppl"]) - r["gptq_qat_ppl"], 4),
+                    round(
+                        min(r["gptq_ppl"], r["rtn_ppl" if r.get("qat_skipped") else "qat_ppl"])
+                        - r["gptq_qat_ppl"],
+                        4,
+                    ),
                     0.0,
                     higher_is_better=True,
                     note=f"GPTQ-initialised QAT {r['gptq_qat_ppl']}",
@@ -1038,7 +1052,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--variants", default=None, help="--default-model rows, e.g. qatlib,plain (default both)")
     ap.add_argument(
-        "--recipe", default=None, help="--default-model: JSON overriding quality_default.RECIPE keys"
+        "--recipe",
+        default=None,
+        help="JSON: --default-model: quality_default.RECIPE keys; --default-blockwise: BlockwiseRows "
+        "fields; --default-formats: QualitySettings fields",
     )
     ap.add_argument("--name", default=None, help="result name (default quality_fp4 / quality_default)")
     ap.add_argument("--results", default="results", help="the workflow's results folder (base model, corpus)")
@@ -1074,6 +1091,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             ap.error(f"--default-formats: unknown {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
         s = replace(DEFAULT_FORMAT_ROWS, formats=formats, ablation_format=formats[-1])
+        if a.recipe:  # QualitySettings fields, e.g. '{"gptq_init_lr": 1e-3, "rtn_init_qat": false}'
+            s = replace(s, **json.loads(a.recipe))
         name = "quality_default_formats"
     s = replace(s, base_model_path=a.base_model) if a.base_model else s
     if s.base_model_path is None and find_base_model(a.results, s.base_model) is None:
