@@ -89,6 +89,7 @@ class QualitySettings:
     qat_batch: int = 4
     lr: float = 2e-4  # the default experiment's (1e-3 took scales below 0: the guard stops that)
     warmup_steps: int = 5
+    lr_scheduler: str = "cosine"  # hf_args.lr_scheduler_type
     loss_type: str = "cakld"
     lm_loss_weight: float = 0.0
     # ablations: int3 g32 because its PTQ gap is measurable on the under-trained tiny model (w4a8's is
@@ -560,7 +561,7 @@ class Lab:
             max_steps=steps,
             per_device_train_batch_size=s.qat_batch,
             learning_rate=lr,
-            lr_scheduler_type="cosine",
+            lr_scheduler_type=s.lr_scheduler,
             warmup_steps=min(s.warmup_steps, steps - 1),
             weight_decay=0.0,
             logging_steps=max(steps // 10, 1),

@@ -35,6 +35,7 @@ RECIPE: dict[str, Any] = {
     "scale_update": "log",
     "weight_lr": None,
     "warmup_steps": 3,
+    "lr_scheduler_type": "constant_with_warmup",
 }
 
 
@@ -94,6 +95,7 @@ def run(d: DefaultModelSettings, *, results: str = "results") -> dict[str, Any]:
         qat_batch=1,
         lr=r["lr"],
         warmup_steps=r["warmup_steps"],
+        lr_scheduler=r.get("lr_scheduler_type", "cosine"),
         loss_type=r["loss_type"],
         base_model_path=str(base),
         seed=d.seed,
