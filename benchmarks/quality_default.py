@@ -76,15 +76,21 @@ def plain_scale_qat(student, teacher, samples, *, steps: int, lr: float = 1e-4) 
     student.eval()
 
 
+def default_base(results: str, name: str) -> Path:
+    """The workflow's default model folder; never pre-trained or downloaded here."""
+    base = find_base_model(results, name)
+    if base is None:
+        raise FileNotFoundError(
+            f"{Path(results) / 'base' / name}: the default model is missing; make it with the "
+            f"workflow's gguf_model rule (snakemake results/base/{name})"
+        )
+    return base
+
+
 def run(d: DefaultModelSettings, *, results: str = "results") -> dict[str, Any]:
     from .quality import Lab, QualitySettings, recovery_record, resolve_inputs
 
-    base = find_base_model(results, d.base_model)
-    if base is None:
-        raise FileNotFoundError(
-            f"{Path(results) / 'base' / d.base_model}: the default model is missing; make it with the "
-            f"workflow's gguf_model rule (snakemake results/base/{d.base_model})"
-        )
+    base = default_base(results, d.base_model)
     r = d.recipe
     s = QualitySettings(
         formats=(),
@@ -235,11 +241,7 @@ def blockwise_rows(b: BlockwiseRows, *, results: str = "results") -> dict[str, A
 
     from .quality import FP4_ROWS, Lab, recovery_record, resolve_inputs
 
-    base = find_base_model(results, "smollm2-135m")
-    if base is None:
-        raise FileNotFoundError(
-            f"{Path(results) / 'base' / 'smollm2-135m'}: make it with the gguf_model rule"
-        )
+    base = default_base(results, DefaultModelSettings.base_model)
     s = replace(
         FP4_ROWS,
         formats=(),
