@@ -135,6 +135,11 @@ class QualitySettings:
     # (None: the main one); ``rtn_init_qat`` False skips the main (RTN-initialised) QAT row
     gptq_init_qat: bool = False
     gptq_init_lr: float | None = None
+    # what GPTQ leaves in the weights the GPTQ-initialised QAT starts from (`qatlib.gptq.gptq`'s
+    # ``latent``): the weights it rounded (True) or the rounded grid values (False, the old start)
+    gptq_latent: bool = True
+    # ... and trains its scales with GPTQ's codes held fixed (`qatlib.quant.codes`)
+    gptq_frozen_codes: bool = False
     rtn_init_qat: bool = True
     # the formats whose QAT recovery of RTN's loss is a target, and its threshold
     recovery_targets: tuple[str, ...] = ("int4_g32", "int4_ch", "w4a8_fp8_g32")
@@ -509,11 +514,33 @@ class Lab:
         calibrate(m, scheme, self.calib, ignore=IGNORE, options=PrepareOptions(lwc_init=lwc_init))
         return m
 
-    def gptq(self, scheme):
+    def gap_parts(self, m) -> dict[str, float]:
+        """Where a weight + activation format's RTN loss comes from: the test perplexity of the
+        RTN model ``m`` with only its weight quantizers on, then only its input quantizers."""
+        from qatlib.quant import quant_linears
+
+        out = {}
+        for key, on in (
+            ("rtn_weights_only_ppl", "weight_quantizer"),
+            ("rtn_inputs_only_ppl", "input_quantizer"),
+        ):
+            for _, ql in quant_linears(m):
+                for role in ("weight_quantizer", "input_quantizer"):
+                    q = getattr(ql, role)
+                    if q is not None:
+                        q.enabled = role == on
+            out[key] = self.eval(m, mc=False)["ppl"]
+        for _, ql in quant_linears(m):
+            for q in (ql.weight_quantizer, ql.input_quantizer):
+                if q is not None:
+                    q.enabled = True
+        return out
+
+    def gptq(self, scheme, *, latent: bool = False):
         from qatlib.gptq import gptq
 
         m = self.fresh()
-        gptq(m, scheme, self.calib, ignore=IGNORE)
+        gptq(m, scheme, self.calib, ignore=IGNORE, latent=latent)
         return m
 
     def qat(
@@ -531,6 +558,7 @@ class Lab:
         act_scale: bool = True,
         teacher: str | None = None,
         scale_update: str | None = None,
+        frozen_codes: bool = False,
     ):
         """RTN warm start (or the prepared model ``start``) + end-to-end QAT; returns (model, record).
 
@@ -541,7 +569,8 @@ class Lab:
         quantizers off); default base when weights train or ``start`` is given (a phase before
         may have trained them, `qatlib.trainers.end2end.base_model_teacher`), else self.
         ``scale_update``: ``"log"`` steps the scales in log space (``lr`` relative,
-        `qatlib.trainers.log_scale`); default ``QualitySettings.scale_update``."""
+        `qatlib.trainers.log_scale`); default ``QualitySettings.scale_update``. ``frozen_codes``:
+        the scales train on the start's codes held fixed (`qatlib.quant.codes`)."""
         from transformers import TrainingArguments
         from transformers.trainer_callback import PrinterCallback
 
@@ -601,8 +630,14 @@ class Lab:
         )
         trainer.remove_callback(PrinterCallback)  # the logs are kept in trainer.state, not printed
         t0 = time.perf_counter()
+        if frozen_codes:
+            from qatlib.quant.codes import freeze_codes, release_codes
+
+            freeze_codes(m)
         with _quiet():
             trainer.train()
+        if frozen_codes:
+            release_codes(m)
         wall = time.perf_counter() - t0
         logs = [r for r in trainer.state.log_history if "total_loss" in r]
         rec = {
@@ -617,6 +652,7 @@ class Lab:
             "weight_lr": weight_lr,
             "scale_update": scale_update,
             "teacher": teacher,
+            "frozen_codes": frozen_codes,
             "first_total_loss": logs[0]["total_loss"] if logs else None,
             "last_total_loss": logs[-1]["total_loss"] if logs else None,
             "trainable": trainer.trainable.counts(),
@@ -773,14 +809,18 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
 
         def one_format(name: str) -> None:
             scheme = format_scheme(name)
-            is_int = scheme.weight is not None and not scheme.weight.is_float  # GPTQ: integer grids only
+            w = scheme.weight  # GPTQ: the integer grids and FP8's (its per-tensor scale is fixed first)
+            gptq_ok = w is not None and (not w.is_float or w.qtype == "fp8") and not w.dynamic
             log(f"quality: {name} RTN")
-            rtn = ev(lab.rtn(scheme), mc=s.mc)
+            rm = lab.rtn(scheme)
+            rtn = ev(rm, mc=s.mc)
             variants[f"{name}/rtn"] = rtn
+            parts = lab.gap_parts(rm) if scheme.input is not None else {}
+            del rm
             gq = gm = None
-            if s.gptq and is_int:
+            if s.gptq and gptq_ok:
                 log(f"quality: {name} GPTQ")
-                gm = lab.gptq(scheme)
+                gm = lab.gptq(scheme, latent=s.gptq_init_qat and s.gptq_latent)
                 gq = variants[f"{name}/gptq"] = ev(gm, mc=s.mc)
             if s.rtn_init_qat:
                 log(f"quality: {name} QAT ({s.qat_steps} steps)")
@@ -791,11 +831,14 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
             else:  # the row's QAT columns repeat RTN (no QAT ran); the GPTQ-initialised row is the point
                 qat, qrec = rtn, {"train_s": 0.0, "skipped": True}
             row = format_row(name, bf16, rtn, gq, qat, qrec, tpw, s.mc)
+            row.update(_rounded(parts))
             if s.gptq_init_qat and gm is not None:
                 # QAT from GPTQ's weights and scales; the teacher is the untouched base model (the
                 # student's own weights with quantizers off are GPTQ's, not the original)
                 log(f"quality: {name} GPTQ-initialised QAT ({s.qat_steps} steps)")
-                gqm, grec = lab.qat(scheme, start=gm, teacher="base", lr=s.gptq_init_lr)
+                gqm, grec = lab.qat(
+                    scheme, start=gm, teacher="base", lr=s.gptq_init_lr, frozen_codes=s.gptq_frozen_codes
+                )
                 gqat = variants[f"{name}/gptq-qat"] = ev(gqm, mc=s.mc)
                 rv = recovery_record(bf16, rtn, gqat)
                 row.update(
@@ -806,6 +849,8 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
                             "gptq_qat_recovery_vs_rtn_se": rv["recovery_se"],
                             "gptq_qat_train_s": grec["train_s"],
                             "gptq_qat_lr": grec["lr"],
+                            "gptq_qat_start": "latent" if s.gptq_latent else "rounded",
+                            "gptq_qat_frozen_codes": s.gptq_frozen_codes,
                         }
                     )
                 )

@@ -231,6 +231,8 @@ class BlockwiseRows:
     quant_lr: float = 1e-2  # relative (log space)
     phase2_steps: int = 50
     phase2_lr: float = 1e-3  # relative: a gentle phase 2 (at the main 1e-2 it may undo phase 1)
+    # phase 2 on phase 1's codes held fixed (EfficientQAT's E2E-QP; `qatlib.quant.codes`)
+    phase2_frozen_codes: bool = False
     e2e: bool = True  # end-to-end alone at blockwise's wall time, in the same run
     eval_windows: int = 32
     seed: int = 0
@@ -283,6 +285,7 @@ def blockwise_rows(b: BlockwiseRows, *, results: str = "results") -> dict[str, A
             lr=b.phase2_lr,
             teacher="base",
             scale_update="log",
+            frozen_codes=b.phase2_frozen_codes,
         )
         row(
             "blockwise, then end-to-end (scales)",
@@ -290,6 +293,7 @@ def blockwise_rows(b: BlockwiseRows, *, results: str = "results") -> dict[str, A
             brec["train_s"] + prec["train_s"],
             phase2_steps=b.phase2_steps,
             phase2_lr=b.phase2_lr,
+            phase2_frozen_codes=b.phase2_frozen_codes,
         )
         del bm, pm
         if b.e2e:  # end-to-end alone, as many steps as fit in blockwise's wall time

@@ -65,9 +65,17 @@ def gptq_quantize_weight(
     percdamp: float = 0.01,
     act_order: bool = False,
     fixed: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    latent: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """GPTQ one ``[out, in]`` weight given ``H = 2 X^T X / n``; returns ``(dequantized weight
     (fp32), scale, zero_point)`` with the scale / zero point in ``spec``'s stored shape.
+
+    ``latent``: return instead the weight GPTQ rounded, each column as it stood when its turn came
+    (the original plus the error compensation of the columns before it). It fake-quantizes to the
+    same codes at the returned scales, so PTQ and export are unchanged; what differs is QAT from it:
+    on the dequantized grid values the LSQ scale gradient ``round(w / s) - w / s`` is zero and the
+    first scale step re-rounds nothing GPTQ meant, while the latent weight keeps where in its cell
+    each value fell, as RTN's starting weight does.
 
     ``fixed``: a per-tensor ``(scale, zero_point)`` to quantize at instead of the weight's own (the
     one scale a runtime serves for all shards of a fused group, `shared_weight_qparams`)."""
@@ -118,10 +126,12 @@ def gptq_quantize_weight(
         W = W[:, perm]
     cspec = _column_spec(spec)
     Q = torch.zeros_like(W)
+    kept = Q if not latent else torch.zeros_like(W)
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
         W1 = W[:, i1:i2].clone()
         Q1 = torch.zeros_like(W1)
+        K1 = Q1 if not latent else torch.zeros_like(W1)
         Err1 = torch.zeros_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
@@ -135,19 +145,23 @@ def gptq_quantize_weight(
             q = F.fake_quantize(w, s, z, cspec)
             d = Hinv1[i, i]
             Q1[:, i : i + 1] = q
+            if latent:
+                K1[:, i : i + 1] = w  # before the update below, which turns column i into q
             err = (w - q) / d
             W1[:, i:] -= err @ Hinv1[i : i + 1, i:]
             Err1[:, i : i + 1] = err
         Q[:, i1:i2] = Q1
+        if latent:
+            kept[:, i1:i2] = K1
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
     if perm is not None:
-        Q = Q[:, torch.argsort(perm)]
+        kept = kept[:, torch.argsort(perm)]
     if spec.granularity is Granularity.TENSOR:
         scale = g_scale[:1, 0].clone()
         zp = None if g_zero is None else g_zero[:1, 0].clone()
     else:
         scale, zp = g_scale, g_zero
-    return Q, scale, zp
+    return kept, scale, zp
 
 
 def shared_weight_qparams(layer: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
@@ -204,6 +218,7 @@ def gptq(
     act_order: bool = False,
     min_tokens: int = 1,
     onload: Onloader | None = None,
+    latent: bool = False,
 ) -> CalibrationReport:
     """GPTQ PTQ of ``model`` for ``scheme``, in place (prepares it if needed).
 
@@ -216,6 +231,9 @@ def gptq(
     is moved to the loader's device while it is quantized (the layer inputs are captured and
     carried exactly as `qatlib.ptq.calibrate_layerwise` does). A checkpoint-streamed skeleton is
     refused: GPTQ changes the weights, and an offloaded layer would lose them.
+
+    ``latent`` (`gptq_quantize_weight`): the weights left in the model are the ones GPTQ rounded,
+    not the rounded ones: the same PTQ model, a better start for QAT.
     """
     if onload is not None and onload.source is not None:
         raise ValueError(
@@ -250,7 +268,9 @@ def gptq(
 
     for li, layer in enumerate(layers):
         with loader.onloaded(layer):
-            inputs = _gptq_layer(li, layer, inputs, report, block_size, percdamp, act_order, min_tokens)
+            inputs = _gptq_layer(
+                li, layer, inputs, report, block_size, percdamp, act_order, min_tokens, latent
+            )
         log.info("GPTQ: layer %d/%d done", li + 1, len(layers))
     model.train(was_training)
     if report.fallbacks:
@@ -258,7 +278,7 @@ def gptq(
     return report
 
 
-def _gptq_layer(li, layer, inputs, report, block_size, percdamp, act_order, min_tokens):
+def _gptq_layer(li, layer, inputs, report, block_size, percdamp, act_order, min_tokens, latent):
     """GPTQ of one (onloaded) decoder layer; returns the next layer's inputs."""
     qls = [(n, m) for n, m in layer.named_modules() if isinstance(m, QuantLinear)]
     # 2. Hessians from the float weights of this layer (inputs come from quantized layers).
@@ -307,6 +327,7 @@ def _gptq_layer(li, layer, inputs, report, block_size, percdamp, act_order, min_
             percdamp=percdamp,
             act_order=act_order,
             fixed=fixed,
+            latent=latent,
         )
         ql.weight.data.copy_(Q.to(ql.weight.dtype))
         wq.set_qparams(scale.to(ql.weight.device), None if zp is None else zp.to(ql.weight.device))

@@ -119,7 +119,9 @@ def load_prepared(
 ) -> tuple[nn.Module, dict[str, Any] | None]:
     """The model prepared for the experiment ``cfg``: loaded from ``path``, prepared with
     ``cfg.quant_scheme()``, its ignore layers and prepare options, and the quantizer parameters of
-    the checkpoint ``scales`` (PTQ or QAT, docs/design.md) loaded.
+    the checkpoint ``scales`` (PTQ or QAT, docs/design.md) loaded. A ``scales`` checkpoint that
+    carries its own weights (GPTQ, `qatlib.checkpoint.layout.weights_dir`) is loaded instead of
+    ``path``: its scales were computed for those weights, not the original ones.
 
     Returns ``(model, scale-load report)`` (hits / misses; None without ``scales`` and under ZeRO-3,
     where the report goes to ``report_path`` only). ``complete``: a quantizer parameter the
@@ -128,9 +130,11 @@ def load_prepared(
     ``skeleton``: the weights stay on the meta device (`qatlib.onload.load_skeleton`; the scales are
     real), for the layer-by-layer stages (`qatlib.onload.Onloader`).
     """
-    from .checkpoint.layout import CheckpointError
+    from .checkpoint.layout import CheckpointError, weights_dir
     from .quant import prepare
 
+    if scales is not None:  # a checkpoint that carries its own weights (GPTQ) is the model too
+        path = weights_dir(scales) or path
     scheme = cfg.quant_scheme()
     m = cfg.model
     common = dict(trust_remote_code=m.trust_remote_code, attn_implementation=m.attn_implementation)

@@ -85,7 +85,10 @@ def main(argv=None) -> int:
         if gptq:
             from qatlib.gptq import gptq as run_gptq
 
-            report = run_gptq(model, scheme, batches, ignore=cfg.ignore_layers, options=cfg.prepare_options())
+            # latent: the saved weights are the ones GPTQ rounded (the same PTQ model; QAT's start)
+            report = run_gptq(
+                model, scheme, batches, ignore=cfg.ignore_layers, options=cfg.prepare_options(), latent=True
+            )
         elif args.layerwise:  # the model is never loaded: its layers are streamed from the shards
             from qatlib.ptq import calibrate_from_checkpoint
 

@@ -79,10 +79,12 @@ def test_quick_quality(tmp_path):
     assert doc["eval_check"]["abs_diff"] < 1e-6 * doc["eval_check"]["qatlib_eval_perplexity"]
     fmts = {r["format"]: r for r in doc["formats"]}
     assert set(fmts) == {"fp8_static", "w4a8_fp8_g32"}
-    assert fmts["w4a8_fp8_g32"]["gptq_ppl"] is not None and fmts["fp8_static"]["gptq_ppl"] is None
+    assert fmts["w4a8_fp8_g32"]["gptq_ppl"] is not None and fmts["fp8_static"]["gptq_ppl"] is not None  # FP8 too
     for r in fmts.values():
-        for key in ("bf16_ppl", "rtn_ppl", "qat_ppl"):
+        for key in ("bf16_ppl", "rtn_ppl", "qat_ppl", "rtn_weights_only_ppl", "rtn_inputs_only_ppl"):
             assert math.isfinite(r[key]) and r[key] > 1
+        # each half of the format alone is another model than the whole and than the other half
+        assert len({r["rtn_ppl"], r["rtn_weights_only_ppl"], r["rtn_inputs_only_ppl"], r["bf16_ppl"]}) == 4
     assert [r["variant"] for r in doc["ablation_kd_loss_equal_steps"]] == ["origin", "kl"]
     assert [r["lr"] for r in doc["ablation_lr_equal_steps"]] == [1e-4, 2e-4]
     assert len(doc["ablation_lwc_equal_steps"]) == 2 and len(doc["ablation_e2e_vs_blockwise_equal_wall"]) == 2

@@ -201,3 +201,63 @@ def test_streamed_scripts_write_the_whole_model_outputs(
         assert export.main(argv) == 0
     n = _same_output(tmp_path / "export-whole", tmp_path / "export-layerwise")
     assert n > 0
+
+
+def test_a_gptq_checkpoint_is_the_model_its_scales_belong_to(
+    scripts, tmp_path, tiny_tokenizer, single_thread
+):
+    """scripts/ptq.py with GPTQ saves the weights GPTQ rounded beside its scales; the prepared model
+    of every later stage (`qatlib.models.load_prepared`: QAT, the ptq evaluation) loads those weights,
+    not the original ones (GPTQ's scales on the original weights are neither GPTQ nor RTN), and the
+    QAT's KD teacher is then the original model, not the student with its quantizers off."""
+    from safetensors.torch import load_file
+
+    from qatlib.config import load_config
+    from qatlib.data import load_training_data
+    from qatlib.models import load_prepared
+    from qatlib.quant import quant_linears
+    from qatlib.trainers.end2end import train_end2end
+
+    ptq, _ = scripts
+    base = tmp_path / "base"
+    build_model(tiny_qwen3_moe_config()).save_pretrained(base)
+    tiny_tokenizer.save_pretrained(base)
+    (tmp_path / "train.txt").write_text("\n\n".join(local_texts(20)))
+    sets = ["compression.quantization.name=int4_gptq", f"dataset.data_path={tmp_path / 'train.txt'}",
+            "dataset.num_samples=3", "dataset.max_seq_length=32", f"model.model_path={base}",
+            f"compression.QAT.from_ptq_ckpt={tmp_path / 'ptq'}", "compression.QAT.hf_args.max_steps=1", "compression.QAT.hf_args.deepspeed=null",
+            f"global.save_path={tmp_path / 'run'}"]  # fmt: skip
+    exp = EXPS / "tiny-qwen3-moe.yaml"
+    argv = [
+        "-c",
+        str(exp),
+        "--no-progress",
+        *(f"--set={s}" for s in sets[:-1]),
+        "--save-path",
+        str(tmp_path / "ptq"),
+    ]
+    assert ptq.main(argv) == 0
+    saved, original = load_file(tmp_path / "ptq/model.safetensors"), load_file(base / "model.safetensors")
+    cfg = load_config(exp, sets)
+    model, report = load_prepared(cfg, base, scales=tmp_path / "ptq", complete=True)
+    assert report["misses"] == 0
+    qls = dict(quant_linears(model))
+    assert len(qls) > 10
+    for name, ql in qls.items():
+        assert torch.equal(ql.weight, saved[f"{name}.weight"]), name
+    moved = [n for n in qls if not torch.equal(saved[f"{n}.weight"], original[f"{n}.weight"])]
+    assert len(moved) == len(qls)  # GPTQ changed every weight it quantized
+    trainer = train_end2end(
+        cfg,
+        model,
+        tiny_tokenizer,
+        load_training_data(tmp_path / "train.txt", tiny_tokenizer, 32, num_samples=3),
+        scales_loaded=True,
+    )
+    t = trainer.teacher
+    assert t is not None and t is not model
+    tw = dict(t.named_parameters())
+    attn = [n for n in qls if ".self_attn." in n]  # the teacher's experts stay fused (other names)
+    assert len(attn) >= 8
+    for name in attn:
+        assert torch.equal(tw[f"{name}.weight"].float(), original[f"{name}.weight"].float()), name

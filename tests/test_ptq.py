@@ -257,6 +257,54 @@ def test_gptq_beats_rtn_on_one_layer(spec, act_order):
     assert err(q) < 0.7 * err(rtn), (err(q), err(rtn))
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_latent_weight_is_what_gptq_rounded(act_order):
+    """``latent``: the weight each column had when GPTQ rounded it. With a diagonal Hessian GPTQ
+    compensates nothing, so that is the original weight, by hand; with correlated inputs it is
+    not, yet it rounds to GPTQ's codes at GPTQ's scales, and it sits off the grid (where QAT's
+    scale gradient ``round(w / s) - w / s`` is not zero)."""
+    from qatlib.quant import fake_quantize
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(16, 64, generator=g)
+    diag = torch.diag(torch.rand(64, generator=g) + 0.5)
+    lat, scale, zp = gptq_quantize_weight(w, diag, G16, block_size=32, act_order=act_order, latent=True)
+    torch.testing.assert_close(lat, w, rtol=0, atol=0)
+
+    x = torch.randn(512, 64, generator=g) @ torch.randn(64, 64, generator=g)
+    h = 2 * x.T @ x / x.shape[0]
+    q, scale, zp = gptq_quantize_weight(w, h, G16, block_size=32, act_order=act_order)
+    lat, lscale, lzp = gptq_quantize_weight(w, h, G16, block_size=32, act_order=act_order, latent=True)
+    torch.testing.assert_close(lscale, scale, rtol=0, atol=0)
+    torch.testing.assert_close(fake_quantize(lat, scale, zp, G16), q, rtol=0, atol=0)
+    assert (lat - w).abs().mean() > 0.05  # compensated: not the original ...
+    r = lat / _group_scales(scale)
+    off_grid = (r - torch.round(r)).abs()
+    assert off_grid.mean() > 0.1  # ... and not the grid (uniform offsets would average 0.25)
+
+
+def _group_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Per-group scales ``[out, in / 16]`` broadcast to the weight's ``[out, in]``."""
+    return scale.repeat_interleave(16, dim=1)
+
+
+def test_gptq_latent_model_is_the_same_ptq_model():
+    """gptq(latent=True) leaves other weights in the model than gptq(), but the same quantized
+    model: the same scales and bit-identical fake-quantized outputs."""
+    cfg = tiny_qwen3_moe_config()
+    scheme = QuantScheme("int3_g16", weight=G16.replace(qtype="int3"))
+    batches = _batches(n=2, b=4, t=32)
+    a, b = build_model(cfg), build_model(cfg)
+    gptq(a, scheme, batches)
+    gptq(b, scheme, batches, latent=True)
+    qa, qb = a.model.layers[1].self_attn.o_proj, b.model.layers[1].self_attn.o_proj
+    assert not torch.equal(qa.weight, qb.weight)
+    torch.testing.assert_close(qb.weight_quantizer.scale, qa.weight_quantizer.scale, rtol=0, atol=0)
+    ids = _batches(n=1, seed=7)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(b(ids).logits, a(ids).logits, rtol=0, atol=0)
+
+
 def test_gptq_model_checkpoint_roundtrip(tmp_path):
     cfg = tiny_qwen3_moe_config()
     scheme = QuantScheme("int3_g16", weight=G16.replace(qtype="int3"))

@@ -794,3 +794,66 @@ def test_compile_fake_quant_flag_reaches_every_quantizer(tmp_path):
     assert flags and all(flags)
     default = load_config(cfg_path, ["compression.QAT.plugin_config.quant_config.compile_fake_quant=false"])
     assert default.prepare_options().compile_fake_quant is False
+
+
+# --------------------------------------------------------------------------- frozen codes
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_frozen_codes_linear_is_codes_times_scale(symmetric):
+    """fake_quant_linear(code_scale=s0): value and gradients of ``x @ ((codes - zr) * s)^T`` with
+    ``codes = clamp(round(w / s0) + zr)`` held fixed, against autograd on that formula by hand,
+    at a scale far enough from s0 that re-rounding at s would change many codes."""
+    from qatlib.quant.fq_linear import fake_quant_linear
+
+    spec = QuantSpec("int4", Granularity.GROUP, group_size=16, symmetric=symmetric)
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(6, 32, generator=g), torch.randn(5, 32, generator=g)
+    s0 = w.reshape(6, 2, 16).abs().amax(-1) / 7
+    z = None if symmetric else torch.full((6, 2), 1.0)
+    zr = 0.0 if symmetric else 1.0
+    codes = torch.clamp(torch.round(w.reshape(6, 2, 16) / s0[..., None]) + zr, spec.qmin, spec.qmax)
+    s = (s0 * 1.3).requires_grad_(True)
+    y = fake_quant_linear(x, w, None, s, z, spec, code_scale=s0)
+    s_ref = (s0 * 1.3).requires_grad_(True)
+    ref = x @ ((codes - zr) * s_ref[..., None]).reshape(6, 32).T
+    torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-6)
+    gy = torch.randn(5, 6, generator=g)
+    y.backward(gy)
+    ref.backward(gy)
+    torch.testing.assert_close(s.grad, s_ref.grad, rtol=1e-5, atol=1e-5)
+    # without the frozen codes the same scale re-rounds the weight: another value (LSQ's start)
+    assert not torch.allclose(fake_quant_linear(x, w, None, s.detach(), z, spec), ref.detach(), atol=1e-3)
+
+
+def test_freeze_release_codes_keeps_the_codes_through_a_scale_change():
+    """freeze_codes -> the scales move (as training would) -> the model computes codes * new scale;
+    release_codes writes exactly that into the weights: an ordinary prepared model with the same
+    output whose round-to-nearest at the new scales gives back the frozen codes."""
+    from qatlib.ptq import calibrate
+    from qatlib.quant.codes import freeze_codes, release_codes
+
+    G16 = QuantSpec("int4", Granularity.GROUP, group_size=16)
+    model = build_model(tiny_qwen3_config())
+    calibrate(model, QuantScheme("int4", weight=G16), [])
+    qls = list(quant_linears(model))
+    before = {n: fake_quantize(ql.weight, ql.weight_quantizer.scale, None, G16) for n, ql in qls}
+    codes = {
+        n: torch.round(before[n].reshape(-1, 16) / ql.weight_quantizer.scale.reshape(-1, 1)) for n, ql in qls
+    }
+    assert freeze_codes(model) == len(qls)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _, ql in qls:
+            ql.weight_quantizer.scale.mul_(
+                0.7 + 0.6 * torch.rand(ql.weight_quantizer.scale.shape, generator=g)
+            )
+    ids = _ids(0)
+    with torch.no_grad():
+        frozen = model(ids).logits
+    assert release_codes(model) == len(qls)
+    for n, ql in qls:
+        s = ql.weight_quantizer.scale.reshape(-1, 1)
+        assert ql.weight_quantizer.code_scale is None
+        torch.testing.assert_close(ql.weight.reshape(-1, 16), codes[n] * s, rtol=0, atol=0)
+        torch.testing.assert_close(torch.round(ql.weight.reshape(-1, 16) / s), codes[n], rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, frozen, rtol=1e-6, atol=1e-6)

@@ -83,6 +83,19 @@ def read_scheme_record(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{f}: not a quant scheme ({e})") from None
 
 
+def weights_dir(path: str | os.PathLike) -> Path | None:
+    """The checkpoint's folder when its record names the model's weights stored in it (a GPTQ PTQ
+    checkpoint: GPTQ changes the weights, so the model its scales belong to is loaded from there,
+    not from ``model.model_path``), else None."""
+    d = resolve_dir(path)
+    name = read_scheme_record(d).get("weights")
+    if not name:
+        return None
+    if not (d / name).is_file():
+        raise CheckpointError(f"{d / SCHEME_FILE} names the weights {name!r}, which {d} does not hold")
+    return d
+
+
 def read_scheme(path: str | os.PathLike) -> QuantScheme:
     """The `QuantScheme` a checkpoint was made with (extra metadata keys are ignored)."""
     record = read_scheme_record(path)

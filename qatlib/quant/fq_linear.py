@@ -54,6 +54,7 @@ def _fake_quant_parts(
     global_scale: torch.Tensor | None,
     *,
     with_grad_terms: bool,
+    code_scale: torch.Tensor | None = None,
 ):
     """``(wq, inside, d, s_eff)``: the fake-quantized weight in ``w.dtype`` (the value of
     `F.fake_quantize`: the same fp32 ops in the same order, without the STE terms, which add an
@@ -62,7 +63,9 @@ def _fake_quant_parts(
     rounded to bf16 would move codes) and updated in place where the value is not needed again."""
     v = F._grouped(w.float(), spec)
     s = F._effective_scale(scale.detach(), spec, None if global_scale is None else global_scale.detach())
-    v = v / s  # a new tensor also when w is fp32 (w.float() is w itself)
+    # frozen codes (`qatlib.quant.codes`): rounded at the scale they were frozen at, scaled by the
+    # current one
+    v = v / (s if code_scale is None else F._expand(code_scale.float(), spec))  # a new tensor
     inside = None
     if spec.is_fp4 or spec.is_fp8:
         lim = FP4_E2M1_MAX if spec.is_fp4 else FP8_E4M3_MAX
@@ -82,8 +85,8 @@ def _fake_quant_parts(
         if zr is not None:
             q = q.sub_(zr)  # q - zr: codes minus the rounded zero point
     d = None
-    if with_grad_terms:  # dW_q/ds = (q - zr) - inside * v
-        d = q - torch.where(inside, v, 0.0)
+    if with_grad_terms:  # dW_q/ds = (q - zr) - inside * v; with frozen codes W_q = (q - zr) * s
+        d = q.clone() if code_scale is not None else q - torch.where(inside, v, 0.0)
     del v
     out = q.mul_(s).reshape(w.shape)
     if spec.fp8_recast and not spec.w4a8_kernel:  # the kernel scale path replaces the recast
@@ -112,18 +115,20 @@ class _FakeQuantLinear(torch.autograd.Function):
     """``linear(x, fake_quantize(weight), bias)``; see the module docstring for the gradients."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, scale, zero_point, global_scale, spec, pass_grad):
+    def forward(ctx, x, weight, bias, scale, zero_point, global_scale, spec, pass_grad, code_scale):
         ctx.spec, ctx.pass_grad = spec, pass_grad
-        ctx.save_for_backward(x, weight, bias, scale, zero_point, global_scale)
+        ctx.save_for_backward(x, weight, bias, scale, zero_point, global_scale, code_scale)
         if x.numel() == 0:
             return x.new_empty(*x.shape[:-1], weight.shape[0])
         with torch.no_grad():
-            wq, *_ = _fake_quant_parts(weight, scale, zero_point, spec, global_scale, with_grad_terms=False)
+            wq, *_ = _fake_quant_parts(
+                weight, scale, zero_point, spec, global_scale, with_grad_terms=False, code_scale=code_scale
+            )
             return TF.linear(x, wq, None if bias is None else bias.to(wq.dtype))
 
     @staticmethod
     def backward(ctx, g):
-        x, weight, bias, scale, zero_point, global_scale = ctx.saved_tensors
+        x, weight, bias, scale, zero_point, global_scale, code_scale = ctx.saved_tensors
         spec = ctx.spec
         nx, nw, nb, ns, nz, ngs = ctx.needs_input_grad[:6]
         gx = gw = gb = gs = gz = ggs = None
@@ -134,10 +139,10 @@ class _FakeQuantLinear(torch.autograd.Function):
             gs = torch.zeros_like(scale) if ns else None
             gz = torch.zeros_like(zero_point) if nz else None
             ggs = torch.zeros_like(global_scale) if ngs else None
-            return gx, gw, gb, gs, gz, ggs, None, None
+            return gx, gw, gb, gs, gz, ggs, None, None, None
         need_terms = nw or ns or nz or ngs
         wq, inside, d, s = _fake_quant_parts(
-            weight, scale, zero_point, spec, global_scale, with_grad_terms=need_terms
+            weight, scale, zero_point, spec, global_scale, with_grad_terms=need_terms, code_scale=code_scale
         )
         g2 = _fold(g)
         if nx:
@@ -146,7 +151,7 @@ class _FakeQuantLinear(torch.autograd.Function):
         if nb:
             gb = g2.sum(0).to(bias.dtype)
         if not need_terms:
-            return gx, gw, gb, gs, gz, ggs, None, None
+            return gx, gw, gb, gs, gz, ggs, None, None, None
         # dL/dWq in the model dtype, as autograd computes it ((x^T g)^T), then fp32
         gq = F._grouped(_fold(x).t().mm(g2).t().float(), spec)
         if nw:
@@ -164,7 +169,7 @@ class _FakeQuantLinear(torch.autograd.Function):
         if nz:
             gz = (gq * torch.where(inside, 0.0, -s)).sum_to_size(s.shape)
             gz = gz.reshape(zero_point.shape).to(zero_point.dtype)
-        return gx, gw, gb, gs, gz, ggs, None, None
+        return gx, gw, gb, gs, gz, ggs, None, None, None
 
 
 def fake_quant_linear(
@@ -177,13 +182,20 @@ def fake_quant_linear(
     *,
     clamp_grad: str = "mask",
     global_scale: torch.Tensor | None = None,
+    code_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``TF.linear(x, F.fake_quantize(weight, ...), bias)`` with the same value and gradients,
-    keeping no fake-quantized weight for backward (recomputed there). ``x`` in ``weight.dtype``."""
+    keeping no fake-quantized weight for backward (recomputed there). ``x`` in ``weight.dtype``.
+
+    ``code_scale`` (`qatlib.quant.codes.freeze_codes`): the codes are ``round(weight / code_scale)``
+    and the weight is ``codes * scale``, so ``dW_q / ds = q - zr`` (EfficientQAT's end-to-end
+    training of the step sizes on fixed codes)."""
     if clamp_grad not in ("mask", "pass"):
         raise ValueError(f"clamp_grad must be 'mask' or 'pass', got {clamp_grad!r}")
     if spec.dynamic:
         raise ValueError("fake_quant_linear quantizes a static weight; a dynamic spec has no stored scale")
+    if code_scale is not None and (spec.has_global_scale or spec.fp8_recast):
+        raise ValueError(f"frozen codes: {spec.describe()} has a second scale level; not supported")
     return _FakeQuantLinear.apply(
-        x, weight, bias, scale, zero_point, global_scale, spec, clamp_grad == "pass"
+        x, weight, bias, scale, zero_point, global_scale, spec, clamp_grad == "pass", code_scale
     )

@@ -396,6 +396,7 @@ def train_end2end(
     that save's weights were trained, the KD teacher is the original model (`base_model_teacher`).
     Returns the trainer (trained when ``do_train``).
     """
+    from ..checkpoint.layout import weights_dir
     from ..resume import check_resume_world_size, classify_resume_dir, load_saved_model
 
     qat = cfg.qat
@@ -432,6 +433,19 @@ def train_end2end(
             collator,
             num_samples=qc.lazy_init_samples,
             batch_size=args.per_device_train_batch_size,
+        )
+    if (
+        scales_loaded
+        and qat.from_ptq_ckpt
+        and loss_cfg.kd_enabled
+        and teacher is None
+        and weights_dir(qat.from_ptq_ckpt)
+    ):
+        # the student starts from the PTQ checkpoint's own weights (GPTQ, `models.load_prepared`):
+        # with its quantizers off it is GPTQ's model, not the original one the KD must aim at
+        teacher = base_model_teacher(cfg, zero3_ctx)
+        log.info(
+            "%s carries its own weights (GPTQ): the KD teacher is model.model_path's model", qat.from_ptq_ckpt
         )
     learnable = cfg.learnable()
     pick: dict[str, Any] = {"learnable": learnable}

@@ -1,0 +1,69 @@
+"""Frozen codes: train the weight scales with the integer (or FP8) codes held fixed.
+
+EfficientQAT's second phase (E2E-QP) trains the step sizes end to end on fixed codes. qatlib's
+default QAT moves the scales of a continuous weight instead (LSQ: ``round(w / s)`` re-rounds as
+``s`` moves, and ``dW_q / ds = q - w / s``), which is what an RTN start wants. A start whose
+codes already carry a solution (GPTQ's error compensation, blockwise training's rounding)
+loses it when the scales re-round the weights: GPTQ-initialised QAT ended worse than
+RTN-initialised QAT on SmolLM2 (int4 g64, w4a8; benchmarks/README.md). With the codes frozen the
+quantized weight is ``codes * s`` and ``dW_q / ds = codes``: the scales can only improve on the start.
+
+`freeze_codes` records each weight quantizer's current scale (the codes are ``round(w /
+code_scale)`` from then on, in `fq_linear`); `release_codes` writes ``codes * scale`` into the
+weights and drops the record, so that every later step (evaluation, save, export) sees an ordinary
+prepared model whose weights round to exactly those codes at the trained scales.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .fq_linear import _fake_quant_parts
+from .linear import quant_linears
+
+
+def _frozen_candidates(model: nn.Module):
+    for name, ql in quant_linears(model):
+        wq = ql.weight_quantizer
+        if wq is None or wq.spec.dynamic:
+            continue
+        if wq.scale is None or wq.uses_lwc:
+            raise ValueError(f"frozen codes: {name} has no stored weight scale (LWC or uncalibrated)")
+        if wq.spec.has_global_scale or wq.spec.fp8_recast:
+            raise ValueError(f"frozen codes: {name} ({wq.spec.describe()}) has a second scale level")
+        yield name, ql, wq
+
+
+@torch.no_grad()
+def freeze_codes(model: nn.Module) -> int:
+    """Hold the codes of every static weight quantizer of ``model`` at their current values while
+    the scales train; returns how many. Undo with `release_codes` before saving or exporting."""
+    n = 0
+    for _, _, wq in _frozen_candidates(model):
+        wq.code_scale = wq.scale.detach().clone()
+        n += 1
+    return n
+
+
+@torch.no_grad()
+def release_codes(model: nn.Module) -> int:
+    """Write ``codes * scale`` (the quantized weight the training ended with) into each frozen
+    linear's weight and unfreeze it; returns how many. The weight then lies on the grid of its
+    trained scale, so round-to-nearest there gives back the frozen codes."""
+    n = 0
+    for name, ql, wq in _frozen_candidates(model):
+        if wq.code_scale is None:
+            continue
+        wqv, *_ = _fake_quant_parts(
+            ql.weight, wq.scale, wq.zero_point, wq.spec, None, with_grad_terms=False, code_scale=wq.code_scale
+        )
+        ql.weight.copy_(wqv)
+        wq.code_scale = None
+        again = _fake_quant_parts(ql.weight, wq.scale, wq.zero_point, wq.spec, None, with_grad_terms=False)[0]
+        if not torch.equal(again, wqv):  # e.g. int8 codes near 127 in a bf16 weight
+            raise ValueError(
+                f"frozen codes: {name}'s {ql.weight.dtype} weight cannot hold codes * scale exactly"
+            )
+        n += 1
+    return n
