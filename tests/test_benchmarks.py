@@ -79,7 +79,9 @@ def test_quick_quality(tmp_path):
     assert doc["eval_check"]["abs_diff"] < 1e-6 * doc["eval_check"]["qatlib_eval_perplexity"]
     fmts = {r["format"]: r for r in doc["formats"]}
     assert set(fmts) == {"fp8_static", "w4a8_fp8_g32"}
-    assert fmts["w4a8_fp8_g32"]["gptq_ppl"] is not None and fmts["fp8_static"]["gptq_ppl"] is not None  # FP8 too
+    assert (
+        fmts["w4a8_fp8_g32"]["gptq_ppl"] is not None and fmts["fp8_static"]["gptq_ppl"] is not None
+    )  # FP8 too
     for r in fmts.values():
         for key in ("bf16_ppl", "rtn_ppl", "qat_ppl", "rtn_weights_only_ppl", "rtn_inputs_only_ppl"):
             assert math.isfinite(r[key]) and r[key] > 1
