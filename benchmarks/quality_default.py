@@ -120,7 +120,11 @@ def run(d: DefaultModelSettings, *, results: str = "results") -> dict[str, Any]:
             t1 = time.perf_counter()
             if v == "qatlib":
                 m, rec = lab.qat(
-                    scheme, weight_lr=r.get("weight_lr"), act_scale=False, scale_update=r.get("scale_update")
+                    scheme,
+                    weight_lr=r.get("weight_lr"),
+                    act_scale=False,
+                    scale_update=r.get("scale_update"),
+                    frozen_codes=r.get("frozen_codes", False),
                 )
                 detail = {
                     "recipe": r,

@@ -548,6 +548,8 @@ def _set(data: dict[str, Any], key: str, value: Any) -> None:
 # (id, edits applied to the w4a8 upstream config or raw YAML text, expected dotted path)
 BAD_CASES: list[tuple[str, dict[str, Any] | str, str]] = [
     ("unknown-key-deep", {f"{QC}.learnable.lwcc": True}, f"{QC}.learnable.lwcc"),
+    ("frozen-codes-weights", {f"{QC}.frozen_codes": True, f"{QC}.weight_lr": 1e-5}, f"{QC}.frozen_codes"),
+    ("frozen-codes-lwc", {f"{QC}.frozen_codes": True, f"{QC}.lwc.enable_lwc": True}, f"{QC}.frozen_codes"),
     ("unknown-section", {"modle": {"name": "x"}}, "modle"),
     ("unknown-key-model", {"model.cache_dirr": "/x"}, "model.cache_dirr"),
     (

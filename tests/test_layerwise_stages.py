@@ -203,19 +203,21 @@ def test_streamed_scripts_write_the_whole_model_outputs(
     assert n > 0
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["lsq", "frozen_codes"])
 def test_a_gptq_checkpoint_is_the_model_its_scales_belong_to(
-    scripts, tmp_path, tiny_tokenizer, single_thread
+    scripts, tmp_path, tiny_tokenizer, single_thread, frozen
 ):
     """scripts/ptq.py with GPTQ saves the weights GPTQ rounded beside its scales; the prepared model
     of every later stage (`qatlib.models.load_prepared`: QAT, the ptq evaluation) loads those weights,
     not the original ones (GPTQ's scales on the original weights are neither GPTQ nor RTN), and the
-    QAT's KD teacher is then the original model, not the student with its quantizers off."""
+    QAT's KD teacher is then the original model, not the student with its quantizers off. With
+    ``frozen_codes`` the QAT ends with GPTQ's codes at its trained scales, in the weights."""
     from safetensors.torch import load_file
 
     from qatlib.config import load_config
     from qatlib.data import load_training_data
     from qatlib.models import load_prepared
-    from qatlib.quant import quant_linears
+    from qatlib.quant import quant_linears, quantize
     from qatlib.trainers.end2end import train_end2end
 
     ptq, _ = scripts
@@ -226,6 +228,9 @@ def test_a_gptq_checkpoint_is_the_model_its_scales_belong_to(
     sets = ["compression.quantization.name=int4_gptq", f"dataset.data_path={tmp_path / 'train.txt'}",
             "dataset.num_samples=3", "dataset.max_seq_length=32", f"model.model_path={base}",
             f"compression.QAT.from_ptq_ckpt={tmp_path / 'ptq'}", "compression.QAT.hf_args.max_steps=1", "compression.QAT.hf_args.deepspeed=null",
+            "compression.QAT.hf_args.learning_rate=0.05", "compression.QAT.hf_args.warmup_steps=0",
+            "compression.QAT.plugin_config.quant_config.scale_update=log",
+            f"compression.QAT.plugin_config.quant_config.frozen_codes={str(frozen).lower()}",
             f"global.save_path={tmp_path / 'run'}"]  # fmt: skip
     exp = EXPS / "tiny-qwen3-moe.yaml"
     argv = [
@@ -247,6 +252,9 @@ def test_a_gptq_checkpoint_is_the_model_its_scales_belong_to(
         assert torch.equal(ql.weight, saved[f"{name}.weight"]), name
     moved = [n for n in qls if not torch.equal(saved[f"{n}.weight"], original[f"{n}.weight"])]
     assert len(moved) == len(qls)  # GPTQ changed every weight it quantized
+    s0 = {n: ql.weight_quantizer.scale.detach().clone() for n, ql in qls.items()}
+    spec = next(iter(qls.values())).weight_quantizer.spec
+    codes0 = {n: quantize(ql.weight.detach(), s0[n], None, spec) for n, ql in qls.items()}
     trainer = train_end2end(
         cfg,
         model,
@@ -254,6 +262,18 @@ def test_a_gptq_checkpoint_is_the_model_its_scales_belong_to(
         load_training_data(tmp_path / "train.txt", tiny_tokenizer, 32, num_samples=3),
         scales_loaded=True,
     )
+    moved = [n for n, ql in qls.items() if not torch.equal(ql.weight_quantizer.scale, s0[n])]
+    assert len(moved) > 0.9 * len(qls)  # the scales trained
+    for n, ql in qls.items():
+        s1 = ql.weight_quantizer.scale.detach()
+        if frozen:  # the weights are GPTQ's codes at the trained scales, exactly
+            assert ql.weight_quantizer.code_scale is None
+            assert torch.equal(quantize(ql.weight.detach(), s1, None, spec), codes0[n]), n
+            torch.testing.assert_close(ql.weight.detach(), ql.fake_quant_weight().detach(), rtol=0, atol=0)
+        else:  # the weights did not train
+            assert torch.equal(ql.weight, saved[f"{n}.weight"]), n
+    if frozen:
+        assert sum(not torch.equal(ql.weight, saved[f"{n}.weight"]) for n, ql in qls.items()) == len(moved)
     t = trainer.teacher
     assert t is not None and t is not model
     tw = dict(t.named_parameters())

@@ -267,6 +267,10 @@ class QuantConfig(Section):
     # AdamW lr; the KD teacher is then the original model, a second copy (ZeRO-3: partitioned, M /
     # world more per rank), since the student's own weights with quantizers off no longer are it
     weight_lr: float | None = Field(None, gt=0)
+    # not upstream: the scales train on the start's codes held fixed (EfficientQAT's E2E-QP;
+    # qatlib.quant.codes): for a start whose codes carry a solution (GPTQ's from_ptq_ckpt, a
+    # blockwise phase), which scales re-rounding a continuous weight would undo
+    frozen_codes: bool = False
     q: OutputQuantConfig | None = None
     k: OutputQuantConfig | None = None
     v: OutputQuantConfig | None = None
@@ -277,6 +281,11 @@ class QuantConfig(Section):
             # Upstream silently trains nothing: the clip factors are only created with enable_lwc.
             raise issues_error(
                 [("learnable.lwc", "is true but lwc.enable_lwc is false: there are no clip factors to learn")]
+            )
+        if self.frozen_codes and (self.weight_lr or self.lwc.enable_lwc):
+            what = "weight_lr (the weights train)" if self.weight_lr else "lwc.enable_lwc (no stored scale)"
+            raise issues_error(
+                [("frozen_codes", f"cannot be combined with {what}: the codes are held fixed")]
             )
         return self
 

@@ -39,9 +39,12 @@ def _frozen_candidates(model: nn.Module):
 def freeze_codes(model: nn.Module) -> int:
     """Hold the codes of every static weight quantizer of ``model`` at their current values while
     the scales train; returns how many. Undo with `release_codes` before saving or exporting."""
+    from ..zero3_io import gathered_param_if_zero3  # ZeRO-3: every rank records the whole scale
+
     n = 0
     for _, _, wq in _frozen_candidates(model):
-        wq.code_scale = wq.scale.detach().clone()
+        with gathered_param_if_zero3(wq.scale):
+            wq.code_scale = wq.scale.detach().clone()
         n += 1
     return n
 
@@ -51,17 +54,29 @@ def release_codes(model: nn.Module) -> int:
     """Write ``codes * scale`` (the quantized weight the training ended with) into each frozen
     linear's weight and unfreeze it; returns how many. The weight then lies on the grid of its
     trained scale, so round-to-nearest there gives back the frozen codes."""
+    from ..zero3_io import gathered_param_if_zero3
+
     n = 0
     for name, ql, wq in _frozen_candidates(model):
         if wq.code_scale is None:
             continue
-        wqv, *_ = _fake_quant_parts(
-            ql.weight, wq.scale, wq.zero_point, wq.spec, None, with_grad_terms=False, code_scale=wq.code_scale
-        )
-        ql.weight.copy_(wqv)
+        # ZeRO-3: every rank gathers and computes the same; rank 0's weight is re-partitioned
+        with gathered_param_if_zero3([ql.weight, wq.scale, wq.zero_point], modifier_rank=0):
+            wqv, *_ = _fake_quant_parts(
+                ql.weight,
+                wq.scale,
+                wq.zero_point,
+                wq.spec,
+                None,
+                with_grad_terms=False,
+                code_scale=wq.code_scale,
+            )
+            ql.weight.copy_(wqv)
+            again = _fake_quant_parts(
+                ql.weight, wq.scale, wq.zero_point, wq.spec, None, with_grad_terms=False
+            )[0]
         wq.code_scale = None
-        again = _fake_quant_parts(ql.weight, wq.scale, wq.zero_point, wq.spec, None, with_grad_terms=False)[0]
-        if not torch.equal(again, wqv):  # e.g. int8 codes near 127 in a bf16 weight
+        if not torch.equal(again, wqv):  # e.g. int8 codes near 127 in a bf16 weight (every rank)
             raise ValueError(
                 f"frozen codes: {name}'s {ql.weight.dtype} weight cannot hold codes * scale exactly"
             )

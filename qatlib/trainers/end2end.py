@@ -476,5 +476,11 @@ def train_end2end(
             from .. import heap
 
             log.info("heap during training: %s", heap.configure_training(model, args.device.type))
+        if qc.frozen_codes:  # before train(): a resumed run's codes are the start's, not the checkpoint's
+            from ..quant.codes import freeze_codes, release_codes
+
+            log.info("frozen codes: %d weight quantizers", freeze_codes(model))
         trainer.train(resume_from_checkpoint=resume_from)
+        if qc.frozen_codes:
+            release_codes(model)  # the weights become codes * trained scale: what save / export see
     return trainer
