@@ -267,7 +267,7 @@ def test_a_gptq_checkpoint_is_the_model_its_scales_belong_to(
     for n, ql in qls.items():
         s1 = ql.weight_quantizer.scale.detach()
         if frozen:  # the weights are GPTQ's codes at the trained scales, exactly
-            assert ql.weight_quantizer.code_scale is None
+            assert ql.weight_quantizer.frozen_at is None
             assert torch.equal(quantize(ql.weight.detach(), s1, None, spec), codes0[n]), n
             torch.testing.assert_close(ql.weight.detach(), ql.fake_quant_weight().detach(), rtol=0, atol=0)
         else:  # the weights did not train

@@ -799,29 +799,38 @@ def test_compile_fake_quant_flag_reaches_every_quantizer(tmp_path):
 # --------------------------------------------------------------------------- frozen codes
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
 def test_frozen_codes_linear_is_codes_times_scale(symmetric):
-    """fake_quant_linear(code_scale=s0): value and gradients of ``x @ ((codes - zr) * s)^T`` with
-    ``codes = clamp(round(w / s0) + zr)`` held fixed, against autograd on that formula by hand,
-    at a scale far enough from s0 that re-rounding at s would change many codes."""
+    """fake_quant_linear(frozen_at=(s0, z0)): value and gradients of ``x @ ((q - round(z)) * s)^T``
+    with ``q = clamp(round(w / s0) + round(z0))`` held fixed (round(z) straight-through), against
+    autograd on that formula by hand, at a scale (and zero point) far enough from the frozen ones
+    that re-rounding there would change many codes."""
     from qatlib.quant.fq_linear import fake_quant_linear
 
     spec = QuantSpec("int4", Granularity.GROUP, group_size=16, symmetric=symmetric)
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(6, 32, generator=g), torch.randn(5, 32, generator=g)
     s0 = w.reshape(6, 2, 16).abs().amax(-1) / 7
-    z = None if symmetric else torch.full((6, 2), 1.0)
-    zr = 0.0 if symmetric else 1.0
-    codes = torch.clamp(torch.round(w.reshape(6, 2, 16) / s0[..., None]) + zr, spec.qmin, spec.qmax)
-    s = (s0 * 1.3).requires_grad_(True)
-    y = fake_quant_linear(x, w, None, s, z, spec, code_scale=s0)
-    s_ref = (s0 * 1.3).requires_grad_(True)
+    z0 = None if symmetric else torch.full((6, 2), 1.0)
+    codes = torch.round(w.reshape(6, 2, 16) / s0[..., None]) + (0.0 if symmetric else 1.0)
+    codes = torch.clamp(codes, spec.qmin, spec.qmax)
+
+    def leaf(t):
+        return None if t is None else t.clone().requires_grad_(True)
+
+    s, z = leaf(s0 * 1.3), leaf(None if symmetric else z0 + 2.2)
+    y = fake_quant_linear(x, w, None, s, z, spec, frozen_at=(s0, z0))
+    s_ref, z_ref = leaf(s0 * 1.3), leaf(None if symmetric else z0 + 2.2)
+    zr = 0.0 if symmetric else (z_ref + (torch.round(z_ref) - z_ref).detach())[..., None]
     ref = x @ ((codes - zr) * s_ref[..., None]).reshape(6, 32).T
     torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-6)
     gy = torch.randn(5, 6, generator=g)
     y.backward(gy)
     ref.backward(gy)
     torch.testing.assert_close(s.grad, s_ref.grad, rtol=1e-5, atol=1e-5)
+    if not symmetric:
+        torch.testing.assert_close(z.grad, z_ref.grad, rtol=1e-5, atol=1e-5)
     # without the frozen codes the same scale re-rounds the weight: another value (LSQ's start)
-    assert not torch.allclose(fake_quant_linear(x, w, None, s.detach(), z, spec), ref.detach(), atol=1e-3)
+    plain = fake_quant_linear(x, w, None, s.detach(), None if z is None else z.detach(), spec)
+    assert not torch.allclose(plain, ref.detach(), atol=1e-3)
 
 
 def test_freeze_release_codes_keeps_the_codes_through_a_scale_change():
@@ -852,7 +861,7 @@ def test_freeze_release_codes_keeps_the_codes_through_a_scale_change():
     assert release_codes(model) == len(qls)
     for n, ql in qls:
         s = ql.weight_quantizer.scale.reshape(-1, 1)
-        assert ql.weight_quantizer.code_scale is None
+        assert ql.weight_quantizer.frozen_at is None
         torch.testing.assert_close(ql.weight.reshape(-1, 16), codes[n] * s, rtol=0, atol=0)
         torch.testing.assert_close(torch.round(ql.weight.reshape(-1, 16) / s), codes[n], rtol=0, atol=0)
     with torch.no_grad():

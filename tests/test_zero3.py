@@ -168,12 +168,19 @@ def reference_run(
     *,
     lr: float = LR,
     scale_update: str = "additive",
+    frozen_codes: bool = False,
 ) -> dict:
     """The single-process QAT the ZeRO-3 run must equal: rank r's micro-batch r, the mean of the
-    per-rank losses (what ZeRO-3's gradient averaging optimises), torch AdamW on the scales."""
+    per-rank losses (what ZeRO-3's gradient averaging optimises), torch AdamW on the scales;
+    ``frozen_codes``: on the start's codes (`qatlib.quant.codes`), released into the weights."""
+    from qatlib.quant.codes import freeze_codes, release_codes
+
     with one_thread():
         model, report = prepared_from(model_dir, ptq_dir, scheme, target)
         init_params = quant_params(model)
+        init_weights = {n: p.detach().clone() for n, p in model.named_parameters() if "_quantizer." not in n}
+        if frozen_codes:
+            freeze_codes(model)
         for p in model.parameters():
             p.requires_grad_(id(p) in _quant_ids(model))
         opt = scale_optimizer(model, lr, EPS, scale_update)
@@ -189,10 +196,14 @@ def reference_run(
         model.eval()
         with torch.no_grad():
             logits = model(input_ids=data["eval"]).logits
+        if frozen_codes:
+            release_codes(model)
     return {
         "losses": losses,
+        "weights": {n: p.detach().clone() for n, p in model.named_parameters() if "_quantizer." not in n},
         "quant_params": quant_params(model),
         "init_params": init_params,
+        "init_weights": init_weights,
         "logits": logits,
         "report": report,
         "shared": [[n for n, _ in g] for g in tying.shared_groups(model)],
@@ -268,6 +279,10 @@ def ckpts(tmp_path_factory):
     # log-space scale steps (quant_config.scale_update: log) at a relative lr of 1%
     out["dense_log_ref"] = reference_run(
         out["dense"], out["dense_ptq"], data, STEPS, lr=LOG_LR, scale_update="log"
+    )
+    # ... and on the PTQ codes held fixed (quant_config.frozen_codes), released into the weights
+    out["dense_frozen_ref"] = reference_run(
+        out["dense"], out["dense_ptq"], data, STEPS, lr=LOG_LR, scale_update="log", frozen_codes=True
     )
     # deploy.target vllm on the MoE model: an UNTIED fp8 PTQ checkpoint (its tied keys disagree, so
     # the load takes the max), then QAT with q/k/v, each expert's gate/up and every expert input tied
@@ -358,6 +373,16 @@ def zero3_run(ckpts):
                 "compare_ckpt": str(ckpts["dense"]),
                 "scale_update": "log",
                 "lr": LOG_LR,
+            },
+            {
+                **phase,
+                "name": "dense_frozen",
+                "model": str(ckpts["dense"]),
+                "ptq": str(ckpts["dense_ptq"]),
+                "compare_ckpt": str(ckpts["dense"]),
+                "scale_update": "log",
+                "lr": LOG_LR,
+                "frozen_codes": True,
             },
             {
                 **phase,
@@ -478,6 +503,7 @@ def test_scales_report(zero3_run, ckpts):
         "llama",
         "nvfp4",
         "dense_log",
+        "dense_frozen",
         "nvfp4_tied",
         "mxfp4_log",
     ],
@@ -495,6 +521,30 @@ def test_qat_steps_match_single_process(zero3_run, ckpts, name):
         moved += not torch.equal(v, ref["init_params"][k])
     assert moved > len(ref["quant_params"]) // 2  # the steps did train the scales
     torch.testing.assert_close(r["logits"], ref["logits"], rtol=RTOL, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_frozen_codes_release_into_the_partitioned_weights(zero3_run, ckpts):
+    """quant_config.frozen_codes under ZeRO-3: each rank records the gathered scale, trains on the
+    PTQ codes, and the release writes codes * trained scale into every partitioned weight: the
+    consolidated weights are the single-process run's and round back to the PTQ's codes."""
+    from qatlib.quant import quantize
+
+    results, _, _ = zero3_run
+    r, ref = results["dense_frozen"], ckpts["dense_frozen_ref"]
+    assert set(r["weights"]) == set(ref["weights"])
+    codes_kept = 0
+    for k, v in ref["weights"].items():
+        torch.testing.assert_close(r["weights"][k], v, rtol=RTOL, atol=ATOL, msg=k)
+        sk = k.replace(".weight", ".weight_quantizer.scale")
+        if sk in ref["quant_params"]:  # a quantized linear: its codes at the start and the end
+            start = quantize(ref["init_weights"][k], ref["init_params"][sk], None, SCHEME.weight)
+            assert torch.equal(
+                quantize(r["weights"][k], r["quant_params"][sk], None, SCHEME.weight), start
+            ), k
+            codes_kept += 1
+    assert codes_kept >= 7 * 2  # every linear of both layers
 
 
 @pytest.mark.slow

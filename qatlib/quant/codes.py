@@ -8,8 +8,8 @@ loses it when the scales re-round the weights: GPTQ-initialised QAT ended worse 
 RTN-initialised QAT on SmolLM2 (int4 g64, w4a8; benchmarks/README.md). With the codes frozen the
 quantized weight is ``codes * s`` and ``dW_q / ds = codes``: the scales can only improve on the start.
 
-`freeze_codes` records each weight quantizer's current scale (the codes are ``round(w /
-code_scale)`` from then on, in `fq_linear`); `release_codes` writes ``codes * scale`` into the
+`freeze_codes` records each weight quantizer's current scale and zero point (the codes are
+``clamp(round(w / s0) + round(z0))`` from then on, in `fq_linear`); `release_codes` writes ``codes * scale`` into the
 weights and drops the record, so that every later step (evaluation, save, export) sees an ordinary
 prepared model whose weights round to exactly those codes at the trained scales.
 """
@@ -43,8 +43,9 @@ def freeze_codes(model: nn.Module) -> int:
 
     n = 0
     for _, _, wq in _frozen_candidates(model):
-        with gathered_param_if_zero3(wq.scale):
-            wq.code_scale = wq.scale.detach().clone()
+        with gathered_param_if_zero3([wq.scale, wq.zero_point]):
+            z = None if wq.zero_point is None else wq.zero_point.detach().clone()
+            wq.frozen_at = (wq.scale.detach().clone(), z)
         n += 1
     return n
 
@@ -58,7 +59,7 @@ def release_codes(model: nn.Module) -> int:
 
     n = 0
     for name, ql, wq in _frozen_candidates(model):
-        if wq.code_scale is None:
+        if wq.frozen_at is None:
             continue
         # ZeRO-3: every rank gathers and computes the same; rank 0's weight is re-partitioned
         with gathered_param_if_zero3([ql.weight, wq.scale, wq.zero_point], modifier_rank=0):
@@ -69,13 +70,13 @@ def release_codes(model: nn.Module) -> int:
                 wq.spec,
                 None,
                 with_grad_terms=False,
-                code_scale=wq.code_scale,
+                frozen_at=wq.frozen_at,
             )
             ql.weight.copy_(wqv)
             again = _fake_quant_parts(
                 ql.weight, wq.scale, wq.zero_point, wq.spec, None, with_grad_terms=False
             )[0]
-        wq.code_scale = None
+        wq.frozen_at = None
         if not torch.equal(again, wqv):  # e.g. int8 codes near 127 in a bf16 weight (every rank)
             raise ValueError(
                 f"frozen codes: {name}'s {ql.weight.dtype} weight cannot hold codes * scale exactly"

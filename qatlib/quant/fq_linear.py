@@ -54,7 +54,7 @@ def _fake_quant_parts(
     global_scale: torch.Tensor | None,
     *,
     with_grad_terms: bool,
-    code_scale: torch.Tensor | None = None,
+    frozen_at: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ):
     """``(wq, inside, d, s_eff)``: the fake-quantized weight in ``w.dtype`` (the value of
     `F.fake_quantize`: the same fp32 ops in the same order, without the STE terms, which add an
@@ -63,9 +63,9 @@ def _fake_quant_parts(
     rounded to bf16 would move codes) and updated in place where the value is not needed again."""
     v = F._grouped(w.float(), spec)
     s = F._effective_scale(scale.detach(), spec, None if global_scale is None else global_scale.detach())
-    # frozen codes (`qatlib.quant.codes`): rounded at the scale they were frozen at, scaled by the
-    # current one
-    v = v / (s if code_scale is None else F._expand(code_scale.float(), spec))  # a new tensor
+    # frozen codes (`qatlib.quant.codes`): rounded at the scale / zero point they were frozen at,
+    # dequantized with the current ones
+    v = v / (s if frozen_at is None else F._expand(frozen_at[0].float(), spec))  # a new tensor
     inside = None
     if spec.is_fp4 or spec.is_fp8:
         lim = FP4_E2M1_MAX if spec.is_fp4 else FP8_E4M3_MAX
@@ -76,7 +76,8 @@ def _fake_quant_parts(
     else:
         if zero_point is not None:
             zr = torch.round(F._expand(zero_point.detach().float(), spec))
-            r = torch.round(v).add_(zr)
+            zc = zr if frozen_at is None else torch.round(F._expand(frozen_at[1].float(), spec))
+            r = torch.round(v).add_(zc)
         else:
             zr, r = None, torch.round(v)
         if with_grad_terms:
@@ -86,7 +87,7 @@ def _fake_quant_parts(
             q = q.sub_(zr)  # q - zr: codes minus the rounded zero point
     d = None
     if with_grad_terms:  # dW_q/ds = (q - zr) - inside * v; with frozen codes W_q = (q - zr) * s
-        d = q.clone() if code_scale is not None else q - torch.where(inside, v, 0.0)
+        d = q.clone() if frozen_at is not None else q - torch.where(inside, v, 0.0)
     del v
     out = q.mul_(s).reshape(w.shape)
     if spec.fp8_recast and not spec.w4a8_kernel:  # the kernel scale path replaces the recast
@@ -115,20 +116,21 @@ class _FakeQuantLinear(torch.autograd.Function):
     """``linear(x, fake_quantize(weight), bias)``; see the module docstring for the gradients."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, scale, zero_point, global_scale, spec, pass_grad, code_scale):
-        ctx.spec, ctx.pass_grad = spec, pass_grad
-        ctx.save_for_backward(x, weight, bias, scale, zero_point, global_scale, code_scale)
+    def forward(ctx, x, weight, bias, scale, zero_point, global_scale, spec, pass_grad, frozen_at):
+        ctx.spec, ctx.pass_grad, ctx.frozen_at = spec, pass_grad, frozen_at  # buffers: no grad
+        ctx.save_for_backward(x, weight, bias, scale, zero_point, global_scale)
         if x.numel() == 0:
             return x.new_empty(*x.shape[:-1], weight.shape[0])
         with torch.no_grad():
             wq, *_ = _fake_quant_parts(
-                weight, scale, zero_point, spec, global_scale, with_grad_terms=False, code_scale=code_scale
+                weight, scale, zero_point, spec, global_scale, with_grad_terms=False, frozen_at=frozen_at
             )
             return TF.linear(x, wq, None if bias is None else bias.to(wq.dtype))
 
     @staticmethod
     def backward(ctx, g):
-        x, weight, bias, scale, zero_point, global_scale, code_scale = ctx.saved_tensors
+        x, weight, bias, scale, zero_point, global_scale = ctx.saved_tensors
+        frozen_at = ctx.frozen_at
         spec = ctx.spec
         nx, nw, nb, ns, nz, ngs = ctx.needs_input_grad[:6]
         gx = gw = gb = gs = gz = ggs = None
@@ -142,7 +144,7 @@ class _FakeQuantLinear(torch.autograd.Function):
             return gx, gw, gb, gs, gz, ggs, None, None, None
         need_terms = nw or ns or nz or ngs
         wq, inside, d, s = _fake_quant_parts(
-            weight, scale, zero_point, spec, global_scale, with_grad_terms=need_terms, code_scale=code_scale
+            weight, scale, zero_point, spec, global_scale, with_grad_terms=need_terms, frozen_at=frozen_at
         )
         g2 = _fold(g)
         if nx:
@@ -167,7 +169,8 @@ class _FakeQuantLinear(torch.autograd.Function):
                 gsv = global_scale.detach().float().reshape(())
                 ggs = (-(gs_eff * s).sum() / gsv).reshape(global_scale.shape).to(global_scale.dtype)
         if nz:
-            gz = (gq * torch.where(inside, 0.0, -s)).sum_to_size(s.shape)
+            # W_q = (q - zr) * s: -s everywhere with frozen codes, only where clamped otherwise
+            gz = (gq * (-s if frozen_at is not None else torch.where(inside, 0.0, -s))).sum_to_size(s.shape)
             gz = gz.reshape(zero_point.shape).to(zero_point.dtype)
         return gx, gw, gb, gs, gz, ggs, None, None, None
 
@@ -182,20 +185,21 @@ def fake_quant_linear(
     *,
     clamp_grad: str = "mask",
     global_scale: torch.Tensor | None = None,
-    code_scale: torch.Tensor | None = None,
+    frozen_at: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """``TF.linear(x, F.fake_quantize(weight, ...), bias)`` with the same value and gradients,
     keeping no fake-quantized weight for backward (recomputed there). ``x`` in ``weight.dtype``.
 
-    ``code_scale`` (`qatlib.quant.codes.freeze_codes`): the codes are ``round(weight / code_scale)``
-    and the weight is ``codes * scale``, so ``dW_q / ds = q - zr`` (EfficientQAT's end-to-end
-    training of the step sizes on fixed codes)."""
+    ``frozen_at`` (`qatlib.quant.codes.freeze_codes`): ``(scale, zero_point)`` the codes are held
+    at, ``q = clamp(round(weight / s0) + round(z0))``; the weight is ``(q - round(z)) * s`` with the
+    current scale and zero point, so ``dW_q / ds = q - zr`` and ``dW_q / dz = -s`` (EfficientQAT's
+    end-to-end training of the step sizes on fixed codes)."""
     if clamp_grad not in ("mask", "pass"):
         raise ValueError(f"clamp_grad must be 'mask' or 'pass', got {clamp_grad!r}")
     if spec.dynamic:
         raise ValueError("fake_quant_linear quantizes a static weight; a dynamic spec has no stored scale")
-    if code_scale is not None and (spec.has_global_scale or spec.fp8_recast):
+    if frozen_at is not None and (spec.has_global_scale or spec.fp8_recast):
         raise ValueError(f"frozen codes: {spec.describe()} has a second scale level; not supported")
     return _FakeQuantLinear.apply(
-        x, weight, bias, scale, zero_point, global_scale, spec, clamp_grad == "pass", code_scale
+        x, weight, bias, scale, zero_point, global_scale, spec, clamp_grad == "pass", frozen_at
     )

@@ -128,8 +128,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         wq = self.weight_quantizer
-        code_scale = None if wq is None else wq.code_scale  # frozen codes (`qatlib.quant.codes`)
-        if wq is None or not wq.enabled or wq.calibrating or (wq.compile_fake_quant and code_scale is None):
+        frozen_at = None if wq is None else wq.frozen_at  # frozen codes (`qatlib.quant.codes`)
+        if wq is None or not wq.enabled or wq.calibrating or (wq.compile_fake_quant and frozen_at is None):
             return _linear(self, x, self.fake_quant_weight())
         # the fake-quantized weight is recomputed in backward, never kept (`fq_linear`)
         w = self.weight
@@ -145,7 +145,7 @@ class QuantLinear(nn.Module):
                 wq.spec,
                 clamp_grad=wq.clamp_grad,
                 global_scale=wq.global_scale_for(w),
-                code_scale=code_scale,
+                frozen_at=frozen_at,
             )
 
         return _linear(self, x, None, weight_linear)

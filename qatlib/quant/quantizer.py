@@ -80,8 +80,9 @@ class Quantizer(nn.Module):
         self.calibrating = False
         self._obs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.register_buffer("initialized", torch.tensor(False), persistent=False)
-        # the scale the weight's codes were frozen at (`qatlib.quant.codes`; None: codes follow the scale)
-        self.code_scale: torch.Tensor | None = None
+        # (scale, zero point) the weight's codes are frozen at (`qatlib.quant.codes`; None: the
+        # codes follow the scale)
+        self.frozen_at: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.scale: nn.Parameter | None = None
         self.zero_point: nn.Parameter | None = None
         self.clip_factor_w_max: nn.Parameter | None = None

@@ -128,6 +128,10 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
     )
     checks["groups"] = [[g["name"], g["lr"], bool(g.get("log_space"))] for g in groups]
     opt = install_log_space_steps(torch.optim.AdamW(groups, lr=lr, eps=spec["eps"]))
+    if ph.get("frozen_codes"):  # quant_config.frozen_codes, as train_end2end runs it
+        from qatlib.quant.codes import freeze_codes
+
+        freeze_codes(model)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
     # what gathers as one unit (ZeRO-3 leaf modules), after DeepSpeed applied the config's list
     checks["leaf_classes"] = sorted(
@@ -192,6 +196,10 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
         checks["expert_token_counts"] = gathered
         checks["fake_quantized_experts"] = sorted(fq_computed)
 
+    if ph.get("frozen_codes"):
+        from qatlib.quant.codes import release_codes
+
+        release_codes(model)
     sd = z.consolidated_state_dict(model)
     saved = z.save_consolidated(model, out / f"{ph['name']}_saved", scheme=scheme)
     meta = z.run_metadata(model)
@@ -203,6 +211,7 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
             {
                 "losses": losses,
                 "quant_params": {k: v for k, v in sd.items() if "_quantizer." in k},
+                "weights": {k: v for k, v in sd.items() if "_quantizer." not in k},
                 "init_quant_params": init_quant,
                 "n_state": len(sd),
                 "logits": logits,
