@@ -866,3 +866,24 @@ def test_freeze_release_codes_keeps_the_codes_through_a_scale_change():
         torch.testing.assert_close(torch.round(ql.weight.reshape(-1, 16) / s), codes[n], rtol=0, atol=0)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, frozen, rtol=1e-6, atol=1e-6)
+
+
+def test_frozen_codes_release_under_the_w4a8_fp8_recast():
+    """W4A8-FP8 recasts the dequantized int4 weight to FP8 at every forward: release_codes writes
+    the grid values before the recast, so the released model computes what the frozen one did."""
+    from qatlib.ptq import calibrate
+    from qatlib.quant.codes import freeze_codes, release_codes
+
+    scheme = PRESETS["w4a8_fp8"].replace(name="w4a8_g16")
+    scheme = scheme.replace(weight=scheme.weight.replace(group_size=16))
+    assert scheme.weight.fp8_recast
+    model = build_model(tiny_qwen3_config())
+    calibrate(model, scheme, [_ids(1)])
+    assert freeze_codes(model) == len(list(quant_linears(model)))
+    with torch.no_grad():
+        for _, ql in quant_linears(model):
+            ql.weight_quantizer.scale.mul_(1.2)  # 7 * 1.2: re-rounding would change the large codes
+        frozen = model(_ids(0)).logits
+    release_codes(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(_ids(0)).logits, frozen, rtol=0, atol=0)

@@ -30,7 +30,7 @@ def _frozen_candidates(model: nn.Module):
             continue
         if wq.scale is None or wq.uses_lwc:
             raise ValueError(f"frozen codes: {name} has no stored weight scale (LWC or uncalibrated)")
-        if wq.spec.has_global_scale or wq.spec.fp8_recast:
+        if wq.spec.has_global_scale:
             raise ValueError(f"frozen codes: {name} ({wq.spec.describe()}) has a second scale level")
         yield name, ql, wq
 
@@ -61,21 +61,18 @@ def release_codes(model: nn.Module) -> int:
     for name, ql, wq in _frozen_candidates(model):
         if wq.frozen_at is None:
             continue
+        # the grid values before W4A8's FP8 recast: the recast is a function of them, applied again
+        # at every forward (re-rounding recast values at the scale could move a code at a tie)
+        spec = wq.spec.replace(fp8_recast=False) if wq.spec.fp8_recast else wq.spec
         # ZeRO-3: every rank gathers and computes the same; rank 0's weight is re-partitioned
         with gathered_param_if_zero3([ql.weight, wq.scale, wq.zero_point], modifier_rank=0):
             wqv, *_ = _fake_quant_parts(
-                ql.weight,
-                wq.scale,
-                wq.zero_point,
-                wq.spec,
-                None,
-                with_grad_terms=False,
-                frozen_at=wq.frozen_at,
+                ql.weight, wq.scale, wq.zero_point, spec, None, with_grad_terms=False, frozen_at=wq.frozen_at
             )
             ql.weight.copy_(wqv)
-            again = _fake_quant_parts(
-                ql.weight, wq.scale, wq.zero_point, wq.spec, None, with_grad_terms=False
-            )[0]
+            again = _fake_quant_parts(ql.weight, wq.scale, wq.zero_point, spec, None, with_grad_terms=False)[
+                0
+            ]
         wq.frozen_at = None
         if not torch.equal(again, wqv):  # e.g. int8 codes near 127 in a bf16 weight (every rank)
             raise ValueError(

@@ -198,7 +198,7 @@ def fake_quant_linear(
         raise ValueError(f"clamp_grad must be 'mask' or 'pass', got {clamp_grad!r}")
     if spec.dynamic:
         raise ValueError("fake_quant_linear quantizes a static weight; a dynamic spec has no stored scale")
-    if frozen_at is not None and (spec.has_global_scale or spec.fp8_recast):
+    if frozen_at is not None and spec.has_global_scale:
         raise ValueError(f"frozen codes: {spec.describe()} has a second scale level; not supported")
     return _FakeQuantLinear.apply(
         x, weight, bias, scale, zero_point, global_scale, spec, clamp_grad == "pass", frozen_at
