@@ -31,11 +31,12 @@ from .common import find_base_model, format_scheme, log
 # The default experiment's recipe (config/experiments/smollm2-135m.yaml: loss_type, lr, learnable).
 RECIPE: dict[str, Any] = {
     "loss_type": "kl",
-    "lr": 1e-2,
+    "lr": 1e-3,
     "scale_update": "log",
     "weight_lr": None,
     "warmup_steps": 3,
     "lr_scheduler_type": "constant_with_warmup",
+    "frozen_codes": True,  # quant_config.frozen_codes (qatlib.quant.codes)
 }
 
 
