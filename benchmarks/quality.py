@@ -519,21 +519,17 @@ class Lab:
         RTN model ``m`` with only its weight quantizers on, then only its input quantizers."""
         from qatlib.quant import quant_linears
 
+        roles = ("weight_quantizer", "input_quantizer")
+        qs = [(r, q) for _, ql in quant_linears(m) for r in roles if (q := getattr(ql, r)) is not None]
         out = {}
-        for key, on in (
-            ("rtn_weights_only_ppl", "weight_quantizer"),
-            ("rtn_inputs_only_ppl", "input_quantizer"),
-        ):
-            for _, ql in quant_linears(m):
-                for role in ("weight_quantizer", "input_quantizer"):
-                    q = getattr(ql, role)
-                    if q is not None:
-                        q.enabled = role == on
-            out[key] = self.eval(m, mc=False)["ppl"]
-        for _, ql in quant_linears(m):
-            for q in (ql.weight_quantizer, ql.input_quantizer):
-                if q is not None:
-                    q.enabled = True
+        try:
+            for key, on in zip(("rtn_weights_only_ppl", "rtn_inputs_only_ppl"), roles):
+                for r, q in qs:
+                    q.enabled = r == on
+                out[key] = self.eval(m, mc=False)["ppl"]
+        finally:
+            for _, q in qs:
+                q.enabled = True
         return out
 
     def gptq(self, scheme, *, latent: bool = False):

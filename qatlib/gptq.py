@@ -125,13 +125,11 @@ def gptq_quantize_weight(
     if perm is not None:
         W = W[:, perm]
     cspec = _column_spec(spec)
-    Q = torch.zeros_like(W)
-    kept = Q if not latent else torch.zeros_like(W)
+    Q = torch.zeros_like(W)  # the rounded columns, or (latent) each column as GPTQ rounded it
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
         W1 = W[:, i1:i2].clone()
         Q1 = torch.zeros_like(W1)
-        K1 = Q1 if not latent else torch.zeros_like(W1)
         Err1 = torch.zeros_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
@@ -144,24 +142,20 @@ def gptq_quantize_weight(
             w = W1[:, i : i + 1]
             q = F.fake_quantize(w, s, z, cspec)
             d = Hinv1[i, i]
-            Q1[:, i : i + 1] = q
-            if latent:
-                K1[:, i : i + 1] = w  # before the update below, which turns column i into q
+            Q1[:, i : i + 1] = w if latent else q  # w copied before the update turns it into q
             err = (w - q) / d
             W1[:, i:] -= err @ Hinv1[i : i + 1, i:]
             Err1[:, i : i + 1] = err
         Q[:, i1:i2] = Q1
-        if latent:
-            kept[:, i1:i2] = K1
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
     if perm is not None:
-        kept = kept[:, torch.argsort(perm)]
+        Q = Q[:, torch.argsort(perm)]
     if spec.granularity is Granularity.TENSOR:
         scale = g_scale[:1, 0].clone()
         zp = None if g_zero is None else g_zero[:1, 0].clone()
     else:
         scale, zp = g_scale, g_zero
-    return kept, scale, zp
+    return Q, scale, zp
 
 
 def shared_weight_qparams(layer: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:

@@ -302,6 +302,15 @@ def ckpts(tmp_path_factory):
 def zero3_run(ckpts):
     tmp = ckpts["tmp"]
     phase = {"ds_config": str(DS_TEST), "steps": STEPS}
+    dense_log = {
+        **phase,
+        "name": "dense_log",
+        "model": str(ckpts["dense"]),
+        "ptq": str(ckpts["dense_ptq"]),
+        "compare_ckpt": str(ckpts["dense"]),
+        "scale_update": "log",
+        "lr": LOG_LR,
+    }
     spec = {
         "out": str(tmp / "run"),
         "scheme": SCHEME.to_dict(),
@@ -365,25 +374,8 @@ def zero3_run(ckpts):
                 # not measured; the losses of both steps matched)
                 "steps": MOE_STEPS,
             },
-            {
-                **phase,
-                "name": "dense_log",
-                "model": str(ckpts["dense"]),
-                "ptq": str(ckpts["dense_ptq"]),
-                "compare_ckpt": str(ckpts["dense"]),
-                "scale_update": "log",
-                "lr": LOG_LR,
-            },
-            {
-                **phase,
-                "name": "dense_frozen",
-                "model": str(ckpts["dense"]),
-                "ptq": str(ckpts["dense_ptq"]),
-                "compare_ckpt": str(ckpts["dense"]),
-                "scale_update": "log",
-                "lr": LOG_LR,
-                "frozen_codes": True,
-            },
+            dense_log,
+            {**dense_log, "name": "dense_frozen", "frozen_codes": True},
             {
                 **phase,
                 "name": "nvfp4_tied",
