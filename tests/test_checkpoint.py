@@ -312,3 +312,18 @@ def test_publish_permissions_opens_a_private_temp_folder(tmp_path):
     publish_permissions(d)
     assert stat.S_IMODE(d.stat().st_mode) == 0o755
     assert stat.S_IMODE((d / "model.safetensors").stat().st_mode) == 0o644
+
+
+def test_weights_dir_names_a_missing_weights_file(tmp_path):
+    """`layout.weights_dir`: None for a scales-only checkpoint, the folder when its record names
+    weights it holds, and an error naming the record and the file when it names absent weights."""
+    from qatlib.checkpoint.layout import CheckpointError, weights_dir
+
+    rec = QuantScheme("int4", weight=QuantSpec("int4", Granularity.GROUP, group_size=16)).to_dict()
+    (tmp_path / "quant_scheme.json").write_text(json.dumps(rec))
+    assert weights_dir(tmp_path) is None
+    (tmp_path / "quant_scheme.json").write_text(json.dumps({**rec, "weights": "model.safetensors"}))
+    with pytest.raises(CheckpointError, match=r"quant_scheme\.json names the weights 'model\.safetensors'"):
+        weights_dir(tmp_path)
+    save_file({"w": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    assert weights_dir(tmp_path) == tmp_path
