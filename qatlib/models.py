@@ -116,6 +116,7 @@ def load_prepared(
     complete: bool = False,
     device_map: str | None = None,
     skeleton: bool = False,
+    read_onto: torch.device | str | None = None,
 ) -> tuple[nn.Module, dict[str, Any] | None]:
     """The model prepared for the experiment ``cfg``: loaded from ``path``, prepared with
     ``cfg.quant_scheme()``, its ignore layers and prepare options, and the quantizer parameters of
@@ -128,11 +129,15 @@ def load_prepared(
     checkpoint has no value for is an error (evaluation and export never use init values). With
     ``zero3`` the model is built partitioned (`qatlib.zero3_load.build_qat_model`; ``scales`` required).
     ``skeleton``: the weights stay on the meta device (`qatlib.onload.load_skeleton`; the scales are
-    real), for the layer-by-layer stages (`qatlib.onload.Onloader`).
+    real), for the layer-by-layer stages (`qatlib.onload.Onloader`). ``read_onto``: the whole
+    model read onto that device by qatlib's reader instead of ``from_pretrained``
+    (`qatlib.onload.load_whole`: the model once in memory, no file mapping).
     """
     from .checkpoint.layout import CheckpointError, weights_dir
     from .quant import prepare
 
+    if read_onto is not None and (zero3 is not None or device_map not in (None, "None", "none", "cpu")):
+        raise ValueError("read_onto reads the whole model onto one device: not with zero3 or a device_map")
     if scales is not None:  # a checkpoint that carries its own weights (GPTQ) is the model too
         path = weights_dir(scales) or path
     scheme = cfg.quant_scheme()
@@ -153,7 +158,7 @@ def load_prepared(
             **common,
         )
         return model, None
-    if skeleton:
+    if skeleton or read_onto is not None:
         from .onload import load_skeleton, realize_quantizers
 
         model = load_skeleton(path, torch_dtype=m.torch_dtype, **common)
@@ -162,16 +167,20 @@ def load_prepared(
     else:
         model = load_model(path, torch_dtype=m.torch_dtype, device_map=device_map, **common)
         prepare(model, scheme, ignore=cfg.ignore_layers, options=cfg.prepare_options())
-    if scales is None:
-        return model, None
-    from .zero3_load import stream_load_scales  # the plan-then-execute loader, local without ZeRO-3
+    report = None
+    if scales is not None:
+        from .zero3_load import stream_load_scales  # the plan-then-execute loader, local without ZeRO-3
 
-    report = stream_load_scales(model, scales, scheme, report_path=report_path)
-    if complete and report.get("misses"):
-        raise CheckpointError(
-            f"{scales}: {report['misses']} quantizer parameters have no value there (e.g. "
-            f"{report['missed_params'][0]}); refusing to use init values"
-        )
+        report = stream_load_scales(model, scales, scheme, report_path=report_path)
+        if complete and report.get("misses"):
+            raise CheckpointError(
+                f"{scales}: {report['misses']} quantizer parameters have no value there (e.g. "
+                f"{report['missed_params'][0]}); refusing to use init values"
+            )
+    if read_onto is not None:  # the scales are in (a skeleton takes them): now the weights
+        from .onload import load_whole
+
+        load_whole(model, path, read_onto)
     return model, report
 
 

@@ -83,6 +83,21 @@ def load_skeleton(
     return model.eval()
 
 
+def load_whole(model: nn.Module, path: str | os.PathLike, device="cpu") -> nn.Module:
+    """Every weight of the skeleton ``model`` (`load_skeleton`, possibly prepared and its scales
+    loaded) read from the checkpoint folder ``path`` onto ``device``, to stay: the model
+    `qatlib.models.load_model` returns, read the way the layer-by-layer stages read it.
+
+    Why not ``from_pretrained`` (the evaluation's CPU load, #16): transformers maps each
+    safetensors file and keeps the tensors it does not convert as views of the mapping, so the
+    process's RSS (and a cgroup limit) counts every touched page of the file besides its own
+    copies (fused MoE experts, split again by `qatlib.moe`): 6.9 to 11.7 GiB for a 3.74 GB
+    model. Here each tensor is read with plain file reads into its own storage
+    (`qatlib.checkpoint.safetensors`), experts straight into their linears: the model once."""
+    Onloader.from_checkpoint(model, path, device=device).onload(model)  # buffers move with it
+    return model
+
+
 def _checkpoint_dtype(path) -> torch.dtype:
     files = weight_files(path)
     for info in st.read_header(files[0]) if files else ():

@@ -228,3 +228,54 @@ def test_top1_counts_the_true_next_tokens():
     m = out["top1"]
     se = math.sqrt(((1 - m) ** 2 + 3 * (1 / 3 - m) ** 2) / 3 / 4)
     assert out["top1_stderr"] == pytest.approx(se)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_evaluations_reader_loads_what_from_pretrained_loads(tmp_path, tiny_tokenizer, tied):
+    """On one device the bf16 / ptq / qat evaluation reads the checkpoint with qatlib's reader
+    (`qatlib.onload.load_whole`: no file mapping counted in the evaluation's memory, #16) instead
+    of ``from_pretrained``: the same model, every tensor bit for bit and every tie, the same
+    logits; with a PTQ checkpoint's scales (static fp8 inputs), the same prepared model."""
+    from pathlib import Path
+
+    from conftest import build_model, tiny_qwen3_moe_config
+
+    from qatlib.config import load_config
+    from qatlib.eval.variants import load_variant
+    from qatlib.models import load_model, load_prepared
+    from qatlib.moe import linearize_moe_experts
+    from qatlib.ptq import calibrate, save_ptq_checkpoint
+
+    base = tmp_path / "base"
+    build_model(tiny_qwen3_moe_config(tie_word_embeddings=tied)).save_pretrained(base)
+    exp = Path(__file__).resolve().parents[1] / "config/experiments/tiny-qwen3-moe.yaml"
+    sets = ["compression.quantization.name=fp8_static", "deploy.target=none", f"model.model_path={base}"]
+    cfg = load_config(exp, sets)
+    ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(1))
+
+    def same(a, b):
+        sa, sb = a.state_dict(), b.state_dict()
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+        assert not any(p.is_meta for p in b.parameters())
+        emb, head = b.get_input_embeddings().weight, b.get_output_embeddings().weight
+        assert (emb is head) == tied
+        with torch.no_grad():
+            torch.testing.assert_close(b(input_ids=ids).logits, a(input_ids=ids).logits, rtol=0, atol=0)
+
+    ref = load_model(base)
+    fused_logits = ref(input_ids=ids).logits.detach()
+    assert linearize_moe_experts(ref) > 0  # the reader builds the experts as qatlib's linears
+    got, rec = load_variant(cfg, "bf16", str(base), None)
+    assert rec == {}
+    same(ref, got)
+    torch.testing.assert_close(got(input_ids=ids).logits, fused_logits, rtol=1e-5, atol=1e-5)
+
+    calibrate(ref, cfg.quant_scheme(), [ids])
+    save_ptq_checkpoint(ref, cfg.quant_scheme(), tmp_path / "ptq")
+    whole = load_prepared(cfg, base, scales=tmp_path / "ptq", complete=True)[0]
+    read = load_prepared(cfg, base, scales=tmp_path / "ptq", complete=True, read_onto="cpu")[0]
+    same(whole, read)
+    with pytest.raises(ValueError, match="read_onto"):
+        load_prepared(cfg, base, scales=tmp_path / "ptq", read_onto="cpu", device_map="auto")

@@ -36,6 +36,7 @@ def load_variant(cfg, variant: str, model_path: str, scales: str | None) -> tupl
     parse-time check already stopped every format the target cannot load at all)."""
     from .. import device
     from ..models import load_model, load_prepared
+    from ..onload import load_skeleton, load_whole
 
     m, device_map = cfg.model, device.device_map()
     if variant == "deployed":
@@ -55,10 +56,18 @@ def load_variant(cfg, variant: str, model_path: str, scales: str | None) -> tupl
 
         kw = dict(trust_remote_code=m.trust_remote_code, device_map=device_map)
         return AutoModelForCausalLM.from_pretrained(model_path, **kw).eval(), {}
+    # one device (the CPU path): qatlib's reader, the model once in memory (`qatlib.onload.load_whole`);
+    # a device_map (CUDA: accelerate spreads the model over the GPUs and the host): from_pretrained
+    whole = device_map is None
     if scales:
-        model = load_prepared(cfg, model_path, scales=scales, complete=True, device_map=device_map)[0]
+        kw = dict(read_onto=device.current()) if whole else dict(device_map=device_map)
+        model = load_prepared(cfg, model_path, scales=scales, complete=True, **kw)[0]
         return model.eval(), {"weights_fake_quantized_once": bake_weight_fake_quant(model)}
     kw = dict(trust_remote_code=m.trust_remote_code, attn_implementation=m.attn_implementation)
+    if whole:
+        return load_whole(
+            load_skeleton(model_path, torch_dtype=m.torch_dtype, **kw), model_path, device.current()
+        ), {}
     return load_model(model_path, torch_dtype=m.torch_dtype, device_map=device_map, **kw), {}
 
 
