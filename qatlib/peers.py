@@ -14,6 +14,7 @@ Counters, not timestamps: hosts' clocks need not agree.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import logging
@@ -85,6 +86,7 @@ class Heartbeat:
             self._beat(0)
             self._thread = threading.Thread(target=self._run, name="qatlib-heartbeat", daemon=True)
             self._thread.start()
+            atexit.register(self.stop)  # also when the caller never closes its context (see `stop`)
         return self
 
     def _beat(self, n: int) -> None:
@@ -101,7 +103,14 @@ class Heartbeat:
                 return
 
     def stop(self) -> None:
+        """Stop beating and wait for the thread: a daemon thread still inside a ``TCPStore.set`` (C++,
+        GIL released) while the interpreter exits can abort the process in its C++ teardown
+        ("terminate called without an active exception", SIGABRT) after all its work succeeded."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval + 15)  # one beat plus the store's 10 s timeout
+            self._thread = None
+            atexit.unregister(self.stop)
 
     def _read(self) -> dict[int, dict]:
         out = {}

@@ -682,3 +682,40 @@ def test_reliability_table_names_existing_tests():
         assert m, row
         src = (REPO_ROOT / "tests" / m[1]).read_text()
         assert re.search(rf"^def {m[2]}\(", src, re.M), f"{m[1]}::{m[2]} does not exist"
+
+
+_SLOW_HEARTBEAT = """
+import sys, time
+from qatlib.peers import Heartbeat
+
+class SlowStore:  # a store call that is still in flight when the process starts to exit
+    def set(self, key, value):
+        print("begin", flush=True)
+        time.sleep(0.4)
+        print("end", flush=True)
+
+hb = Heartbeat(0, 2, interval=0.05)
+hb.store = SlowStore()
+hb.start()
+time.sleep(0.2)  # the thread's first beat is now inside set
+if sys.argv[1] == "stop":
+    t = hb._thread
+    hb.stop()
+    print("alive" if t.is_alive() else "joined", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["stop", "exit"])
+def test_heartbeat_thread_is_joined_before_the_process_exits(how):
+    """A heartbeat beat in flight (a C++ store call) while the interpreter exits aborted a rank
+    after its work succeeded (SIGABRT, "terminate called without an active exception"): `stop`
+    waits for the thread, and an exit without `stop` (a worker that never closes its context)
+    waits for it too. Every "begin" of a store call is followed by its "end"."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _SLOW_HEARTBEAT, how], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.split()
+    assert lines.count("begin") >= 2 and lines.count("begin") == lines.count("end"), lines
+    if how == "stop":
+        assert lines[-1] == "joined", lines

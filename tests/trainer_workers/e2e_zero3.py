@@ -149,7 +149,7 @@ def main() -> None:
                 }
             )
         )
-    z.shutdown()
+    ctx.close()  # stops the heartbeat, barrier, process-group teardown
     print(f"[rank{rank}] WORKER OK", flush=True)
 
 
