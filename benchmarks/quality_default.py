@@ -239,6 +239,9 @@ class BlockwiseRows:
     # phase 2 on phase 1's codes held fixed (EfficientQAT's E2E-QP; `qatlib.quant.codes`)
     phase2_frozen_codes: bool = False
     e2e: bool = True  # end-to-end alone at blockwise's wall time, in the same run
+    # instead: end-to-end alone with phase 2's recipe (lr, frozen codes) from RTN, for the two
+    # phases' wall time ("either phase alone" at equal wall)
+    e2e_as_phase2: bool = False
     eval_windows: int = 32
     seed: int = 0
 
@@ -301,12 +304,17 @@ def blockwise_rows(b: BlockwiseRows, *, results: str = "results") -> dict[str, A
             phase2_frozen_codes=b.phase2_frozen_codes,
         )
         del bm, pm
-        if b.e2e:  # end-to-end alone, as many steps as fit in blockwise's wall time
-            m1, r1 = lab.qat(scheme, steps=5, scale_update="log")
-            steps = max(5, round(brec["train_s"] / r1["s_per_step"]))
+        if b.e2e:  # end-to-end alone, as many steps as fit in blockwise's (or both phases') wall time
+            kw: dict[str, Any] = {"scale_update": "log"}
+            wall, what = brec["train_s"], "blockwise's wall"
+            if b.e2e_as_phase2:
+                kw.update(lr=b.phase2_lr, frozen_codes=b.phase2_frozen_codes)
+                wall, what = brec["train_s"] + prec["train_s"], "phase 2's recipe, the two phases' wall"
+            m1, r1 = lab.qat(scheme, steps=5, **kw)
+            steps = max(5, round(wall / r1["s_per_step"]))
             del m1
-            em, erec = lab.qat(scheme, steps=steps, scale_update="log")
-            row("end-to-end alone (scales), blockwise's wall", em, erec["train_s"], steps=steps)
+            em, erec = lab.qat(scheme, steps=steps, **kw)
+            row(f"end-to-end alone (scales), {what}", em, erec["train_s"], steps=steps)
     return {
         "settings": asdict(b),
         "inputs": {k: inputs[k] for k in ("base", "base_source", "corpus", "corpus_source")},

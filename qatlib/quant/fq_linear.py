@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as TF
 
+from ..frozen_linear import grad_input  # bf16 / fp16 on the CPU: in fp32 (see there)
 from . import functional as F
 from .spec import FP4_E2M1_MAX, FP8_E4M3_MAX, QuantSpec
 
@@ -102,16 +103,6 @@ def _fold(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def _grad_input(g2: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
-    """``grad @ W_q`` as autograd's mm backward computes it, except for bf16 / fp16 on the CPU:
-    there that product (the ``[tokens, out] @ [out, in]`` layout) runs ~20x slower than in fp32
-    (275 ms vs 14 ms for one 768 x 2048 expert weight), so it is computed in fp32 and rounded once
-    to the model dtype: within one model-dtype ulp of autograd's value, never less accurate."""
-    if g2.device.type == "cpu" and g2.dtype in (torch.bfloat16, torch.float16):
-        return g2.float().mm(wq.float()).to(g2.dtype)
-    return g2.mm(wq)
-
-
 class _FakeQuantLinear(torch.autograd.Function):
     """``linear(x, fake_quantize(weight), bias)``; see the module docstring for the gradients."""
 
@@ -148,7 +139,7 @@ class _FakeQuantLinear(torch.autograd.Function):
         )
         g2 = _fold(g)
         if nx:
-            gx = _grad_input(g2, wq).reshape(x.shape)
+            gx = grad_input(g2, wq).reshape(x.shape)
         del wq
         if nb:
             gb = g2.sum(0).to(bias.dtype)

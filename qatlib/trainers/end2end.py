@@ -54,6 +54,7 @@ from transformers import Seq2SeqTrainingArguments, Trainer, TrainingArguments
 from ..checkpoint.layout import TRAIN_LOG_FILE
 from ..data import PadCollator
 from ..device import use_cpu
+from ..frozen_linear import use_frozen_head
 from ..losses import LossConfig, qat_loss
 from ..quant import quantization_disabled
 from ..quant.calibration import calibrate_activations, static_quantizers
@@ -135,6 +136,8 @@ class QATTrainer(Trainer):
         else:
             freeze_all_but(model, trainable)
         self.trainable = trainable
+        if use_frozen_head(model):  # the frozen head's input gradient, fast on AVX2-only CPUs
+            log.info("output head: FrozenLinear (its input gradient in fp32 chunks on the CPU)")
         self.loss_config = loss_config
         self.lwc_lr = lwc_lr
         self.norm_lr = norm_lr
