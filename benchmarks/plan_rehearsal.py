@@ -11,6 +11,11 @@ for ``scripts/qat.py``; ``scripts/export.py``; ``scripts/evaluate.py --variant q
 stage whose process tree passes ``--limit-gb`` is stopped and recorded as such (a shared machine:
 never let one run take the others' memory). Each stage's record: measured peak per rank, the
 plan's per-rank (and rank 0) prediction, measured / predicted. Target: within +-25%.
+
+``--before-ref REF`` also runs the ZeRO-3 stage with the code at ``REF`` (``git archive`` of its
+``qatlib``, ``scripts`` and ``config``) on the same model, PTQ checkpoint and text, right after this
+checkout's, and records both steps' time (HF's ``train_runtime``) and their ratio: issue #16's
+"step >= 5x faster" as a ratio in one run.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -118,8 +124,33 @@ def predicted(exp: Path, sets: list[str], model_dir: Path) -> dict[str, Any]:
     }
 
 
+def step_seconds(log_path: Path) -> float | None:
+    """The QAT stage's training time (HF Trainer's ``train_runtime``, printed by rank 0)."""
+    m = re.search(r"'train_runtime': '?([0-9.]+)", log_path.read_text(errors="replace"))
+    return None if m is None else float(m.group(1))
+
+
+def extract(ref: str, work: Path) -> Path:
+    """The code at git ``ref`` (``qatlib``, ``scripts``, ``config``) in a folder of ``work``."""
+    sha = subprocess.check_output(["git", "rev-parse", ref], cwd=REPO, text=True).strip()
+    dest = work / f"before-{sha[:12]}"
+    if not (dest / "qatlib").is_dir():
+        dest.mkdir(parents=True, exist_ok=True)
+        tar = subprocess.run(
+            ["git", "archive", sha, "qatlib", "scripts", "config"], cwd=REPO, capture_output=True, check=True
+        )
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=tar.stdout, check=True)
+    return dest
+
+
 def run(
-    layers: int, stages: list[str], experiment: str, limit_gb: float, work: Path, extra: list[str] = ()
+    layers: int,
+    stages: list[str],
+    experiment: str,
+    limit_gb: float,
+    work: Path,
+    extra: list[str] = (),
+    before: Path | None = None,
 ) -> dict[str, Any]:
     from qatlib.offline.width_model import write_random_model
 
@@ -212,9 +243,23 @@ def run(
             f"{stage}: rc {m['rc']}, peaks {[round(r / 2**30, 2) for r in m['peak_rss_per_rank']]} GiB, "
             f"predicted {p['per_rank'] / 2**30:.2f} GiB/rank (rank 0 {p['rank0'] / 2**30:.2f})"
         )
+        if stage == "zero3_qat":
+            out[stage]["step_s"] = step_seconds(work / f"{stage}.log")
         (work / "plan_rehearsal.partial.json").write_text(json.dumps(out, indent=2))  # a kill loses little
         if m["rc"] != 0:
             break  # the next stage needs this one's output
+    if before is not None and out.get("zero3_qat", {}).get("rc") == 0:
+        # the same stage, model, PTQ checkpoint and text with the older code (its own experiment file)
+        cmd = list(cmds["zero3_qat"])
+        cmd[cmd.index("-c") + 1] = str(before / f"config/experiments/{experiment}.yaml")
+        for flag, name in (("--save-path", "qat_before"), ("--run-dir", "qat_run_before")):
+            cmd[cmd.index(flag) + 1] = str(work / name)
+        log(f"zero3_qat with the code at {before.name} ...")
+        m = watch(cmd, int(limit_gb * 2**30), {**env, "PYTHONPATH": str(before)}, work / "before.log", before)
+        after_s, before_s = out["zero3_qat"]["step_s"], step_seconds(work / "before.log")
+        out["zero3_qat_before"] = {**m, "code": before.name, "step_s": before_s}
+        out["step_speedup"] = None if not (after_s and before_s) else before_s / after_s
+        log(f"step {before_s} s before, {after_s} s now: {out['step_speedup']}")
     return out
 
 
@@ -229,20 +274,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--set", action="append", default=[], help="experiment override (all stages and the plan)"
     )
+    ap.add_argument("--before-ref", help="git ref whose ZeRO-3 stage is timed against this checkout's")
     args = ap.parse_args(argv)
     stages = [s for s in args.stages.split(",") if s]
     unknown = sorted(set(stages) - set(STAGES))
     if unknown:
         ap.error(f"--stages: unknown {unknown} (choose from {', '.join(STAGES)})")
     work = Path(args.work or tempfile.mkdtemp(prefix="plan-rehearsal-"))
-    results = run(args.layers, stages, args.experiment, args.limit_gb, work, args.set)
+    before = extract(args.before_ref, work) if args.before_ref else None
+    results = run(args.layers, stages, args.experiment, args.limit_gb, work, args.set, before)
     settings = {"layers": args.layers, "experiment": args.experiment, "limit_gb": args.limit_gb, "ranks": 2}
+    settings["before_ref"] = args.before_ref
     settings["overrides"] = args.set
     path = write_result(
         args.out, "plan_rehearsal", {"machine": machine(), "settings": settings, "stages": results}
     )
     log(f"wrote {path}")
-    return 0 if all(r["within_25pct"] for r in results.values()) else 1
+    return 0 if all(results[s]["within_25pct"] for s in stages if s in results) else 1
 
 
 if __name__ == "__main__":

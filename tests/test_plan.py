@@ -441,6 +441,23 @@ def test_rehearsal_watcher_records_the_peak_and_stops_at_the_limit(tmp_path):
     assert r["killed_at_limit"] and r["rc"] != 0 and r["wall_s"] < 20
 
 
+def test_rehearsal_reads_the_step_time_and_extracts_older_code(tmp_path):
+    """benchmarks.plan_rehearsal: the step time is HF's ``train_runtime`` from the stage's log (None
+    when the step never ended), and ``--before-ref`` extracts that commit's code to run it."""
+    from benchmarks.plan_rehearsal import extract, step_seconds
+
+    log = tmp_path / "zero3_qat.log"
+    log.write_text("{'loss': '12.33', 'grad_norm': '6.52'}\n{'train_runtime': '137.5', 'epoch': '1'}\n")
+    assert step_seconds(log) == 137.5
+    log.write_text("{'train_runtime': 71.89, 'train_loss': 12.4}\n")
+    assert step_seconds(log) == 71.89
+    log.write_text("Traceback (most recent call last):\n")
+    assert step_seconds(log) is None
+    dest = extract("HEAD", tmp_path)
+    assert (dest / "qatlib/frozen_linear.py").is_file() and (dest / "scripts/qat.py").is_file()
+    assert (dest / "config/deepspeed/zero3_cpu_lean.json").is_file()
+
+
 def test_base_model_rule_writes_a_random_width_model(tmp_path):
     """scripts/base_model.py (the workflow's base_model rule) with a ``random`` entry writes the
     model, its tokenizer and the timing, and the plan reads the folder it wrote."""

@@ -712,6 +712,80 @@ def test_fake_quant_linear_equals_autograd_through_fake_quantize(spec, dtype, cl
         torch.testing.assert_close(a, b, rtol=0, atol=FQL_RTOL * b.abs().max().item())
 
 
+# One scale for a 16-bit weight: `fq_linear` computes every per-element result once per 16-bit value
+# and gathers (`_by_table`). Every bit pattern (NaN, infinities, subnormals, -0) must come out as the
+# elementwise path computes it, bit for bit.
+TABLE_SPECS = [
+    QuantSpec("fp8", Granularity.TENSOR),
+    QuantSpec("int8", Granularity.TENSOR, symmetric=False),
+    QuantSpec("int4", Granularity.TENSOR),
+]
+
+
+def _bits(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None or t.dtype is torch.bool:
+        return t
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("spec", TABLE_SPECS, ids=lambda s: s.describe())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("frozen", [False, True], ids=["free", "frozen-codes"])
+def test_fake_quant_by_table_equals_the_elementwise_path_for_every_16_bit_value(spec, dtype, frozen):
+    from qatlib.quant import fq_linear as FQ
+
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    perm = torch.randperm(4 * 65536, generator=torch.Generator().manual_seed(0))
+    w = every.repeat(4)[perm].reshape(512, 512)  # each pattern 4 times, shuffled
+    s = torch.tensor([0.0123])
+    zp = torch.tensor([3.3]) if spec.has_zero_point else None
+    frozen_at = (s * 1.1, None if zp is None else zp + 1) if frozen else None
+    blocks = w.split(64)  # 32,768 elements: below the table's threshold, the elementwise path
+    assert FQ._by_table(w, spec, s, zp) and not FQ._by_table(blocks[0], spec, s, zp)
+    for terms in (False, True):
+        got = FQ._fake_quant_parts(w, s, zp, spec, None, with_grad_terms=terms, frozen_at=frozen_at)
+        ref = [
+            FQ._fake_quant_parts(b, s, zp, spec, None, with_grad_terms=terms, frozen_at=frozen_at)
+            for b in blocks
+        ]
+        for i in range(3):  # the weight, the clamp mask, dW_q/ds
+            want = None if ref[0][i] is None else torch.cat([r[i] for r in ref])
+            assert (got[i] is None) == (want is None)
+            if want is not None:
+                assert got[i].shape == w.shape and got[i].dtype == want.dtype
+                assert torch.equal(_bits(got[i]), _bits(want))
+        assert torch.equal(got[3], ref[0][3])
+    assert torch.isnan(got[0]).sum() == 4 * torch.isnan(every).sum()  # NaNs were in the sweep
+
+
+@pytest.mark.parametrize("spec", TABLE_SPECS[:2], ids=lambda s: s.describe())
+def test_fake_quant_linear_by_table_equals_autograd_through_fake_quantize(spec):
+    """A weight large enough for the table, bf16: output and input gradient within one bf16 ulp
+    (fp32 products rounded once), the weight's STE gradient within one ulp, the scale / zero-point
+    gradients to fp32 summation order."""
+    from qatlib.quant import fq_linear as FQ
+
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(512, 512, generator=g) * 0.05).bfloat16().requires_grad_(True)
+    x = torch.randn(3, 7, 512, generator=g).bfloat16().requires_grad_(True)
+    sc, zp = compute_qparams(w, spec, None)
+    sc = (sc * 0.7).requires_grad_(True)
+    zp = None if zp is None else (zp + 0.3).requires_grad_(True)
+    gout = torch.randn(3, 7, 512, generator=g).bfloat16()
+    assert FQ._by_table(w, spec, sc, zp)
+    case = (x, w, None, sc, zp, None, gout)
+    ref_out, ref = _fql_grads(lambda: torch.nn.functional.linear(x, fake_quantize(w, sc, zp, spec)), *case)
+    out, got = _fql_grads(lambda: FQ.fake_quant_linear(x, w, None, sc, zp, spec), *case)
+    torch.testing.assert_close(out, ref_out, rtol=2**-7, atol=1e-6 * ref_out.abs().max().item())
+    torch.testing.assert_close(got[0], ref[0], rtol=2**-7, atol=1e-6 * ref[0].abs().max().item())
+    torch.testing.assert_close(got[1], ref[1], rtol=2**-7, atol=1e-6 * ref[1].abs().max().item())
+    # scale, zero point: one fp32 sum over 262,144 terms each, in another order than autograd's
+    # (measured 1.3e-5 of the value); a wrong term (sign, mask) is O(1)
+    for a, b in zip(got[2:], ref[2:]):
+        assert b.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4 * b.abs().max().item())
+
+
 def test_fake_quant_linear_finite_differences_where_defined():
     """The output is linear in x (FD exact up to fp32), and with codes held fixed in s; where the
     clamp is active LSQ's scale gradient IS the derivative, inside it LSQ adds -sum(G * w / s)."""
