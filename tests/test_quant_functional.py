@@ -786,6 +786,44 @@ def test_fake_quant_linear_by_table_equals_autograd_through_fake_quantize(spec):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4 * b.abs().max().item())
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [QuantSpec("fp8", Granularity.TENSOR), QuantSpec("int4", Granularity.TENSOR)],
+    ids=lambda s: s.describe(),
+)
+@pytest.mark.parametrize("rows", [24, 512], ids=["elementwise", "table"])
+def test_fake_quant_linear_scale_gradient_of_a_frozen_weight_is_the_exact_sum(spec, rows):
+    """Only the per-tensor scale trains (the width rehearsal's experts): the backward sums
+    ``g * (x d^T)`` instead of forming ``G_q = g^T x`` (`fq_linear`). Against float64
+    ``sum(G_q * dW_q/ds)``: within fp32 accumulation of the terms' magnitudes; autograd through
+    `fake_quantize` (G_q rounded to bf16 first) agrees to bf16 rounding of G_q."""
+    from qatlib.quant import fq_linear as FQ
+
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(rows, 512, generator=g) * 0.05).bfloat16()  # frozen: no gradient
+    x = torch.randn(2, 9, 512, generator=g).bfloat16().requires_grad_(True)
+    gout = torch.randn(2, 9, rows, generator=g).bfloat16()
+    sc, _ = compute_qparams(w, spec, None)
+    sc = (sc * 0.7).requires_grad_(True)
+    FQ.fake_quant_linear(x, w, None, sc, None, spec).backward(gout)
+    got = sc.grad.clone()
+    _, _, d, _ = FQ._fake_quant_parts(w[:24], sc, None, spec, None, with_grad_terms=True)  # elementwise
+    d = torch.cat(
+        [d]
+        + [FQ._fake_quant_parts(b, sc, None, spec, None, with_grad_terms=True)[2] for b in w[24:].split(24)]
+    )
+    gq = gout.reshape(-1, rows).double().t() @ x.detach().reshape(-1, 512).double()
+    terms = gq * d.double()
+    exact = terms.sum()
+    bound = 1e-6 * terms.abs().sum()  # fp32 accumulation
+    assert got.shape == sc.shape and exact.abs() > 100 * bound  # the bound is <= 1% of the value
+    assert (got.double() - exact).abs() <= bound
+    x.grad, sc.grad = None, None
+    torch.nn.functional.linear(x, fake_quantize(w, sc, None, spec)).backward(gout)
+    # autograd rounds each G_q element to bf16 (<= 2^-9 relative, independent signs)
+    assert (sc.grad.double() - exact).abs() <= 8 * 2**-9 * terms.square().sum().sqrt()
+
+
 def test_fake_quant_linear_finite_differences_where_defined():
     """The output is linear in x (FD exact up to fp32), and with codes held fixed in s; where the
     clamp is active LSQ's scale gradient IS the derivative, inside it LSQ adds -sum(G * w / s)."""
