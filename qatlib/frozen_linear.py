@@ -1,8 +1,8 @@
 """A linear layer's input gradient, ``grad @ W``, computed in a form the CPU runs fast; and the
 frozen output head that uses it.
 
-Why: PyTorch's bf16 / fp16 GEMM on a CPU without bf16 kernels (AVX2 only: no AVX-512-BF16, no
-AMX) is fast only when both operands are contiguous along the reduction. A linear's forward
+Why: PyTorch's bf16 / fp16 GEMM on a CPU without oneDNN kernels for the dtype (bf16: no AVX-512,
+e.g. AVX2 only) is fast only when both operands are contiguous along the reduction. A linear's forward
 (``x @ W.t()``) is; its input gradient (``[tokens, out] @ [out, in]``, reducing over W's rows) is
 not, and runs ~30x slower: for a tenth of Qwen3-30B-A3B's 151,936-row head at 64 tokens, 14.4 s
 against 0.43 s for the forward (one thread, 2-core AMD EPYC); 52 ms against 2.5 ms for one
@@ -10,11 +10,16 @@ against 0.43 s for the forward (one thread, 2-core AMD EPYC); 52 ms against 2.5 
 (`qatlib.quant.fq_linear`) take `grad_input`; the output head is not quantized, so its backward
 was DeepSpeed's ``LinearFunctionForZeroStage3.backward`` (or autograd's mm backward), the one
 product that made the real-width rehearsal's ZeRO-3 step take tens of minutes on such CPUs.
-`use_frozen_head` routes the head through `frozen_linear` instead. On GPUs and on bf16-capable
-CPUs nothing changes: the head is left alone there, and `grad_input` is the plain product.
+`use_frozen_head` routes the head through `frozen_linear` instead. On GPUs and on CPUs with
+native kernels for the dtype (`half_gemm_is_native`) nothing changes: the head is left alone there,
+and every function here is the plain product; forcing fp32 there would cost 2-8x (AVX-512-BF16
+EPYC: an expert's forward 0.32 ms in bf16 against 1.54 ms via fp32, a tenth of the head 21 against
+135 ms).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as TF
@@ -24,13 +29,35 @@ from torch import nn
 GRAD_CHUNK_ROWS = 8192
 
 
+@functools.cache
+def half_gemm_is_native(dtype: torch.dtype) -> bool:
+    """Whether this CPU's bf16 / fp16 matmuls run on oneDNN kernels for the dtype: what ATen itself
+    checks before it routes a half-precision CPU matmul to oneDNN (``mkldnn_bf16_device_check``:
+    AVX-512 or newer for bf16, AVX-512-FP16 / AMX-FP16 for fp16); without them it runs its slow
+    reference GEMM. torch exposes the check only as these ops."""
+    check = {
+        torch.bfloat16: "_is_mkldnn_bf16_supported",
+        torch.float16: "_is_mkldnn_fp16_supported",
+    }.get(dtype)
+    if check is None:
+        return True
+    try:
+        return bool(getattr(torch.ops.mkldnn, check)())
+    except (AttributeError, RuntimeError):  # a build without oneDNN: the reference GEMM
+        return False
+
+
 def _slow_half_on_cpu(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16)
+    return (
+        t.device.type == "cpu"
+        and t.dtype in (torch.bfloat16, torch.float16)
+        and not half_gemm_is_native(t.dtype)
+    )
 
 
 def grad_input(g2: torch.Tensor, w: torch.Tensor, chunk_rows: int = GRAD_CHUNK_ROWS) -> torch.Tensor:
     """``g2 @ w`` (``g2`` ``[tokens, out]``, ``w`` ``[out, in]``) as autograd's mm backward computes
-    it, except for bf16 / fp16 on the CPU: there it is computed in fp32, ``chunk_rows`` rows of
+    it, except for bf16 / fp16 on a CPU without native kernels for them: there it is computed in fp32, ``chunk_rows`` rows of
     ``w`` at a time, and rounded once to the model dtype: within one model-dtype ulp of autograd's
     value, never less accurate (see the module docstring for why)."""
     if not _slow_half_on_cpu(g2):
@@ -45,7 +72,7 @@ def grad_input(g2: torch.Tensor, w: torch.Tensor, chunk_rows: int = GRAD_CHUNK_R
 def linear_output(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, chunk_rows: int = GRAD_CHUNK_ROWS
 ) -> torch.Tensor:
-    """``F.linear(x, w, bias)``'s value, except for bf16 / fp16 on the CPU: there the products are
+    """``F.linear(x, w, bias)``'s value, except for bf16 / fp16 on a CPU without native kernels for them: there the products are
     fp32, ``chunk_rows`` rows of ``w`` at a time, each output block rounded once to the model dtype
     (the fp32 accumulation a bf16 GEMM does, in another order: within one model-dtype ulp). Even
     the forward layout runs 2-3x slower in bf16 than converting to fp32 on such CPUs: a tenth of
@@ -66,7 +93,7 @@ def linear_output(
 
 def grad_weight(g2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     """``g2.t() @ x2`` (``[out, tokens] @ [tokens, in]``: a linear's weight gradient) in the model
-    dtype, as autograd's mm backward computes it, except for bf16 / fp16 on the CPU: there the
+    dtype, as autograd's mm backward computes it, except for bf16 / fp16 on a CPU without native kernels for them: there the
     product is fp32, rounded once (an expert weight at 8 tokens: 4.8 ms in bf16, 0.6 ms so; the
     reduction runs over tokens, not contiguous in either operand)."""
     if not _slow_half_on_cpu(g2):
@@ -120,8 +147,8 @@ class FrozenLinear(nn.Linear):
 
 def use_frozen_head(model: nn.Module) -> bool:
     """Swap the model's output head for a `FrozenLinear` when its backward would be the slow
-    product: a plain ``nn.Linear`` head with bf16 / fp16 weights on the CPU that does not train
-    (QAT never trains it). Call before DeepSpeed wraps the model (it hooks the modules it finds).
+    product: a plain ``nn.Linear`` head with bf16 / fp16 weights on a CPU without native kernels for
+    them (`half_gemm_is_native`) that does not train (QAT never trains it). Call before DeepSpeed wraps the model (it hooks the modules it finds).
     Returns whether it swapped."""
     get = getattr(model, "get_output_embeddings", None)
     head = get() if get is not None else None

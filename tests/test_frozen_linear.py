@@ -1,6 +1,7 @@
-"""The frozen output head (`qatlib.frozen_linear`): the input gradient of a bf16 linear on the
-CPU computed in fp32 chunks (fast on AVX2-only CPUs), the same values and gradients as
-``nn.Linear`` otherwise, and the swap of a QAT model's head."""
+"""The frozen output head (`qatlib.frozen_linear`): the input gradient of a bf16 linear on a CPU
+without native bf16 kernels computed in fp32 chunks (fast on AVX2-only CPUs), the same values and
+gradients as ``nn.Linear`` otherwise, and the swap of a QAT model's head. Every test but the last
+runs as on such a CPU (`slow_half`), whatever this machine has; the last as on one with kernels."""
 
 from __future__ import annotations
 
@@ -9,14 +10,24 @@ import torch
 from conftest import build_model, tiny_llama_config, tiny_qwen3_config
 from torch import nn
 
+import qatlib.frozen_linear as frozen_linear_module
 from qatlib.frozen_linear import (
     FrozenLinear,
     frozen_linear,
     grad_input,
     grad_weight,
+    half_gemm_is_native,
     linear_output,
     use_frozen_head,
 )
+
+
+@pytest.fixture(autouse=True)
+def slow_half(request, monkeypatch):
+    """As on a CPU without oneDNN half-precision kernels (AVX2 only), unless the test is marked
+    ``native_half``."""
+    native = request.node.get_closest_marker("native_half") is not None
+    monkeypatch.setattr(frozen_linear_module, "half_gemm_is_native", lambda dtype: native)
 
 
 def _case(dtype, rows=37, cols=24, tokens=(2, 5), seed=0):
@@ -193,3 +204,28 @@ def test_qat_trainer_swaps_the_head_and_the_scale_gradients_stay(tmp_path):
         ref = grads[1][n]
         assert ref.abs().max() > 0, n
         torch.testing.assert_close(g, ref, rtol=0, atol=0.02 * ref.abs().max().item(), msg=n)
+
+
+@pytest.mark.native_half
+def test_cpus_with_half_kernels_keep_torch_products_and_the_plain_head():
+    """Where the CPU has bf16 kernels the fp32 route would be 2-8x slower: every product is
+    torch's own, bit for bit, and the head is not swapped."""
+    x, w, go = _case(torch.bfloat16, rows=300, cols=200, tokens=(3, 41))
+    b = torch.randn(w.shape[0]).bfloat16()
+    x2, g2 = x.reshape(-1, x.shape[-1]), go.reshape(-1, go.shape[-1])
+    assert torch.equal(linear_output(x, w, b, chunk_rows=7), torch.nn.functional.linear(x, w, b))
+    assert torch.equal(grad_input(g2, w, chunk_rows=7), g2.mm(w))
+    assert torch.equal(grad_weight(g2, x2), x2.t().mm(g2).t())
+    model = build_model(tiny_qwen3_config(), seed=3).to(torch.bfloat16)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    assert not use_frozen_head(model) and type(model.lm_head) is nn.Linear
+
+
+def test_half_gemm_is_native_reads_torch_own_check():
+    """fp32 always counts as native; bf16 / fp16 as ATen's oneDNN device check says (the function
+    under test is the real one, not the fixture's stand-in)."""
+    native = half_gemm_is_native  # imported before the fixture patches the module
+    assert native(torch.float32) is True
+    assert native(torch.bfloat16) is bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert native(torch.float16) is bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())

@@ -786,6 +786,46 @@ def test_fake_quant_linear_by_table_equals_autograd_through_fake_quantize(spec):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4 * b.abs().max().item())
 
 
+@pytest.mark.parametrize("spec", TABLE_SPECS[:2], ids=lambda s: s.describe())
+def test_fake_quant_linear_reused_table_buffers_keep_each_layer_its_own_values(spec):
+    """The table path gathers into reused CPU buffers (`fq_linear._scratch`): two table-path
+    linears in a chain, run forward and backward, give what autograd through `fake_quantize` gives
+    for each (a buffer still read while the other layer overwrote it would not), and the second
+    call really reuses the first one's buffer."""
+    from qatlib.quant import fq_linear as FQ
+
+    g = torch.Generator().manual_seed(5)
+    w1 = (torch.randn(512, 512, generator=g) * 0.05).bfloat16().requires_grad_(True)
+    w2 = (torch.randn(512, 512, generator=g) * 0.03).bfloat16().requires_grad_(True)
+    x = torch.randn(2, 5, 512, generator=g).bfloat16().requires_grad_(True)
+    (s1, z1), (s2, z2) = compute_qparams(w1, spec, None), compute_qparams(w2, spec, None)
+    s1, s2 = s1 * 0.7, s2 * 0.8  # some weights clamped: every gradient term is exercised
+    z1, z2 = (None, None) if z1 is None else (z1 + 0.3, z2 - 0.2)
+    leaves = [t.requires_grad_(True) for t in (s1, s2, *(z for z in (z1, z2) if z is not None))]
+    gout = torch.randn(2, 5, 512, generator=g).bfloat16()
+
+    def run(linear):
+        for t in (x, w1, w2, *leaves):
+            t.grad = None
+        out = linear(linear(x, w1, s1, z1), w2, s2, z2)
+        out.backward(gout)
+        return out.detach(), [t.grad.clone() for t in (x, w1, w2, *leaves)]
+
+    ref_out, ref = run(lambda x_, w, s, z: torch.nn.functional.linear(x_, fake_quantize(w, s, z, spec)))
+    out, got = run(lambda x_, w, s, z: FQ.fake_quant_linear(x_, w, None, s, z, spec))
+    torch.testing.assert_close(out, ref_out, rtol=2**-6, atol=1e-5 * ref_out.abs().max().item())
+    for a, b in zip(got, ref):  # x, w1, w2 (bf16 products), then the scales / zero points (fp32 sums)
+        assert b.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=2**-6, atol=1e-4 * b.abs().max().item())
+    first = FQ._fake_quant_parts(w1.detach(), s1, z1, spec, None, with_grad_terms=True, scratch=True)
+    again = FQ._fake_quant_parts(w2.detach(), s2, z2, spec, None, with_grad_terms=True, scratch=True)
+    assert first[0].data_ptr() == again[0].data_ptr() and first[2].data_ptr() == again[2].data_ptr()
+    fresh = FQ._fake_quant_parts(w2.detach(), s2, z2, spec, None, with_grad_terms=True)
+    assert fresh[0].data_ptr() != again[0].data_ptr()
+    for i in (0, 1, 2):
+        assert torch.equal(_bits(again[i]), _bits(fresh[i]))
+
+
 @pytest.mark.parametrize(
     "spec",
     [QuantSpec("fp8", Granularity.TENSOR), QuantSpec("int4", Granularity.TENSOR)],

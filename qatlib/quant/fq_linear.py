@@ -24,10 +24,11 @@ a gradient in the same order under ZeRO-3 whatever the routing.
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
-from ..frozen_linear import grad_input, grad_weight, linear_output  # bf16 / fp16 on the CPU: in fp32
+from ..frozen_linear import grad_input, grad_weight, linear_output  # fp32 where the CPU lacks half GEMMs
 from . import functional as F
 from .spec import FP4_E2M1_MAX, FP8_E4M3_MAX, Granularity, QuantSpec
 
@@ -60,10 +61,33 @@ def _every_value(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.arange(65536, dtype=torch.int32, device=device).to(torch.int16).view(dtype)
 
 
-def _table_index(w: torch.Tensor) -> torch.Tensor:
+def _table_index(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Each element's 16 bits as an int32 row of the table (one conversion pass: 8x cheaper than
-    an int16 view plus an offset)."""
-    return w.reshape(-1).view(torch.uint16).to(torch.int32)
+    an int16 view plus an offset); into ``out`` when given."""
+    bits = w.reshape(-1).view(torch.uint16)
+    return bits.to(torch.int32) if out is None else out.copy_(bits)
+
+
+# Buffers the table path gathers into, reused from call to call (CPU, weights up to this size: a
+# Qwen3-30B-A3B expert is 1.57 M elements, ~17 MB of buffers per thread). Why: under ZeRO-3 on
+# the CPU every allocation above 1 MiB is a fresh mapping (`qatlib.heap.configure_training`, which
+# keeps the resident set at the live tensors), so each call's index and results were zero-filled
+# page by page: index + two gathers of a 768 x 2048 weight 9.2 ms fresh against 2.0 ms into reused
+# buffers (one thread, AVX-512 EPYC), a third of the rehearsal's ZeRO-3 step. On GPUs the caching
+# allocator already reuses memory.
+_SCRATCH_MAX_ELEMENTS = 1 << 22
+_scratch_local = threading.local()
+
+
+def _scratch(key: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """A reused CPU buffer of ``n`` elements for ``key`` (this thread's; grown, never shrunk). Its
+    contents last until the next call with the same key: only for values used and dropped inside
+    one forward or backward."""
+    buffers = _scratch_local.__dict__.setdefault("buffers", {})
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < n or buf.dtype != dtype:
+        buf = buffers[key] = torch.empty(n, dtype=dtype)
+    return buf[:n]
 
 
 def _by_table(w: torch.Tensor, spec: QuantSpec, *qparams: torch.Tensor | None) -> bool:
@@ -91,6 +115,7 @@ def _fake_quant_parts(
     with_grad_terms: bool,
     frozen_at: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     keep_inside: bool = True,
+    scratch: bool = False,
 ):
     """``(wq, inside, d, s_eff)``: the fake-quantized weight in ``w.dtype`` (the value of
     `F.fake_quantize`: the same fp32 ops in the same order, without the STE terms, which add an
@@ -98,6 +123,8 @@ def _fake_quant_parts(
     ``inside`` (clamp inactive) and ``d = dW_q / ds_eff``. Temporaries are fp32 (``w / s``
     rounded to bf16 would move codes) and updated in place where the value is not needed again.
     ``keep_inside=False``: the caller does not use ``inside`` (None may come back).
+    ``scratch=True``: the table path may return views of reused buffers (`_scratch`), valid until
+    the next such call: for `_FakeQuantLinear`, which uses the results and drops them at once.
 
     A 16-bit weight under one scale (`_by_table`) has at most 65,536 distinct values and each
     result is a function of the element alone, so the results are computed once for every value
@@ -110,12 +137,17 @@ def _fake_quant_parts(
         wq, inside, d, s = _fake_quant_parts(
             every, scale, zero_point, spec, global_scale, with_grad_terms=with_grad_terms, frozen_at=frozen_at
         )
-        idx = _table_index(w)
+        n = w.numel()
+        reuse = scratch and w.device.type == "cpu" and n <= _SCRATCH_MAX_ELEMENTS
+        idx = _table_index(w, _scratch("index", n, torch.int32) if reuse else None)
 
-        def gather(table: torch.Tensor | None) -> torch.Tensor | None:
-            return None if table is None else torch.index_select(table.reshape(-1), 0, idx).view(w.shape)
+        def gather(key: str, table: torch.Tensor | None) -> torch.Tensor | None:
+            if table is None:
+                return None
+            out = _scratch(key, n, table.dtype) if reuse else None
+            return torch.index_select(table.reshape(-1), 0, idx, out=out).view(w.shape)
 
-        return gather(wq), gather(inside) if keep_inside else None, gather(d), s
+        return gather("wq", wq), gather("inside", inside) if keep_inside else None, gather("d", d), s
     v = F._grouped(w.float(), spec)
     s = F._effective_scale(scale.detach(), spec, None if global_scale is None else global_scale.detach())
     # frozen codes (`qatlib.quant.codes`): rounded at the scale / zero point they were frozen at,
@@ -168,7 +200,14 @@ class _FakeQuantLinear(torch.autograd.Function):
             return x.new_empty(*x.shape[:-1], weight.shape[0])
         with torch.no_grad():
             wq, *_ = _fake_quant_parts(
-                weight, scale, zero_point, spec, global_scale, with_grad_terms=False, frozen_at=frozen_at
+                weight,
+                scale,
+                zero_point,
+                spec,
+                global_scale,
+                with_grad_terms=False,
+                frozen_at=frozen_at,
+                scratch=True,
             )
             return linear_output(x, wq, None if bias is None else bias.to(wq.dtype))
 
@@ -197,6 +236,7 @@ class _FakeQuantLinear(torch.autograd.Function):
             with_grad_terms=need_terms,
             frozen_at=frozen_at,
             keep_inside=nz or (nw and not ctx.pass_grad),
+            scratch=True,
         )
         g2 = _fold(g)
         if nx:
