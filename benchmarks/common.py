@@ -70,14 +70,15 @@ def _meminfo() -> dict[str, int]:
 
 
 def machine() -> dict[str, Any]:
-    """Cores, torch threads, memory, load, package versions, git commit and date of this run; the
-    CPU's vector ISA as torch uses it and whether its bf16 / fp16 matmuls have native kernels (the
-    CPU step times differ by 2-250x with these: `qatlib.frozen_linear`), with the environment
-    variables that cap them (``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`` runs a newer CPU
-    as an AVX2-only one)."""
+    """Cores, torch threads, memory, load, package versions, git commit and date of this run; what
+    decides CPU arithmetic (`qatlib.report.inputs.cpu_arithmetic`: torch's ATen level and the env
+    vars that cap it, e.g. ``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`` runs a newer CPU as
+    an AVX2-only one) and whether bf16 / fp16 matmuls have native kernels: CPU step times differ
+    by 2-250x with these (`qatlib.frozen_linear`)."""
     import torch
 
     from qatlib.frozen_linear import half_gemm_is_native
+    from qatlib.report.inputs import cpu_arithmetic
 
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     mem = _meminfo()
@@ -92,12 +93,9 @@ def machine() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
         "cuda": torch.cuda.is_available(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_arithmetic": cpu_arithmetic(),
         "native_half_gemm": {
             str(d).removeprefix("torch."): half_gemm_is_native(d) for d in (torch.bfloat16, torch.float16)
-        },
-        "isa_env": {
-            k: os.environ[k] for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY") if k in os.environ
         },
         "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "mem_total_bytes": mem.get("MemTotal"),

@@ -2,14 +2,14 @@
 frozen output head that uses it.
 
 Why: PyTorch's bf16 / fp16 GEMM on a CPU without oneDNN kernels for the dtype (bf16: no AVX-512,
-e.g. AVX2 only) is fast only when both operands are contiguous along the reduction. A linear's forward
-(``x @ W.t()``) is; its input gradient (``[tokens, out] @ [out, in]``, reducing over W's rows) is
-not, and runs ~30x slower: for a tenth of Qwen3-30B-A3B's 151,936-row head at 64 tokens, 14.4 s
-against 0.43 s for the forward (one thread, 2-core AMD EPYC); 52 ms against 2.5 ms for one
+e.g. AVX2 only) is fast only when both operands are contiguous along the reduction. A linear's
+forward (``x @ W.t()``) is; its input gradient (``[tokens, out] @ [out, in]``, reducing over W's
+rows) is not, and runs ~30x slower: for a tenth of Qwen3-30B-A3B's 151,936-row head at 64 tokens,
+14.4 s against 0.43 s for the forward (one thread, 2-core AMD EPYC); 52 ms against 2.5 ms for one
 768 x 2048 expert weight. The same product in fp32 is fast. qatlib's own linears
-(`qatlib.quant.fq_linear`) take `grad_input`; the output head is not quantized, so its backward
-was DeepSpeed's ``LinearFunctionForZeroStage3.backward`` (or autograd's mm backward), the one
-product that made the real-width rehearsal's ZeRO-3 step take tens of minutes on such CPUs.
+(`qatlib.quant.fq_linear`) take `grad_input`; the output head is not quantized, so its backward was
+DeepSpeed's ``LinearFunctionForZeroStage3.backward`` (or autograd's mm backward), the one product
+that made the real-width rehearsal's ZeRO-3 step take tens of minutes on such CPUs.
 `use_frozen_head` routes the head through `frozen_linear` instead. On GPUs and on CPUs with
 native kernels for the dtype (`half_gemm_is_native`) nothing changes: the head is left alone there,
 and every function here is the plain product; forcing fp32 there would cost 2-8x (AVX-512-BF16
@@ -57,9 +57,9 @@ def _slow_half_on_cpu(t: torch.Tensor) -> bool:
 
 def grad_input(g2: torch.Tensor, w: torch.Tensor, chunk_rows: int = GRAD_CHUNK_ROWS) -> torch.Tensor:
     """``g2 @ w`` (``g2`` ``[tokens, out]``, ``w`` ``[out, in]``) as autograd's mm backward computes
-    it, except for bf16 / fp16 on a CPU without native kernels for them: there it is computed in fp32, ``chunk_rows`` rows of
-    ``w`` at a time, and rounded once to the model dtype: within one model-dtype ulp of autograd's
-    value, never less accurate (see the module docstring for why)."""
+    it, except for bf16 / fp16 on a CPU without native kernels for them: there it is computed in
+    fp32, ``chunk_rows`` rows of ``w`` at a time, and rounded once to the model dtype: within one
+    model-dtype ulp of autograd's value, never less accurate (see the module docstring for why)."""
     if not _slow_half_on_cpu(g2):
         return g2.mm(w)
     out = None
@@ -72,13 +72,13 @@ def grad_input(g2: torch.Tensor, w: torch.Tensor, chunk_rows: int = GRAD_CHUNK_R
 def linear_output(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, chunk_rows: int = GRAD_CHUNK_ROWS
 ) -> torch.Tensor:
-    """``F.linear(x, w, bias)``'s value, except for bf16 / fp16 on a CPU without native kernels for them: there the products are
-    fp32, ``chunk_rows`` rows of ``w`` at a time, each output block rounded once to the model dtype
-    (the fp32 accumulation a bf16 GEMM does, in another order: within one model-dtype ulp). Even
-    the forward layout runs 2-3x slower in bf16 than converting to fp32 on such CPUs: a tenth of
-    Qwen3-30B-A3B's head at 64 tokens 196 ms vs 73 ms with the conversions, one 768 x 2048 expert
-    weight at 8 tokens 2.3 ms vs 1.0 ms (one thread, 2-core AMD EPYC, AVX2). Values only: callers
-    are autograd Functions that write their own backward."""
+    """``F.linear(x, w, bias)``'s value, except for bf16 / fp16 on a CPU without native kernels for
+    them: there the products are fp32, ``chunk_rows`` rows of ``w`` at a time, each output block
+    rounded once to the model dtype (the fp32 accumulation a bf16 GEMM does, in another order:
+    within one model-dtype ulp). Even the forward layout runs 2-3x slower in bf16 than converting to
+    fp32 on such CPUs: a tenth of Qwen3-30B-A3B's head at 64 tokens 196 ms vs 73 ms with the
+    conversions, one 768 x 2048 expert weight at 8 tokens 2.3 ms vs 1.0 ms (one thread, 2-core AMD
+    EPYC, AVX2). Values only: callers are autograd Functions that write their own backward."""
     if not _slow_half_on_cpu(x) or w.dtype != x.dtype:
         return TF.linear(x, w, bias)
     x2 = x.reshape(-1, x.shape[-1]).float()
@@ -93,9 +93,9 @@ def linear_output(
 
 def grad_weight(g2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     """``g2.t() @ x2`` (``[out, tokens] @ [tokens, in]``: a linear's weight gradient) in the model
-    dtype, as autograd's mm backward computes it, except for bf16 / fp16 on a CPU without native kernels for them: there the
-    product is fp32, rounded once (an expert weight at 8 tokens: 4.8 ms in bf16, 0.6 ms so; the
-    reduction runs over tokens, not contiguous in either operand)."""
+    dtype, as autograd's mm backward computes it, except for bf16 / fp16 on a CPU without native
+    kernels for them: there the product is fp32, rounded once (an expert weight at 8 tokens:
+    4.8 ms in bf16, 0.6 ms so; the reduction runs over tokens, not contiguous in either operand)."""
     if not _slow_half_on_cpu(g2):
         return x2.t().mm(g2).t()
     return g2.float().t().mm(x2.float()).to(g2.dtype)
@@ -148,8 +148,8 @@ class FrozenLinear(nn.Linear):
 def use_frozen_head(model: nn.Module) -> bool:
     """Swap the model's output head for a `FrozenLinear` when its backward would be the slow
     product: a plain ``nn.Linear`` head with bf16 / fp16 weights on a CPU without native kernels for
-    them (`half_gemm_is_native`) that does not train (QAT never trains it). Call before DeepSpeed wraps the model (it hooks the modules it finds).
-    Returns whether it swapped."""
+    them (`half_gemm_is_native`) that does not train (QAT never trains it). Call before DeepSpeed
+    wraps the model (it hooks the modules it finds). Returns whether it swapped."""
     get = getattr(model, "get_output_embeddings", None)
     head = get() if get is not None else None
     if type(head) is not nn.Linear or head.weight.requires_grad or not _slow_half_on_cpu(head.weight):

@@ -73,8 +73,9 @@ def _table_index(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
 # the CPU every allocation above 1 MiB is a fresh mapping (`qatlib.heap.configure_training`, which
 # keeps the resident set at the live tensors), so each call's index and results were zero-filled
 # page by page: index + two gathers of a 768 x 2048 weight 9.2 ms fresh against 2.0 ms into reused
-# buffers (one thread, AVX-512 EPYC), a third of the rehearsal's ZeRO-3 step. On GPUs the caching
-# allocator already reuses memory.
+# buffers (one thread, AVX-512 EPYC), a third of the rehearsal's ZeRO-3 step. Not a wider heap
+# policy: letting such sizes reuse the heap fragmented it by +1.9 GB per rank (`qatlib.heap`); these
+# few buffers are reused whole. On GPUs the caching allocator already reuses memory.
 _SCRATCH_MAX_ELEMENTS = 1 << 22
 _scratch_local = threading.local()
 
@@ -83,7 +84,9 @@ def _scratch(key: str, n: int, dtype: torch.dtype) -> torch.Tensor:
     """A reused CPU buffer of ``n`` elements for ``key`` (this thread's; grown, never shrunk). Its
     contents last until the next call with the same key: only for values used and dropped inside
     one forward or backward."""
-    buffers = _scratch_local.__dict__.setdefault("buffers", {})
+    if not hasattr(_scratch_local, "buffers"):
+        _scratch_local.buffers = {}
+    buffers = _scratch_local.buffers
     buf = buffers.get(key)
     if buf is None or buf.numel() < n or buf.dtype != dtype:
         buf = buffers[key] = torch.empty(n, dtype=dtype)
