@@ -131,15 +131,30 @@ def step_seconds(log_path: Path) -> float | None:
 
 
 def extract(ref: str, work: Path) -> Path:
-    """The code at git ``ref`` (``qatlib``, ``scripts``, ``config``) in a folder of ``work``."""
-    sha = subprocess.check_output(["git", "rev-parse", ref], cwd=REPO, text=True).strip()
+    """The code at git ``ref`` (``qatlib``, ``scripts``, ``config``) in a folder of ``work``,
+    written whole or not at all (a reused folder is never a half-extracted one). A ``ref`` that
+    is not a commit stops before any stage runs."""
+    from qatlib.checkpoint.layout import AtomicDir
+
+    rev = subprocess.run(
+        ["git", "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    if rev.returncode != 0:
+        raise SystemExit(f"--before-ref {ref!r}: not a commit of {REPO}")
+    sha = rev.stdout.strip()
     dest = work / f"before-{sha[:12]}"
     if not (dest / "qatlib").is_dir():
-        dest.mkdir(parents=True, exist_ok=True)
-        tar = subprocess.run(
-            ["git", "archive", sha, "qatlib", "scripts", "config"], cwd=REPO, capture_output=True, check=True
-        )
-        subprocess.run(["tar", "-x", "-C", str(dest)], input=tar.stdout, check=True)
+        with AtomicDir(dest, overwrite=True) as tmp:
+            tar = subprocess.run(
+                ["git", "archive", sha, "qatlib", "scripts", "config"],
+                cwd=REPO,
+                capture_output=True,
+                check=True,
+            )
+            subprocess.run(["tar", "-x", "-C", str(tmp)], input=tar.stdout, check=True)
     return dest
 
 

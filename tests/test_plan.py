@@ -456,6 +456,9 @@ def test_rehearsal_reads_the_step_time_and_extracts_older_code(tmp_path):
     dest = extract("HEAD", tmp_path)
     assert (dest / "qatlib/frozen_linear.py").is_file() and (dest / "scripts/qat.py").is_file()
     assert (dest / "config/deepspeed/zero3_cpu_lean.json").is_file()
+    with pytest.raises(SystemExit, match="--before-ref 'no-such-ref': not a commit"):
+        extract("no-such-ref", tmp_path / "w")
+    assert not (tmp_path / "w").exists()  # nothing written
 
 
 def test_base_model_rule_writes_a_random_width_model(tmp_path):
