@@ -122,6 +122,7 @@ class QualitySettings:
     bw_val_size: int = 16
     bw_quant_lr: float = 1e-4
     bw_weight_lr: float = 1e-3
+    bw_loss: str = "mse"  # qatlib.trainers.blockwise.BLOCK_LOSSES
     # phase 2 of the two-phase recipe (blockwise, then end-to-end scales from its result): at the
     # main lr (2e-4) phase 2 lost blockwise's gain on the micro model (int2 g32: 0.92 -> 0.86-0.89),
     # at 2e-5 it added to it (0.94-0.98); EfficientQAT's E2E-QP trains step sizes at ~1e-5 too
@@ -670,6 +671,7 @@ class Lab:
             training_seqlen=s.seq_len,
             quant_lr=s.bw_quant_lr,
             weight_lr=s.bw_weight_lr,
+            loss=s.bw_loss,
         )
         samples = blockwise_samples(self.train, s.seq_len, s.bw_train_size + s.bw_val_size)
         t0 = time.perf_counter()
@@ -687,7 +689,7 @@ class Lab:
             "train_s": round(wall, 2),
             "blocks": res.blocks,
             "settings": asdict(bs),
-            "last_val_mse": [r.get("val_mse") for r in res.log if r["epoch"] == bs.epochs - 1],
+            "last_val_loss": [r.get("val_loss") for r in res.log if r["epoch"] == bs.epochs - 1],
         }
 
 

@@ -236,6 +236,7 @@ class BlockwiseRows:
     val_size: int = 8
     weight_lr: float = 1e-4
     quant_lr: float = 1e-2  # relative (log space)
+    loss: str = "mse"  # the block loss (qatlib.trainers.blockwise.BLOCK_LOSSES)
     phase2_steps: int = 50
     phase2_lr: float = 1e-3  # relative: a gentle phase 2 (at the main 1e-2 it may undo phase 1)
     # phase 2 on phase 1's codes held fixed (EfficientQAT's E2E-QP; `qatlib.quant.codes`)
@@ -264,6 +265,7 @@ def blockwise_rows(b: BlockwiseRows, *, results: str = "results") -> dict[str, A
         bw_val_size=b.val_size,
         bw_weight_lr=b.weight_lr,
         bw_quant_lr=b.quant_lr,
+        bw_loss=b.loss,
         base_model_path=str(base),
         seed=b.seed,
     )

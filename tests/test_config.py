@@ -362,14 +362,25 @@ def test_runtime_objects_built_from_yaml() -> None:
             f"{QC}.learnable": {"weight_scale": False, "kv_scale": True, "norm": True, "lwc": True},
             f"{QC}.lwc": {"enable_lwc": True, "lwc_init_value": 3.0},
             f"{QC}.weight_scale_init_value": 0.25,
-            "compression.QAT.block_wise_config": {"epochs": 3, "wd": 0.1, "min_lr_factor": 5},
+            "compression.QAT.block_wise_config": {
+                "epochs": 3,
+                "wd": 0.1,
+                "min_lr_factor": 5,
+                "loss": "token_relative",
+            },
         },
     )
     assert cfg.learnable() == Learnable(
         act_scale=False, weight_scale=False, kv_scale=True, norm=True, lwc=True
     )
     bw = cfg.blockwise()
-    assert (bw.epochs, bw.wd, bw.min_lr_factor, bw.quant_lr) == (3, 0.1, 5.0, BlockwiseSettings.quant_lr)
+    assert (bw.epochs, bw.wd, bw.min_lr_factor, bw.quant_lr, bw.loss) == (
+        3,
+        0.1,
+        5.0,
+        BlockwiseSettings.quant_lr,
+        "token_relative",
+    )
     opts = cfg.prepare_options()
     assert isinstance(opts, PrepareOptions) and (opts.weight_init_value, opts.lwc_init) == (0.25, 3.0)
 
@@ -556,6 +567,11 @@ BAD_CASES: list[tuple[str, dict[str, Any] | str, str]] = [
         "unknown-key-blockwise",
         {"compression.QAT.block_wise_config.epoch": 3},
         "compression.QAT.block_wise_config.epoch",
+    ),
+    (
+        "blockwise-loss-unknown",
+        {"compression.QAT.block_wise_config.loss": "l1"},
+        "compression.QAT.block_wise_config.loss",
     ),
     ("unknown-key-qkv", {f"{QC}.k": {"qtype": "fp8", "granularity": "per-head", "sym": True}}, f"{QC}.k.sym"),
     ("bool-as-string", {"compression.QAT.do_train": "true"}, "compression.QAT.do_train"),

@@ -643,7 +643,7 @@ def test_blockwise_lowers_block_mse_with_activation_quant_on(tmp_path):
     assert res.blocks == 2 and len(res.log) == 8 and len(read_log(tmp_path / "bw.jsonl")) == 8
     for b in (0, 1):
         recs = [r for r in res.log if r["block"] == b]
-        assert recs[-1]["train_mse"] < recs[0]["train_mse"] and "val_mse" in recs[0]
+        assert recs[-1]["train_loss"] < recs[0]["train_loss"] and "val_loss" in recs[0]
         assert recs[-1]["lr"]["quant"] == pytest.approx(1e-3 / 20)  # cosine to lr / min_lr_factor
     training_calls = [c for c in seen if c[0]]
     assert training_calls and all(
@@ -660,6 +660,58 @@ def test_blockwise_lowers_block_mse_with_activation_quant_on(tmp_path):
     with torch.no_grad():
         expect = model.model.layers[0](inps[0], **kws[0])
     torch.testing.assert_close(block1_inputs[0], expect[0] if isinstance(expect, tuple) else expect)
+
+
+def test_token_relative_error_weighs_every_token_alike():
+    """Hand values: two tokens with the same 20% relative error, one 10x the norm of the other.
+    The element MSE is dominated by the large token; the per-token relative error is not."""
+    from qatlib.trainers.blockwise import BLOCK_LOSSES, block_mse, token_relative_error
+
+    target = torch.tensor([[[3.0, 4.0], [30.0, 40.0]]])  # norms 5 and 50
+    out = target + torch.tensor([[[0.0, 1.0], [0.0, 10.0]]])  # errors 1 and 10
+    assert token_relative_error(out, target).item() == pytest.approx((1 / 25 + 100 / 2500) / 2)
+    assert block_mse(out, target).item() == pytest.approx((1 + 100) / 4)
+    # the small token's error alone: all of it counts relatively, ~1% of the MSE
+    small = target.clone()
+    small[0, 0, 1] += 1.0
+    assert token_relative_error(small, target).item() == pytest.approx(1 / 25 / 2)
+    assert block_mse(small, target).item() == pytest.approx(1 / 4)
+    assert BLOCK_LOSSES == {"mse": block_mse, "token_relative": token_relative_error}
+
+
+def test_blockwise_trains_and_validates_with_the_configured_loss():
+    """``loss: token_relative``: the first (only) step's logged training loss and the last epoch's
+    validation loss are the per-token relative error of the block, recomputed here by hand."""
+    from qatlib.trainers.blockwise import BlockwiseSettings, BlockwiseTrainer, capture_first_block_inputs
+
+    model = build_model(tiny_qwen3_config(initializer_range=0.1))
+    prepare(model, QuantScheme("w4", weight=QuantSpec("int4", Granularity.GROUP, group_size=16)))
+    g = torch.Generator().manual_seed(1)
+    samples = [torch.randint(0, VOCAB, (16,), generator=g) for _ in range(2)]
+    inps, kws = capture_first_block_inputs(model, [s[None] for s in samples])
+
+    def rel(out, tgt):  # by hand, float64
+        o, t = out.double(), tgt.double()
+        return ((o - t).pow(2).sum(-1) / t.pow(2).sum(-1)).mean().item()
+
+    b0 = model.model.layers[0]
+    with torch.no_grad():
+        with quantization_disabled(b0):  # the targets: the block BEFORE training, unquantized
+            tgt = [b0(x, **kw) for x, kw in zip(inps, kws)]
+        first = rel(b0(inps[0], **kws[0]), tgt[0])
+    settings = BlockwiseSettings(
+        epochs=1, train_size=1, val_size=1, training_seqlen=16, quant_lr=1e-3, weight_lr=1e-3,
+        loss="token_relative",
+    )  # fmt: skip
+    res = BlockwiseTrainer(model, settings, calibrate_activations=False).train(samples)
+    rec0 = next(r for r in res.log if r["block"] == 0)
+    assert rec0["loss"] == "token_relative"
+    assert rec0["train_loss"] == pytest.approx(first, rel=1e-5)
+    with torch.no_grad():
+        val = rel(b0(inps[1], **kws[1]), tgt[1])
+    assert rec0["val_loss"] == pytest.approx(val, rel=1e-5)
+    with pytest.raises(ValueError, match="block_wise_config.loss"):
+        BlockwiseTrainer(model, BlockwiseSettings(loss="l1"))
 
 
 def test_blockwise_moe_bf16_then_fake_export(tmp_path, tiny_qwen3_moe):
@@ -739,7 +791,7 @@ def test_blockwise_cli_trains_and_saves_a_qat_checkpoint(tmp_path, tiny_tokenize
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = read_log(tmp_path / "qat" / TRAIN_LOG_FILE)
-    assert [(x["block"], x["epoch"]) for x in lines] == [(0, 0), (1, 0)] and "val_mse" in lines[0]
+    assert [(x["block"], x["epoch"]) for x in lines] == [(0, 0), (1, 0)] and "val_loss" in lines[0]
     from qatlib.resume import load_saved_model
 
     fresh = build_model(tiny_qwen3_config(), seed=4)

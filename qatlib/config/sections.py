@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from qatlib.losses import LOSS_PATTERN, LossConfig, LossTypeError, parse_loss_type
 from qatlib.quant.spec import QTYPES, Granularity
-from qatlib.trainers.blockwise import BlockwiseSettings
+from qatlib.trainers.blockwise import BLOCK_LOSSES, BlockwiseSettings
 from qatlib.trainers.params import Learnable
 
 from . import upstream
@@ -320,6 +320,8 @@ class BlockwiseConfig(Section):
     weight_lr: float = Field(_BW.weight_lr, ge=0)
     min_lr_factor: float = Field(_BW.min_lr_factor, gt=0)
     wd: float = Field(_BW.wd, ge=0)
+    # qatlib's addition: the block loss (`qatlib.trainers.blockwise.BLOCK_LOSSES`); upstream: MSE
+    loss: Literal[tuple(BLOCK_LOSSES)] = _BW.loss
 
 
 # upstream hf_args keys transformers 5 dropped, which `QATConfig` translates (warmup_ratio ->
