@@ -315,8 +315,9 @@ def blockwise_rows(b: BlockwiseRows, *, results: str = "results") -> dict[str, A
         del bm, pm
         if b.e2e:  # end-to-end alone, as many steps as fit in blockwise's (or both phases') wall time
             kw: dict[str, Any] = {"scale_update": "log"}
-            walls = [(brec["train_s"], "blockwise's wall")]
-            if b.e2e_as_phase2:
+            if not b.e2e_as_phase2:
+                walls = [(brec["train_s"], "blockwise's wall")]
+            else:
                 kw.update(lr=b.phase2_lr, frozen_codes=b.phase2_frozen_codes)
                 walls = [(brec["train_s"] + prec["train_s"], "phase 2's recipe, the two phases' wall")]
                 if b.e2e_at_blockwise_wall:
