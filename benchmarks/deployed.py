@@ -97,7 +97,7 @@ def tying_available() -> str | None:
     return "tied scales (PrepareOptions.deploy_target, h-tying) are not in this tree"
 
 
-def _deployed_ppl(model, scheme, ev, work: Path, target: str, capability=None) -> dict[str, Any]:
+def deployed_ppl(model, scheme, ev, work: Path, target: str, capability=None) -> dict[str, Any]:
     """Export ``model`` (real) and evaluate the emulated runtime model; or the refusal."""
     from qatlib.export import export
     from qatlib.runtime.emulate import RuntimeRefusal, emulate_export
@@ -123,7 +123,7 @@ def _row(name: str, lab, s: DeployedSettings, work: Path, options=None) -> dict[
         ptq = lab.fresh()
         calibrate(ptq, scheme, lab.calib, ignore=IGNORE, options=options)
     ptq_t = ev(ptq, mc=False)["ppl"]
-    ptq_d = _deployed_ppl(ptq, scheme, ev, work, s.target, s.capability)
+    ptq_d = deployed_ppl(ptq, scheme, ev, work, s.target, s.capability)
     if "refused" in ptq_d:  # nothing deployed to compare: no QAT run
         return {"format": name, "ptq_trained": ptq_t, "qat_trained": None, "refused": ptq_d["refused"]} | {
             "ptq_deployed": None,
@@ -132,7 +132,7 @@ def _row(name: str, lab, s: DeployedSettings, work: Path, options=None) -> dict[
         }
     qat, _ = lab.qat(scheme, steps=s.qat_steps, start=ptq)
     qat_t = ev(qat, mc=False)["ppl"]
-    qat_d = _deployed_ppl(qat, scheme, ev, work, s.target, s.capability)
+    qat_d = deployed_ppl(qat, scheme, ev, work, s.target, s.capability)
     row: dict[str, Any] = {"format": name, "ptq_trained": ptq_t, "qat_trained": qat_t}
     if "refused" in ptq_d:
         row.update(refused=ptq_d["refused"], ptq_deployed=None, qat_deployed=None, survives=None)

@@ -507,12 +507,14 @@ class Lab:
         m.eval()
         return m
 
-    def rtn(self, scheme, *, lwc_init: float | None = None):
+    def rtn(self, scheme, *, lwc_init: float | None = None, deploy_target: str = "none"):
+        """RTN PTQ; ``deploy_target`` ties the scales that runtime merges (`qatlib.quant.tying`)."""
         from qatlib.ptq import calibrate
         from qatlib.quant.linear import PrepareOptions
 
         m = self.fresh()
-        calibrate(m, scheme, self.calib, ignore=IGNORE, options=PrepareOptions(lwc_init=lwc_init))
+        options = PrepareOptions(lwc_init=lwc_init, deploy_target=deploy_target)
+        calibrate(m, scheme, self.calib, ignore=IGNORE, options=options)
         return m
 
     def gap_parts(self, m) -> dict[str, float]:
@@ -657,12 +659,12 @@ class Lab:
         m.eval()
         return m, rec
 
-    def blockwise(self, scheme):
+    def blockwise(self, scheme, *, deploy_target: str = "none"):
         from qatlib.trainers.blockwise import BlockwiseSettings, BlockwiseTrainer, blockwise_samples
         from qatlib.trainers.params import Learnable
 
         s = self.s
-        m = self.rtn(scheme)
+        m = self.rtn(scheme, deploy_target=deploy_target)
         bs = BlockwiseSettings(
             epochs=s.bw_epochs,
             batch_size=1,

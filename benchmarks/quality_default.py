@@ -250,6 +250,12 @@ class BlockwiseRows:
     # with e2e_as_phase2: also end-to-end alone (phase 2's recipe) for blockwise's wall alone, the
     # row blockwise's own ">= 0.90 at equal wall time" compares with
     e2e_at_blockwise_wall: bool = True
+    # each row also as deployed: the real export run through `qatlib.runtime.emulate` for vLLM
+    # (`benchmarks.deployed.deployed_ppl`; a format vLLM refuses records the refusal)
+    deployed: bool = True
+    # "vllm": the scales vLLM merges (fp8 q/k/v, gate/up) train tied, so that the deployment is
+    # the model as trained (`qatlib.quant.tying`); "none": each quantizer its own scale
+    deploy_target: str = "none"
     eval_windows: int = 32
     seed: int = 0
 
@@ -280,20 +286,28 @@ def blockwise_rows(b: BlockwiseRows, *, results: str = "results") -> dict[str, A
     with tempfile.TemporaryDirectory(prefix="bench-quality-blockwise-") as tmp:
         inputs = resolve_inputs(s, results, Path(tmp))
         lab = Lab(s, inputs["base"], inputs["corpus_snapshot"], None, Path(tmp))
-        bf16, rtn = lab.eval(lab.base, mc=False), lab.eval(lab.rtn(scheme), mc=False)
+        bf16 = lab.eval(lab.base, mc=False)
+        rtn = lab.eval(lab.rtn(scheme, deploy_target=b.deploy_target), mc=False)
         log(f"blockwise_rows: bf16 {bf16['ppl']:.3f} rtn {rtn['ppl']:.3f}")
 
         def row(name: str, m, train_s: float, **extra) -> None:
             q = lab.eval(m, mc=False)
             rv = recovery_record(bf16, rtn, q)
+            if b.deployed:
+                from .deployed import TARGET, deployed_ppl
+
+                dep = deployed_ppl(m, scheme, lab.eval, Path(tmp), TARGET)
+                extra = {**extra, "deployed_ppl": round(dep["ppl"], 4) if "ppl" in dep else None, **dep}
+                extra.pop("ppl", None)
             rows.append(
                 {"variant": name, "ppl": round(q["ppl"], 4), **rv, "train_s": round(train_s, 1), **extra}
             )
             log(
                 f"blockwise_rows: {name}: ppl {q['ppl']:.3f} recovery {rv['recovery']} +- {rv['recovery_se']}"
+                + (f", deployed {extra.get('deployed_ppl')}" if b.deployed else "")
             )
 
-        bm, brec = lab.blockwise(scheme)
+        bm, brec = lab.blockwise(scheme, deploy_target=b.deploy_target)
         row("blockwise (weights + scales)", bm, brec["train_s"], windows=b.epochs * b.train_size)
         pm, prec = lab.qat(
             scheme,
@@ -322,11 +336,16 @@ def blockwise_rows(b: BlockwiseRows, *, results: str = "results") -> dict[str, A
                 walls = [(brec["train_s"] + prec["train_s"], "phase 2's recipe, the two phases' wall")]
                 if b.e2e_at_blockwise_wall:
                     walls.append((brec["train_s"], "phase 2's recipe, blockwise's wall"))
-            m1, r1 = lab.qat(scheme, steps=5, **kw)
+            if b.deploy_target != "none":  # tied like the blockwise rows (same values as "self")
+                kw.update(teacher="base")
+                start = lambda: lab.rtn(scheme, deploy_target=b.deploy_target)  # noqa: E731
+            else:
+                start = lambda: None  # noqa: E731 - Lab.qat's own RTN start
+            m1, r1 = lab.qat(scheme, steps=5, start=start(), **kw)
             del m1
             for wall, what in walls:
                 steps = max(5, round(wall / r1["s_per_step"]))
-                em, erec = lab.qat(scheme, steps=steps, **kw)
+                em, erec = lab.qat(scheme, steps=steps, start=start(), **kw)
                 row(f"end-to-end alone (scales), {what}", em, erec["train_s"], steps=steps)
                 del em
     return {
