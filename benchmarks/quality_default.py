@@ -263,6 +263,7 @@ class BlockwiseRows:
 def blockwise_rows(b: BlockwiseRows, *, results: str = "results") -> dict[str, Any]:
     import copy
 
+    from .deployed import TARGET, deployed_ppl
     from .quality import FP4_ROWS, Lab, recovery_record, resolve_inputs
 
     base = default_base(results, DefaultModelSettings.base_model)
@@ -293,12 +294,9 @@ def blockwise_rows(b: BlockwiseRows, *, results: str = "results") -> dict[str, A
         def row(name: str, m, train_s: float, **extra) -> None:
             q = lab.eval(m, mc=False)
             rv = recovery_record(bf16, rtn, q)
-            if b.deployed:
-                from .deployed import TARGET, deployed_ppl
-
+            if b.deployed:  # {"ppl", "applied"} or {"refused"}
                 dep = deployed_ppl(m, scheme, lab.eval, Path(tmp), TARGET)
-                extra = {**extra, "deployed_ppl": round(dep["ppl"], 4) if "ppl" in dep else None, **dep}
-                extra.pop("ppl", None)
+                extra = {**extra, "deployed_ppl": round(dep.pop("ppl"), 4) if "ppl" in dep else None, **dep}
             rows.append(
                 {"variant": name, "ppl": round(q["ppl"], 4), **rv, "train_s": round(train_s, 1), **extra}
             )
@@ -336,11 +334,13 @@ def blockwise_rows(b: BlockwiseRows, *, results: str = "results") -> dict[str, A
                 walls = [(brec["train_s"] + prec["train_s"], "phase 2's recipe, the two phases' wall")]
                 if b.e2e_at_blockwise_wall:
                     walls.append((brec["train_s"], "phase 2's recipe, blockwise's wall"))
-            if b.deploy_target != "none":  # tied like the blockwise rows (same values as "self")
-                kw.update(teacher="base")
-                start = lambda: lab.rtn(scheme, deploy_target=b.deploy_target)  # noqa: E731
-            else:
-                start = lambda: None  # noqa: E731 - Lab.qat's own RTN start
+            tied = b.deploy_target != "none"
+            if tied:  # an RTN start tied like the blockwise rows' (teacher "base": same values as "self")
+                kw["teacher"] = "base"
+
+            def start():  # None: Lab.qat's own (untied) RTN start
+                return lab.rtn(scheme, deploy_target=b.deploy_target) if tied else None
+
             m1, r1 = lab.qat(scheme, steps=5, start=start(), **kw)
             del m1
             for wall, what in walls:
