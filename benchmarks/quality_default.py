@@ -259,6 +259,15 @@ class BlockwiseRows:
     eval_windows: int = 32
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        # before any training: `qatlib.quant.tying` treats an unknown target as "none" (untied)
+        from qatlib.runtime.facts import TARGETS
+
+        if self.deploy_target != "none" and self.deploy_target not in TARGETS:
+            raise ValueError(
+                f"BlockwiseRows.deploy_target {self.deploy_target!r}: one of none, {', '.join(TARGETS)}"
+            )
+
 
 def blockwise_rows(b: BlockwiseRows, *, results: str = "results") -> dict[str, Any]:
     import copy

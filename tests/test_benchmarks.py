@@ -256,3 +256,13 @@ def test_scale_lr_is_one_relative_lr_in_log_space_and_per_format_additive():
     assert quality.scale_lr(s, f("nvfp4_w4a16"), "additive", None) == 0.2
     assert quality.scale_lr(s, f("fp8_static"), "additive", None) == 3e-6
     assert quality.scale_lr(s, f("int4_g32"), "additive", None) == 0.011
+
+
+def test_blockwise_rows_refuse_an_unknown_deploy_target():
+    """A misspelled target would train untied (`qatlib.quant.tying` ignores unknown targets) and
+    label the rows as tied: refused when the settings are built, before any training."""
+    from benchmarks.quality_default import BlockwiseRows
+
+    assert BlockwiseRows(deploy_target="vllm").deploy_target == "vllm"
+    with pytest.raises(ValueError, match=r"deploy_target 'vlm': one of none, vllm"):
+        BlockwiseRows(deploy_target="vlm")
