@@ -164,6 +164,9 @@ IGNORE = ("lm_head", "embed_tokens", "gate")
 
 FORMATS: dict[str, str] = {
     "fp8_static": "FP8 E4M3 weights and static per-tensor activations",
+    # vLLM concatenates channel scales of fused shards (no max-merge of weight scales); its fused
+    # MoE refuses this pair (channel weights need token-dynamic inputs): dense models only
+    "fp8_static_ch": "FP8 E4M3 per-channel weights and static per-tensor activations",
     "int4_g32": "int4 sym weight-only, groups of 32",
     "int4_g64": "int4 sym weight-only, groups of 64 (the default experiment's format)",
     "int4_ch": "int4 sym weight-only, per-channel",
@@ -199,6 +202,9 @@ def format_scheme(name: str):
 
     if name == "fp8_static":
         return PRESETS["fp8_static"]
+    if name == "fp8_static_ch":
+        s = PRESETS["fp8_static"]
+        return s.replace(name=name, weight=s.weight.replace(granularity=Granularity.CHANNEL))
     if name in ("w4a8_fp8_g32", "w4a8_fp8_g64"):
         s = PRESETS["w4a8_fp8"]
         return s.replace(name=name, weight=s.weight.replace(group_size=int(name[-2:])))

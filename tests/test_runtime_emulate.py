@@ -143,6 +143,9 @@ def _trained(name, *, moe=False, dtype=None, options=None, kv=None):
     if name == "int4_asym":  # packed codes AND packed zero points (compressed-tensors' layout)
         g = preset("int4_weight_only").weight
         scheme = QuantScheme("int4_asym", weight=g.replace(symmetric=False))
+    elif name == "fp8_static_ch":  # channel weight scales: vLLM concatenates them, merges the inputs'
+        s = preset("fp8_static")
+        scheme = s.replace(name=name, weight=s.weight.replace(granularity=Granularity.CHANNEL))
     else:
         scheme = preset(name)
     big = name == "w4a8_fp8"  # the CUTLASS kernel: K, N % 128 (MoE % 256), bf16, group 128
@@ -212,6 +215,9 @@ UNCHANGED = [
     ("int4_weight_only", False, None),
     ("int4_weight_only", True, None),
     ("int4_asym", False, None),
+    # channel weight scales are concatenated; the fused shards' calibrated input scales are equal
+    # (one input), so vLLM's max over them changes nothing until training moves them apart
+    ("fp8_static_ch", False, None),
     ("int8", False, None),
     ("int8", True, None),
 ]

@@ -71,6 +71,21 @@ def test_prepare_under_vllm_shares_one_parameter_dense():
     assert f"{a}k_proj.weight_quantizer.scale" not in names
 
 
+def test_fp8_channel_weights_tie_only_the_inputs_dense():
+    """vLLM concatenates per-channel weight scales of fused shards (nothing to tie) but still takes
+    the max of their static input scales: only the input quantizers share a Parameter."""
+    ch = FP8.replace(name="fp8_static_ch", weight=FP8.weight.replace(granularity=Granularity.CHANNEL))
+    model = _prepared(scheme=ch)
+    a = "model.layers.0.self_attn."
+    ins = [_q(model, f"{a}{p}.input_quantizer").scale for p in ("q_proj", "k_proj", "v_proj")]
+    assert ins[0] is ins[1] is ins[2]
+    ws = [_q(model, f"{a}{p}.weight_quantizer").scale for p in ("q_proj", "k_proj", "v_proj")]
+    assert len({id(w) for w in ws}) == 3
+    w = _q(model, f"{a}k_proj").weight.detach()
+    assert ws[1].detach().reshape(-1).shape == (w.shape[0],)  # one scale per output row, its own
+    assert torch.allclose(ws[1].detach().reshape(-1), (w.abs().amax(1) / 448).to(ws[1].dtype))
+
+
 def test_prepare_under_vllm_ties_expert_inputs_moe():
     model = _prepared(moe=True)
     e = "model.layers.1.mlp.experts."
