@@ -266,3 +266,9 @@ def test_blockwise_rows_refuse_an_unknown_deploy_target():
     assert BlockwiseRows(deploy_target="vllm").deploy_target == "vllm"
     with pytest.raises(ValueError, match=r"deploy_target 'vlm': one of none, vllm"):
         BlockwiseRows(deploy_target="vlm")
+    assert BlockwiseRows(phase2_deploy_target="sglang").phase2_deploy_target == "sglang"
+    with pytest.raises(ValueError, match=r"phase2_deploy_target 'vlm': one of none, vllm"):
+        BlockwiseRows(phase2_deploy_target="vlm")
+    # phase 2's tying starts from an untied phase 1; both set would tie twice under two labels
+    with pytest.raises(ValueError, match="phase2_deploy_target ties phase 1's untied model"):
+        BlockwiseRows(deploy_target="vllm", phase2_deploy_target="vllm")
