@@ -89,6 +89,15 @@ def build_model(config, seed: int = 0):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+def fp8_static_channel():
+    """fp8_static with one weight scale per output row (vLLM's dense W8A8-FP8 channel scheme; the
+    benchmarks' ``fp8_static_ch``; a config gets it with ``quant_method.weight: per-channel``)."""
+    from qatlib.quant import Granularity, preset
+
+    s = preset("fp8_static")
+    return s.replace(name="fp8_static_ch", weight=s.weight.replace(granularity=Granularity.CHANNEL))
+
+
 def local_texts(n_docs: int = 200) -> list[str]:
     """English prose available offline: docstrings of the Python standard library."""
     import collections

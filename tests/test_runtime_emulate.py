@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build_model, tiny_qwen3_config, tiny_qwen3_moe_config
+from conftest import build_model, fp8_static_channel, tiny_qwen3_config, tiny_qwen3_moe_config
 from transformers import AutoModelForCausalLM
 
 from qatlib.export import export
@@ -144,8 +144,7 @@ def _trained(name, *, moe=False, dtype=None, options=None, kv=None):
         g = preset("int4_weight_only").weight
         scheme = QuantScheme("int4_asym", weight=g.replace(symmetric=False))
     elif name == "fp8_static_ch":  # channel weight scales: vLLM concatenates them, merges the inputs'
-        s = preset("fp8_static")
-        scheme = s.replace(name=name, weight=s.weight.replace(granularity=Granularity.CHANNEL))
+        scheme = fp8_static_channel()
     else:
         scheme = preset(name)
     big = name == "w4a8_fp8"  # the CUTLASS kernel: K, N % 128 (MoE % 256), bf16, group 128

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import build_model, tiny_qwen3_config, tiny_qwen3_moe_config
+from conftest import build_model, fp8_static_channel, tiny_qwen3_config, tiny_qwen3_moe_config
 from safetensors.torch import load_file
 
 from qatlib.export import export
@@ -74,8 +74,7 @@ def test_prepare_under_vllm_shares_one_parameter_dense():
 def test_fp8_channel_weights_tie_only_the_inputs_dense():
     """vLLM concatenates per-channel weight scales of fused shards (nothing to tie) but still takes
     the max of their static input scales: only the input quantizers share a Parameter."""
-    ch = FP8.replace(name="fp8_static_ch", weight=FP8.weight.replace(granularity=Granularity.CHANNEL))
-    model = _prepared(scheme=ch)
+    model = _prepared(scheme=fp8_static_channel())
     a = "model.layers.0.self_attn."
     ins = [_q(model, f"{a}{p}.input_quantizer").scale for p in ("q_proj", "k_proj", "v_proj")]
     assert ins[0] is ins[1] is ins[2]
