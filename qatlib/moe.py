@@ -15,6 +15,7 @@ from contextlib import AbstractContextManager as ContextManager
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 _FUSED_ATTRS = ("gate_up_proj", "down_proj", "num_experts", "hidden_dim", "intermediate_dim", "act_fn")
 
@@ -56,7 +57,13 @@ def _check_layout(name: str, module: nn.Module) -> None:
 
 
 class ExpertMLP(nn.Module):
-    """One expert: ``down(act(gate(x)) * up(x))``."""
+    """One expert: ``down(act(gate(x)) * up(x))``, times the tokens' routing weights when given.
+
+    The weighting is inside the module so that, under ZeRO-3, the module's output is the first
+    node its backward meets: DeepSpeed's pre-backward hook gathers the expert's weights and makes
+    it the running backward module BEFORE a per-expert checkpoint recomputes it
+    (`recompute_experts_one_by_one`); then what the recompute gathers is released with this
+    expert's backward, not the layer's."""
 
     def __init__(self, hidden: int, inter: int, act_fn: Callable, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -65,8 +72,9 @@ class ExpertMLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False, dtype=dtype)
         self.act_fn = act_fn
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, routing_weights: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return y if routing_weights is None else y * routing_weights[:, None]
 
 
 class LinearizedMoeExperts(nn.ModuleList):
@@ -90,24 +98,67 @@ class LinearizedMoeExperts(nn.ModuleList):
         self.num_experts = num_experts
         self.hidden_dim = hidden
         self.intermediate_dim = inter
+        self.recompute_per_expert = False  # `recompute_experts_one_by_one` sets it
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        out = torch.zeros_like(hidden_states)
-        flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert, in token order
-        counts = torch.bincount(flat, minlength=len(self)).tolist()  # the layer's one host sync
-        token_idx = order // top_k_index.shape[-1]
-        x_sorted = hidden_states[token_idx]
-        w_sorted = top_k_weights.reshape(-1)[order]
-        start = 0
-        for expert, n in zip(self, counts):
-            rows = slice(start, start + n)
-            start += n
-            y = expert(x_sorted[rows]) * w_sorted[rows, None]
-            out.index_add_(0, token_idx[rows], y.to(out.dtype))
+        per_expert = self.recompute_per_expert and torch.is_grad_enabled()
+        # Saved normally (by reference) here, not by the enclosing layer's checkpoint: see
+        # `recompute_experts_one_by_one`.
+        with (
+            torch.autograd.graph.saved_tensors_hooks(_same, _same) if per_expert else contextlib.nullcontext()
+        ):
+            out = torch.zeros_like(hidden_states)
+            flat = top_k_index.reshape(-1)
+            order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert, in token order
+            counts = torch.bincount(flat, minlength=len(self)).tolist()  # the layer's one host sync
+            token_idx = order // top_k_index.shape[-1]
+            w_sorted = top_k_weights.reshape(-1)[order]
+            start = 0
+            for expert, n in zip(self, counts):
+                rows = slice(start, start + n)
+                start += n
+                args = (expert, hidden_states, token_idx[rows], w_sorted[rows])
+                y = (
+                    checkpoint(_weighted_expert, *args, use_reentrant=False)
+                    if per_expert
+                    else _weighted_expert(*args)
+                )
+                out.index_add_(0, token_idx[rows], y.to(out.dtype))
         return out
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _weighted_expert(
+    expert: ExpertMLP, hidden: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
+) -> torch.Tensor:
+    """One expert's routing-weighted output for the tokens ``idx`` (one call, so one checkpoint
+    saves only the layer input it shares with every expert, the indices and the weights)."""
+    return expert(hidden[idx], w)
+
+
+def recompute_experts_one_by_one(model: nn.Module, on: bool = True) -> int:
+    """Under non-reentrant activation checkpointing of decoder layers, recompute each expert inside
+    its own backward instead of all of a layer's experts at the start of the layer's backward.
+
+    Why: a layer's recompute would gather every expert's frozen weights, and DeepSpeed ZeRO-3
+    (0.19) keeps frozen parameters gathered in a checkpoint recompute until the module whose
+    backward triggered it finishes (``update_recompute_parameters``): with one expert per gather
+    (config/deepspeed/zero3_cpu_lean.json) a rank then holds a whole layer of experts (1.2 GB for
+    Qwen3-30B-A3B) through that backward, the step's peak (issue #16). With this on, the experts
+    block saves its tensors outside the layer's checkpoint (so the layer's recompute stops, by
+    PyTorch's early stop, at the router, before any expert) and each expert is its own
+    checkpoint, recomputed when its backward starts: one expert's weights are gathered at a time.
+    What is kept per layer: the experts' shared input, the routing indices and weights, the
+    output; the same arithmetic, bit for bit. Returns how many experts blocks were set."""
+    blocks = [m for m in model.modules() if isinstance(m, LinearizedMoeExperts)]
+    for m in blocks:
+        m.recompute_per_expert = on
+    return len(blocks)
 
 
 def linearize_moe_experts(

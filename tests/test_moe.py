@@ -257,3 +257,45 @@ def test_linearize_in_place_adds_at_most_one_layer(monkeypatch):
     assert peak <= layer_bytes * 1.02, (peak, layer_bytes)
     assert abs(live) <= 0.02 * layer_bytes, live
     assert all(isinstance(m.mlp.experts, LinearizedMoeExperts) for m in model.model.layers)
+
+
+def test_checkpointed_layers_recompute_each_expert_in_its_own_backward():
+    """`recompute_experts_one_by_one` under transformers' (non-reentrant) layer checkpointing: the
+    layer's recompute stops before the experts, and each expert is recomputed when its own backward
+    starts, so during the backward the experts run in reverse order, one at a time (what bounds a
+    ZeRO-3 rank to one expert's gathered weights; the layer-wide recompute runs them 0..E-1 first).
+    Loss and every gradient equal the plain layer checkpoint's bit for bit."""
+    from qatlib.moe import recompute_experts_one_by_one
+
+    torch.manual_seed(0)
+    model = build_model(tiny_qwen3_moe_config(num_hidden_layers=1, num_experts=4, num_experts_per_tok=4))
+    linearize_moe_experts(model)
+    model.train().activation_checkpointing_enable()  # transformers' default: use_reentrant=False
+    experts = model.model.layers[0].mlp.experts
+    calls: list[int] = []
+    for e, ex in enumerate(experts):
+        ex.register_forward_pre_hook(
+            lambda m, a, e=e: calls.append(e) if torch._C._current_graph_task_id() != -1 else None
+        )
+    ids = _ids(3)
+
+    def run() -> tuple[torch.Tensor, dict[str, torch.Tensor], list[int]]:
+        model.zero_grad()
+        calls.clear()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return (
+            loss.detach(),
+            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            list(calls),
+        )
+
+    loss0, grads0, order0 = run()
+    assert order0 == [0, 1, 2, 3]  # the layer's recompute: every expert, in forward order
+    assert recompute_experts_one_by_one(model) == 1
+    loss1, grads1, order1 = run()
+    assert order1 == [3, 2, 1, 0]  # each expert inside its own backward (the last one's comes first)
+    assert torch.equal(loss0, loss1)
+    assert grads0.keys() == grads1.keys() and any("experts.0.down_proj" in n for n in grads1)
+    for n in grads0:
+        assert torch.equal(grads0[n], grads1[n]), n

@@ -147,6 +147,30 @@ def test_expert_leaf_gathers_one_expert_not_the_layer_by_hand():
     )
 
 
+def test_checkpointed_expert_leaf_keeps_expert_inputs_or_holds_a_layer_by_hand():
+    """Checkpointing with one expert per gather: non-reentrant (transformers' default) recomputes
+    each expert in its own backward and keeps, per MoE layer, the experts' input (64 tokens x 8 x
+    bf16) plus per routed copy an int64 sort order, an int64 index and a bf16 weight (64 x 2 x 18):
+    2 x (1024 + 2304) = 6656 bytes; reentrant recomputes the layer and DeepSpeed holds its frozen
+    experts (4 x 3 x 6 x 8 x 2 = 1152 bytes). A whole-layer leaf gathers the layer anyway: neither."""
+    m = qp.ModelShape.from_config(TINY)
+    zero = {"stage": 3, "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0}
+    lean = {"zero_optimization": {**zero, "leaf_module": {"classes": ["qatlib.moe.ExpertMLP"]}}}
+    exp = load_yaml(REPO / "config/experiments/qwen3-30b-a3b-width.yaml")
+    hf = exp["compression"]["QAT"]["hf_args"]
+    assert hf["gradient_checkpointing"] and hf["per_device_train_batch_size"] == 1
+    assert exp["dataset"]["max_seq_length"] == 64
+    kept = "experts' inputs kept (each expert recomputed in its own backward)"
+    held = "a layer's frozen experts held through its recompute (reentrant)"
+    t = terms(qp.plan(m, qp.from_experiment(exp, lean), qp.Run())[1])
+    assert t[kept] == 6656 and held not in t
+    hf["gradient_checkpointing_kwargs"] = {"use_reentrant": True}
+    t = terms(qp.plan(m, qp.from_experiment(exp, lean), qp.Run())[1])
+    assert t[held] == 1152 and kept not in t
+    t = terms(qp.plan(m, qp.from_experiment(exp, {"zero_optimization": zero}), qp.Run())[1])
+    assert kept not in t and held not in t
+
+
 def test_ptq_that_does_not_stream_holds_the_whole_model_by_hand():
     """`qp.streamed` false (GPTQ, or a static input scale on the head): the rule runs the
     whole-model PTQ, so the plan holds the model, not one layer; GPTQ keeps every sample's layer

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, build_model, one_thread, tiny_qwen3_config, torchrun
+from conftest import VOCAB, build_model, one_thread, tiny_qwen3_config, tiny_qwen3_moe_config, torchrun
 from transformers import TrainerCallback, TrainingArguments
 
 from qatlib import device as qdevice
@@ -825,7 +825,18 @@ def _z3_setup(tmp_path: Path, n_samples: int, steps: int, **extra) -> tuple[dict
     from qatlib.ptq import save_ptq_checkpoint
 
     model_dir, ptq_dir = tmp_path / "model", tmp_path / "ptq"
-    build_model(tiny_qwen3_config(initializer_range=0.1), seed=1).save_pretrained(model_dir)
+    ds_config = DS_CPU
+    if extra.get("moe"):  # one expert per gather, as config/deepspeed/zero3_cpu_lean.json
+        config = tiny_qwen3_moe_config(initializer_range=0.1)
+        ds = json.loads(DS_CPU.read_text())
+        ds["zero_optimization"]["leaf_module"] = {"classes": ["qatlib.moe.ExpertMLP"]}
+        # no prefetch: 5e5 elements would prefetch every tiny expert and hide what the recompute holds
+        ds["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
+        ds_config = tmp_path / "ds_expert_leaf.json"
+        ds_config.write_text(json.dumps(ds))
+    else:
+        config = tiny_qwen3_config(initializer_range=0.1)
+    build_model(config, seed=1).save_pretrained(model_dir)
     with one_thread():
         pm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         prepare(pm, Z3_SCHEME)
@@ -836,7 +847,7 @@ def _z3_setup(tmp_path: Path, n_samples: int, steps: int, **extra) -> tuple[dict
         "out": str(tmp_path / "run"),
         "model": str(model_dir),
         "ptq": str(ptq_dir),
-        "ds_config": str(DS_CPU),
+        "ds_config": str(ds_config),
         "scheme": Z3_SCHEME.to_dict(),
         "data": data,
         "steps": steps,
@@ -1053,8 +1064,12 @@ def test_zero3_weight_training_with_a_partitioned_original_teacher_matches_singl
 
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
-def test_zero3_gradient_checkpointing_frozen_weights_matches_single_process(tmp_path, reentrant):
+@pytest.mark.parametrize(
+    "reentrant, moe",
+    [(False, False), (True, False), (False, True)],
+    ids=["non_reentrant", "reentrant", "moe_expertleaf"],
+)
+def test_zero3_gradient_checkpointing_frozen_weights_matches_single_process(tmp_path, reentrant, moe):
     """ZeRO-3 + ``gradient_checkpointing: true`` with every weight frozen (only scales train; what the
     30B configs run): checkpointed blocks whose inputs do not require grad would give the scales no
     gradient (the upstream failure; the trainer makes the inputs require grad). On 2 ranks the
@@ -1063,7 +1078,9 @@ def test_zero3_gradient_checkpointing_frozen_weights_matches_single_process(tmp_
     same checkpointed training (rtol 1e-5, re-synced each step and Adam eps 1: why above
     `_z3_reference`); every logged loss is exactly equal. transformers' default checkpoint is
     non-reentrant (gradients flow without inputs that require grad); the reentrant one (the
-    upstream setting) is the one that needs the inputs made to require grad."""
+    upstream setting) is the one that needs the inputs made to require grad. ``moe_expertleaf``:
+    a Qwen3-MoE gathering one expert at a time (`recompute_experts_one_by_one`), whose recompute
+    must not hold the other experts of the block (issue #16's checkpointed step peak)."""
     steps = 3
     spec, data = _z3_setup(
         tmp_path,
@@ -1073,6 +1090,7 @@ def test_zero3_gradient_checkpointing_frozen_weights_matches_single_process(tmp_
         eps=1.0,
         gradient_checkpointing=True,
         use_reentrant=reentrant,
+        moe=moe,
     )
     proc, _ = torchrun(Z3_WORKER, spec, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -1082,6 +1100,8 @@ def test_zero3_gradient_checkpointing_frozen_weights_matches_single_process(tmp_
     assert res["layer0_forwards"] == 3 * steps  # student + recompute + teacher, per step
     assert res["trainable"]["scale"] > 0  # only the scales train: every weight is frozen
     assert res["trainable"].get("weight", 0) == res["trainable"].get("norm", 0) == 0
+    if moe:  # each expert recomputed in its own backward: no other expert of its block is gathered
+        assert res["others_gathered"] == 0  # (the layer-wide recompute held all 4 experts: 3)
     lines = read_log(tmp_path / "run" / "trainer" / LOG_FILE)
     z3 = [_saved_scales(tmp_path / "run" / "steps" / str(k)) for k in range(1, steps + 1)]
 

@@ -148,6 +148,7 @@ class PlanInputs:
     seq_len: int = 2048
     micro_batch: int = 8  # transformers' per_device_train_batch_size default
     grad_ckpt: bool = False
+    ckpt_reentrant: bool = False  # use_reentrant in the checkpointing kwargs (transformers' default: False)
     kd: bool = True
     train_samples: int = 256
     epochs: float = 1.0
@@ -335,6 +336,11 @@ def from_experiment(
         micro_batch=int(hf.get("per_device_train_batch_size", 8)),
         # transformers 5: activation_checkpointing; gradient_checkpointing its deprecated alias
         grad_ckpt=bool(hf.get("activation_checkpointing", hf.get("gradient_checkpointing")) or False),
+        ckpt_reentrant=bool(
+            (hf.get("activation_checkpointing_kwargs") or hf.get("gradient_checkpointing_kwargs") or {}).get(
+                "use_reentrant", False
+            )
+        ),
         kd=loss != "origin" and kd_w > 0,
         train_samples=int(g("dataset.num_samples", 256)),
         epochs=float(hf.get("num_train_epochs", 3.0)),

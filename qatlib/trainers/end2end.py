@@ -56,6 +56,7 @@ from ..data import PadCollator
 from ..device import use_cpu
 from ..frozen_linear import use_frozen_head
 from ..losses import LossConfig, qat_loss
+from ..moe import recompute_experts_one_by_one
 from ..quant import quantization_disabled
 from ..quant.calibration import calibrate_activations, static_quantizers
 from .guard import TrainingGuard
@@ -167,6 +168,12 @@ class QATTrainer(Trainer):
             # Every model weight is frozen: without this, checkpointed blocks see inputs that do not
             # require grad and the scales get no gradient (upstream hit the same).
             model.enable_input_require_grads()
+        reentrant = bool(
+            (getattr(args, "gradient_checkpointing_kwargs", None) or {}).get("use_reentrant", False)
+        )
+        if checkpointing and not reentrant:
+            # a layer's recompute no longer gathers all of its experts at once (its docstring)
+            recompute_experts_one_by_one(model)
         self._acc_keys = loss_config.log_keys()
         self._acc = torch.zeros(len(self._acc_keys) + 1, dtype=torch.float64)
         if log_file is False:

@@ -6,7 +6,8 @@ Usage: torchrun --standalone --nproc_per_node=2 e2e_zero3.py SPEC.json
 SPEC: {"out", "model", "ptq", "ds_config", "scheme", "data" (list of {"input_ids", "labels"}),
 "steps", "lr", optional "eps" (Adam's), "weight_lr" (the linear weights train too; the KD teacher
 is then the original model as an inference-only ZeRO-3 engine, `base_model_teacher`), "save_steps", "crash_at" (raise after that optimizer step, on every rank:
-a killed run; its state at that moment is first saved to ``{out}/at_kill``), "gradient_checkpointing" (+ "use_reentrant"), "save_every_step" (the
+a killed run; its state at that moment is first saved to ``{out}/at_kill``), "gradient_checkpointing" (+ "use_reentrant"), "moe" (a Qwen3-MoE model; "others_gathered"
+in result.json: the most other experts of a block gathered while one is recomputed), "save_every_step" (the
 consolidated save after each optimizer step k in ``{out}/steps/k``) and "resume_from" (a checkpoint
 directory)}. Rank 0 writes ``{out}/result.json`` (log history, teacher forwards, trainable counts) and
 the consolidated save ``{out}/saved``.
@@ -62,6 +63,27 @@ def main() -> None:
     layer0_forwards = [0]
     attn0 = model.model.layers[0].self_attn
     attn0.register_forward_hook(lambda *a: layer0_forwards.__setitem__(0, layer0_forwards[0] + 1))
+    # MoE: at each expert forward inside a backward (a recompute), how many OTHER experts of the
+    # same block hold gathered weights; the largest seen is what the recompute keeps resident
+    others_gathered = [0]
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    from qatlib.moe import LinearizedMoeExperts
+
+    def gathered(expert) -> bool:
+        return expert.down_proj.weight.ds_status == ZeroParamStatus.AVAILABLE
+
+    for block in (m for m in model.modules() if isinstance(m, LinearizedMoeExperts)):
+        for ex in block:
+
+            def probe(mod, _args, block=block):
+                import torch
+
+                if torch._C._current_graph_task_id() != -1:
+                    n = sum(gathered(o) for o in block if o is not mod)
+                    others_gathered[0] = max(others_gathered[0], n)
+
+            ex.register_forward_pre_hook(probe)
     out = Path(spec["out"])
     args = TrainingArguments(
         output_dir=str(out / "trainer"),
@@ -142,6 +164,7 @@ def main() -> None:
                     "world": z.get_world_size(),
                     "compiled_calls": compiled_calls[0],
                     "layer0_forwards": layer0_forwards[0],
+                    "others_gathered": others_gathered[0],
                     "checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
                     "teacher": type(trainer.teacher).__name__,
                     "teacher_partitioned": trainer.teacher is not None
