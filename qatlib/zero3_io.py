@@ -37,7 +37,8 @@ Decisions (measured with DeepSpeed 0.19.8, 2 CPU ranks, gloo; see tests/test_zer
   ["qatlib.moe.ExpertMLP"]}`` gathers one expert at a time (correct with prefetch on), the
   memory-lean setting for wide layers (a whole Qwen3-30B-A3B MoE layer is 1.2 GB bf16).
 - Loading: rank 0 reads; a tensor larger than the load chunk (an embedding) is sent to each rank
-  as its partition only (`qatlib.zero3_load`), never gathered whole on every rank.
+  as its partition only (`qatlib.zero3_load`), never gathered whole on every rank. Saving mirrors
+  it: such a tensor is assembled on rank 0 from the partitions and written in its own shard.
 - bf16: quantizer parameters are created under an fp32 ``zero.Init`` and stay fp32 partitions; the
   engine does not cast ZeRO-Init models, and ZeRO-3's optimizer takes its working dtype from the
   (fp32) trainable parameters, so scales are fp32 in forward and in the optimizer. Keep all
@@ -83,6 +84,12 @@ from .quant.tying import param_aliases
 
 log = logging.getLogger(__name__)
 
+# A consolidated save's shard size: what rank 0 buffers before writing (qatlib.plan mirrors it).
+SAVE_SHARD_BYTES = 512 << 20
+# Above this a tensor moves partition by partition (load: `qatlib.zero3_load`, whose load chunk
+# is the same size; save: `save_consolidated`), never gathered whole on every rank.
+PARTITION_BYTES = 64 << 20
+
 
 class Zero3Error(ValueError):
     """A checkpoint / config problem, raised with the same message on every rank."""
@@ -109,6 +116,42 @@ def gathered_param_if_zero3(params: torch.Tensor | Iterable[torch.Tensor], modif
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
+
+
+def sliced_evenly(p: Any) -> bool:
+    """Whether ``p``'s ZeRO-3 partitions are the plain slices ``[r * n, (r + 1) * n)`` of its
+    flattened tensor over the whole world (rank r holds slice r, the last zero-padded): what
+    sending a tensor partition by partition (`qatlib.zero3_load`, loading) and assembling it from
+    its partitions (`save_consolidated`) rely on. Not with hpZ's second partitioning or a
+    process group smaller than the world."""
+    return (
+        is_zero3_param(p)
+        and _dist_ready()
+        and getattr(p, "ds_secondary_tensor", None) is None
+        and torch.distributed.get_world_size(p.ds_process_group) == torch.distributed.get_world_size()
+    )
+
+
+def _partitions_to_rank0(p: torch.Tensor) -> torch.Tensor | None:
+    """``p`` whole on rank 0 (a CPU tensor), sent there partition by partition; None elsewhere.
+    Every rank must call it. Gathering instead puts the whole tensor on every rank, twice under
+    gloo (its all-gather writes a flat copy first): +1.2 GB per rank for a 0.62 GB embedding."""
+    dev, n, numel = collective_device(), p.ds_tensor.numel(), p.ds_numel
+    if get_rank() != 0:
+        torch.distributed.send(p.ds_tensor.detach().to(dev).contiguous(), dst=0)
+        return None
+    full = torch.empty(numel, dtype=p.dtype)
+    piece = torch.empty(n, dtype=p.dtype, device=dev)
+    for r in range(get_world_size()):
+        lo, hi = r * n, min((r + 1) * n, numel)
+        if r == 0:
+            src = p.ds_tensor.detach()
+        else:
+            torch.distributed.recv(piece, src=r)
+            src = piece
+        if hi > lo:
+            full[lo:hi].copy_(src[: hi - lo])
+    return full.view(tuple(p.ds_shape))
 
 
 def _dist_ready() -> bool:
@@ -348,14 +391,17 @@ def init_zero3(
 
 # =========================================================================== gather / save
 def iter_gathered_modules(
-    model: nn.Module, unit_types: tuple[type, ...] = (QuantLinear,)
+    model: nn.Module,
+    unit_types: tuple[type, ...] = (QuantLinear,),
+    leave: Callable[[list[torch.Tensor]], bool] | None = None,
 ) -> Iterator[tuple[str, nn.Module]]:
     """Walk ``model`` one unit at a time with the unit's parameters gathered (read-only) on every rank.
 
     A unit is a module of ``unit_types`` (with all its descendants: a `QuantLinear` comes with its
     weight and quantizers) or any other module owning parameters directly. Each parameter is in
     exactly one unit. Every rank must run the loop to its end (the gathers are collectives); only
-    the full tensors of one unit are alive at a time. Off ZeRO-3 nothing is gathered.
+    the full tensors of one unit are alive at a time. Off ZeRO-3 nothing is gathered, nor is a
+    unit whose parameter list ``leave`` accepts (the caller reads those itself).
     """
     skip = None
     for name, m in model.named_modules():
@@ -369,7 +415,11 @@ def iter_gathered_modules(
             params = list(m.parameters(recurse=False))
             if not params and not any(b not in m._non_persistent_buffers_set for b in m._buffers):
                 continue
-        with gathered_param_if_zero3(params):
+        with (
+            contextlib.nullcontext()
+            if leave is not None and leave(params)
+            else gathered_param_if_zero3(params)
+        ):
             yield name, m
 
 
@@ -391,29 +441,47 @@ def _unit_tensors(name: str, m: nn.Module, unit_types) -> Iterator[tuple[str, to
 
 
 def _iter_full_tensors(
-    model: nn.Module, keep: bool
-) -> Iterator[tuple[str, nn.Module, dict[str, torch.Tensor]]]:
-    """(unit name, unit, {full name: CPU clone}) per unit; clones only when ``keep`` (rank 0).
-    Tied parameters appear once, under their first name (as ``named_parameters`` gives them)."""
+    model: nn.Module, keep: bool, partition_bytes: int = PARTITION_BYTES
+) -> Iterator[tuple[str, nn.Module, dict[str, torch.Tensor], bool]]:
+    """(unit name, unit, {full name: CPU clone}, assembled) per unit; clones only when ``keep``
+    (rank 0). A unit that is one parameter above ``partition_bytes`` (an embedding, an output
+    head) is not gathered: rank 0 assembles it from the ranks' partitions (`_partitions_to_rank0`)
+    and ``assembled`` is True. Tied parameters appear once, under their first name (as
+    ``named_parameters`` gives them)."""
     unit_types = (QuantLinear,)
     seen: set[int] = set()
-    for name, m in iter_gathered_modules(model, unit_types):
+
+    def assembled(params: list[torch.Tensor]) -> bool:
+        return (
+            len(params) == 1
+            and sliced_evenly(params[0])
+            and params[0].ds_numel * params[0].element_size() > partition_bytes
+        )
+
+    for name, m in iter_gathered_modules(model, unit_types, leave=assembled):
+        direct = assembled(list(m.parameters(recurse=isinstance(m, unit_types))))
         out = {}
         for full, t in _unit_tensors(name, m, unit_types):
             if id(t) in seen:
                 continue
             seen.add(id(t))
-            if keep:
+            if direct and is_zero3_param(t):
+                whole = _partitions_to_rank0(t)  # every rank: point-to-point sends
+                if keep:
+                    out[full] = whole
+            elif keep:
                 out[full] = t.detach().to("cpu", copy=True)
-        yield name, m, out
+        yield name, m, out, direct
 
 
-def consolidated_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def consolidated_state_dict(
+    model: nn.Module, partition_bytes: int = PARTITION_BYTES
+) -> dict[str, torch.Tensor]:
     """The full state dict (parameters + persistent buffers, module names, CPU copies) on rank 0;
     ``{}`` on the other ranks, whose peak stays ~ one unit. Every rank must call it."""
     keep = get_rank() == 0
     sd: dict[str, torch.Tensor] = {}
-    for _, _, tensors in _iter_full_tensors(model, keep):
+    for _, _, tensors, _ in _iter_full_tensors(model, keep, partition_bytes):
         sd.update(tensors)
     return sd
 
@@ -423,7 +491,8 @@ def save_consolidated(
     out_dir: str | os.PathLike,
     *,
     scheme: QuantScheme | None = None,
-    max_shard_bytes: int = 2 << 30,
+    max_shard_bytes: int = SAVE_SHARD_BYTES,
+    partition_bytes: int = PARTITION_BYTES,
     overwrite: bool = True,
     add_files: Callable[[Path], None] | None = None,
 ) -> Path | None:
@@ -442,7 +511,11 @@ def save_consolidated(
 
     Every rank runs the same gathers unit by unit; rank 0 alone keeps CPU copies and flushes a shard
     once ``max_shard_bytes`` accumulate, writing into a temporary sibling directory renamed at the end
-    (no half-written ``out_dir``). Returns the path on rank 0, None elsewhere.
+    (no half-written ``out_dir``). A tensor above ``partition_bytes`` is assembled on rank 0 from
+    the ranks' partitions instead of gathered, and written in a shard of its own. Rank 0's peak:
+    its shard of the model, ``max_shard_bytes`` and one unit, or one such tensor and a partition
+    (issue #16: the 2 GiB buffer this used to default to was the 2-layer rehearsal's rank-0 peak).
+    Returns the path on rank 0, None elsewhere.
     """
     from safetensors.torch import save_file
 
@@ -471,10 +544,12 @@ def save_consolidated(
             pending, pending_bytes = {}, 0
 
     quant_prefixes = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, Quantizer))
-    for name, m, tensors in _iter_full_tensors(model, rank0):
+    for name, m, tensors, assembled in _iter_full_tensors(model, rank0, partition_bytes):
         if not rank0 or error is not None:
             continue
         try:
+            if assembled:
+                flush()  # alone in its shard: the buffer never holds it beside a full shard
             for full, t in tensors.items():
                 if full.startswith(quant_prefixes):
                     for name_ in (full, *aliases.get(full, ())):  # a tied scale: under every member's key
@@ -491,7 +566,7 @@ def save_consolidated(
                 scales[key_of(name, "weight", "scale")] = s.detach().float().cpu().contiguous()
                 if zp is not None:
                     scales[key_of(name, "weight", "zero_point")] = zp.detach().float().cpu().contiguous()
-            if pending_bytes >= max_shard_bytes:
+            if assembled or pending_bytes >= max_shard_bytes:
                 flush()
         except Exception as e:  # noqa: BLE001 - raised on every rank by finish()
             error = f"saving {out_dir} failed at {name or 'the root module'}: {type(e).__name__}: {e}"

@@ -45,6 +45,7 @@ from .zero3_io import (
     gathered_param_if_zero3,
     is_zero3_param,
     model_is_zero3,
+    sliced_evenly,
 )
 
 log = logging.getLogger(__name__)
@@ -165,12 +166,7 @@ def _partition_wise(
     if len(e.assigns) != 1 or a.dst is not None or a.src is not None or a.target not in params:
         return False
     p = params[a.target]
-    return (
-        e.info.end - e.info.start > chunk_bytes
-        and is_zero3_param(p)
-        and getattr(p, "ds_secondary_tensor", None) is None  # hpZ: a second partitioning
-        and torch.distributed.get_world_size(p.ds_process_group) == torch.distributed.get_world_size()
-    )
+    return e.info.end - e.info.start > chunk_bytes and sliced_evenly(p)
 
 
 def _load_partitions(p: torch.Tensor, e: st.PlanEntry, comm: _Comm) -> None:

@@ -234,6 +234,7 @@ def test_constants_agree_with_the_modules_they_mirror():
 
     assert qp.CHUNK_ELEMENTS == CHUNK_ELEMENTS
     assert qp.SAVE_SHARD_BYTES == inspect.signature(save_consolidated).parameters["max_shard_bytes"].default
+    assert qp.PARTITION_BYTES == inspect.signature(save_consolidated).parameters["partition_bytes"].default
     from qatlib.export import export
 
     assert qp.EXPORT_SHARD_BYTES == inspect.signature(export).parameters["max_shard_size"].default

@@ -325,8 +325,10 @@ def zero3_run(ckpts):
                 "ptq": str(ckpts["dense_ptq"]),
                 "compare_ckpt": str(ckpts["dense"]),
                 # every tensor above 2 KB is read by rank 0 and sent partition by partition (a
-                # Qwen3-30B-A3B embedding is past the 64 MB default), the rest gathered in chunks
+                # Qwen3-30B-A3B embedding is past the 64 MB default), the rest gathered in chunks;
+                # saved the other way round: assembled on rank 0 from the partitions
                 "chunk_bytes": 2048,
+                "save_partition_bytes": 2048,
             },
             {
                 **phase,
@@ -553,6 +555,15 @@ def test_consolidated_save_reloads_without_deepspeed(zero3_run, name):
             logits = model(input_ids=torch.load(run_dir.parent / "data.pt")["eval"]).logits
     assert report["misses"] == 0
     assert torch.equal(logits, results[name]["logits"])  # identical, not merely close
+    if name == "dense":  # above 2 KB (save_partition_bytes): assembled from partitions, a shard each
+        index = json.loads((saved / WEIGHTS_INDEX_FILE).read_text())["weight_map"]
+        files: dict[str, list[str]] = {}
+        for key, f in index.items():
+            files.setdefault(f, []).append(key)
+        for key in ("model.embed_tokens.weight", "lm_head.weight"):  # one-parameter units
+            w = results[name]["weights"][key]
+            assert w.numel() * w.element_size() > 2048 and files[index[key]] == [key]
+        assert max(len(keys) for keys in files.values()) > 1  # the rest are gathered, several a shard
 
 
 @pytest.mark.slow

@@ -43,7 +43,7 @@ What each stage's terms model (the code as it is after #16's streaming and QAT-m
                    host RAM); the export variant's compressed copy while it decompresses, one
                    layer's forward and the logits of a batch.
 
-Constants that mirror other modules (``CHUNK_ELEMENTS``, ``SAVE_SHARD_BYTES``, ``EXPORT_SHARD_BYTES``) are checked against
+Constants that mirror other modules (``CHUNK_ELEMENTS``, ``SAVE_SHARD_BYTES``, ``PARTITION_BYTES``, ``EXPORT_SHARD_BYTES``) are checked against
 them in tests/test_plan.py. ``benchmarks/plan_rehearsal.py`` measures the rehearsal's peak RSS per
 stage beside these predictions.
 """
@@ -71,6 +71,7 @@ from .stages import (
     CHUNK_ELEMENTS,
     EXPORT_SHARD_BYTES,
     GIB,
+    PARTITION_BYTES,
     SAVE_SHARD_BYTES,
     STAGES,
     Run,
@@ -82,6 +83,7 @@ __all__ = [
     "CHUNK_ELEMENTS",
     "GIB",
     "SAVE_SHARD_BYTES",
+    "PARTITION_BYTES",
     "EXPORT_SHARD_BYTES",
     "STAGES",
     "ModelShape",

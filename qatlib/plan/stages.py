@@ -11,7 +11,8 @@ from .model import ModelShape, PlanInputs, StagePlan, Term, WeightFormat
 GIB = 1 << 30
 CHUNK_ELEMENTS = 1 << 25  # qatlib.losses.CHUNK_ELEMENTS: logits elements per KD chunk
 CHUNK_COPIES = 6  # fp32 copies of a chunk alive at once: s, t, log p_s, log p_t, p_t, grad
-SAVE_SHARD_BYTES = 2 << 30  # qatlib.zero3_io.save_consolidated's max_shard_bytes
+SAVE_SHARD_BYTES = 512 << 20  # qatlib.zero3_io.save_consolidated's max_shard_bytes
+PARTITION_BYTES = 64 << 20  # qatlib.zero3_io.PARTITION_BYTES: above it, assembled from partitions
 EXPORT_SHARD_BYTES = 5 << 30  # qatlib.export.export's max_shard_size
 # Per process, beyond the terms: interpreter + torch + transformers (+ DeepSpeed) resident set; on
 # GPUs the host side of the CUDA context and pinned buffers, and on the device the context and
@@ -225,8 +226,14 @@ def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
         weights = m.total_params - persist
         work.insert(1, Term("trained weights: fp32 master + grad + Adam m, v", weights * 16 // world))
     work.insert(1, opt)
-    save = min(m.total_params * d, SAVE_SHARD_BYTES + unit_params * d)
-    node = [Term("rank 0: consolidated-save buffer (one shard + one unit + scales)", save + scales * 4)]
+    emb = m.vocab * m.hidden * d
+    if zero3 and emb > PARTITION_BYTES:  # written alone, assembled from the ranks' partitions
+        save = max(SAVE_SHARD_BYTES + unit_params * d, emb + emb // world)
+    else:
+        save = SAVE_SHARD_BYTES + max(unit_params * d, emb)
+    save = min(m.total_params * d, save)
+    name = "rank 0: consolidated-save buffer (one shard + one unit, or an embedding + a partition; + scales)"
+    node = [Term(name, save + scales * 4)]
     if x.max_steps > 0:
         train_tokens = x.max_steps * tokens * world
     else:

@@ -200,8 +200,9 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
         from qatlib.quant.codes import release_codes
 
         release_codes(model)
-    sd = z.consolidated_state_dict(model)
-    saved = z.save_consolidated(model, out / f"{ph['name']}_saved", scheme=scheme)
+    part = ph.get("save_partition_bytes", z.PARTITION_BYTES)
+    sd = z.consolidated_state_dict(model, partition_bytes=part)
+    saved = z.save_consolidated(model, out / f"{ph['name']}_saved", scheme=scheme, partition_bytes=part)
     meta = z.run_metadata(model)
     all_checks = [None] * world
     torch.distributed.all_gather_object(all_checks, checks)
