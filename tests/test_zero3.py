@@ -417,6 +417,20 @@ def zero3_run(ckpts):
                 "scheme": FP8_STATIC.to_dict(),
                 "deploy_target": "vllm",
             },
+            # the same under layer checkpointing, one expert per gather: the tied expert input
+            # scale is shared by every expert while each is recomputed in its own backward
+            {
+                **phase,
+                "name": "moe_tied_ckpt",
+                "model": str(ckpts["moe"]),
+                "ptq": str(ckpts["moe_fp8_ptq"]),
+                "compare_ckpt": str(ckpts["moe"]),
+                "steps": MOE_STEPS,
+                "scheme": FP8_STATIC.to_dict(),
+                "deploy_target": "vllm",
+                "checkpointing": True,
+                "zero_overrides": {"leaf_module": {"classes": ["qatlib.moe.ExpertMLP"]}},
+            },
             {
                 **phase,
                 "name": "dense_bf16",
@@ -568,25 +582,30 @@ def test_consolidated_save_reloads_without_deepspeed(zero3_run, name):
 
 @pytest.mark.slow
 @pytest.mark.multirank
-def test_tied_scales_partition_train_and_save(zero3_run, ckpts):
+@pytest.mark.parametrize("name", ["moe_tied", "moe_tied_ckpt"])
+def test_tied_scales_partition_train_and_save(zero3_run, ckpts, name):
     """deploy.target vllm under ZeRO-3: a scale Parameter shared by several quantizers (q/k/v, an
     expert's gate/up, every expert input of a layer) is partitioned once, trains as the
     single-process tied model does, and is saved under every member's key; the untied PTQ
-    checkpoint it started from loaded with the max rule."""
+    checkpoint it started from loaded with the max rule. ``moe_tied_ckpt``: the same under layer
+    checkpointing with one expert per gather (`recompute_experts_one_by_one`), against the same
+    uncheckpointed reference."""
     results, run_dir, _ = zero3_run
-    r, ref = results["moe_tied"], ckpts["moe_tied_ref"]
+    r, ref = results[name], ckpts["moe_tied_ref"]
+    blocks = 2 if name == "moe_tied_ckpt" else 0  # the tiny MoE's 2 experts blocks, checkpointed
+    assert [c.get("experts_recomputed_one_by_one", 0) for c in r["checks"]] == [blocks, blocks]
     assert ref["shared"] and len(ref["shared"]) == 16
     for rank_checks in r["checks"]:
         assert rank_checks["shared"] == ref["shared"]
         assert rank_checks["bad_shares"] == []
     assert len(ref["report"]["tied_disagreeing"]) > 0  # the untied checkpoint's keys did disagree
-    rep = json.loads((run_dir / "moe_tied_scales.json").read_text())
+    rep = json.loads((run_dir / f"{name}_scales.json").read_text())
     assert rep["tied_disagreeing"] == ref["report"]["tied_disagreeing"] and rep["misses"] == 0
     torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL)
     assert set(r["quant_params"]) == set(ref["quant_params"])
     for k, v in ref["quant_params"].items():
         torch.testing.assert_close(r["quant_params"][k], v, rtol=RTOL, atol=ATOL, msg=k)
-    saved = run_dir / "moe_tied_saved"
+    saved = run_dir / f"{name}_saved"
     scales = load_file(str(saved / SCALES_FILE))
     keys = {  # quantizer name -> its linear's checkpoint key (docs/design.md)
         n: key_of(n.rpartition(".")[0], n.rpartition(".")[2].removesuffix("_quantizer"), "scale")

@@ -6,7 +6,8 @@ SPEC: {"out": dir, "scheme": QuantScheme dict, "data": file (torch.save'd {"trai
 "eval": [B, T]}), "lr": float, "phases": [{"name", "ds_config", "model", "ptq", "compare_ckpt",
 "also_load", "leaf": bool, "steps": int, "skewed_routing": bool, "scheme": a phase's own scheme
 (default: the spec's), "deploy_target": tie the scales that runtime merges (qatlib.quant.tying),
-"scale_update": "additive" | "log" (qatlib.trainers.log_scale), "lr": a phase's own lr}]}.
+"scale_update": "additive" | "log" (qatlib.trainers.log_scale), "lr": a phase's own lr,
+"checkpointing": layer checkpointing with each expert recomputed in its own backward}]}.
 Rank 0 writes ``{out}/{name}.pt`` (losses, quantizer params after the build and after the steps,
 eval logits, checks) and the consolidated save ``{out}/{name}_saved``.
 """
@@ -132,6 +133,12 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
         from qatlib.quant.codes import freeze_codes
 
         freeze_codes(model)
+    if ph.get("checkpointing"):  # as the end-to-end trainer sets it up (non-reentrant)
+        from qatlib.moe import recompute_experts_one_by_one
+
+        model.activation_checkpointing_enable()
+        model.enable_input_require_grads()
+        checks["experts_recomputed_one_by_one"] = recompute_experts_one_by_one(model)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
     # what gathers as one unit (ZeRO-3 leaf modules), after DeepSpeed applied the config's list
     checks["leaf_classes"] = sorted(
