@@ -311,6 +311,16 @@ def zero3_run(ckpts):
         "scale_update": "log",
         "lr": LOG_LR,
     }
+    moe_tied = {
+        **phase,
+        "name": "moe_tied",
+        "model": str(ckpts["moe"]),
+        "ptq": str(ckpts["moe_fp8_ptq"]),
+        "compare_ckpt": str(ckpts["moe"]),
+        "steps": MOE_STEPS,
+        "scheme": FP8_STATIC.to_dict(),
+        "deploy_target": "vllm",
+    }
     spec = {
         "out": str(tmp / "run"),
         "scheme": SCHEME.to_dict(),
@@ -407,27 +417,12 @@ def zero3_run(ckpts):
                 "compare_ckpt": str(ckpts["dense"]),
                 "scheme": NVFP4.to_dict(),
             },
-            {
-                **phase,
-                "name": "moe_tied",
-                "model": str(ckpts["moe"]),
-                "ptq": str(ckpts["moe_fp8_ptq"]),
-                "compare_ckpt": str(ckpts["moe"]),
-                "steps": MOE_STEPS,
-                "scheme": FP8_STATIC.to_dict(),
-                "deploy_target": "vllm",
-            },
+            moe_tied,
             # the same under layer checkpointing, one expert per gather: the tied expert input
             # scale is shared by every expert while each is recomputed in its own backward
             {
-                **phase,
+                **moe_tied,
                 "name": "moe_tied_ckpt",
-                "model": str(ckpts["moe"]),
-                "ptq": str(ckpts["moe_fp8_ptq"]),
-                "compare_ckpt": str(ckpts["moe"]),
-                "steps": MOE_STEPS,
-                "scheme": FP8_STATIC.to_dict(),
-                "deploy_target": "vllm",
                 "checkpointing": True,
                 "zero_overrides": {"leaf_module": {"classes": ["qatlib.moe.ExpertMLP"]}},
             },
