@@ -141,7 +141,7 @@ def _weighted_expert(
     return expert(hidden[idx], w)
 
 
-def recompute_experts_one_by_one(model: nn.Module, on: bool = True) -> int:
+def recompute_experts_one_by_one(model: nn.Module) -> int:
     """Under non-reentrant activation checkpointing of decoder layers, recompute each expert inside
     its own backward instead of all of a layer's experts at the start of the layer's backward.
 
@@ -157,7 +157,7 @@ def recompute_experts_one_by_one(model: nn.Module, on: bool = True) -> int:
     output; the same arithmetic, bit for bit. Returns how many experts blocks were set."""
     blocks = [m for m in model.modules() if isinstance(m, LinearizedMoeExperts)]
     for m in blocks:
-        m.recompute_per_expert = on
+        m.recompute_per_expert = True
     return len(blocks)
 
 

@@ -408,19 +408,22 @@ def iter_gathered_modules(
         if skip is not None and (name == skip or name.startswith(skip + ".")):
             continue
         skip = None
+        params = _unit_params(m, unit_types)
         if isinstance(m, unit_types):
             skip = name
-            params = list(m.parameters())
-        else:
-            params = list(m.parameters(recurse=False))
-            if not params and not any(b not in m._non_persistent_buffers_set for b in m._buffers):
-                continue
+        elif not params and not any(b not in m._non_persistent_buffers_set for b in m._buffers):
+            continue
         with (
             contextlib.nullcontext()
             if leave is not None and leave(params)
             else gathered_param_if_zero3(params)
         ):
             yield name, m
+
+
+def _unit_params(m: nn.Module, unit_types: tuple[type, ...]) -> list[torch.Tensor]:
+    """The parameters one unit gathers: all of a ``unit_types`` module's, else its own only."""
+    return list(m.parameters(recurse=isinstance(m, unit_types)))
 
 
 def _unit_tensors(name: str, m: nn.Module, unit_types) -> Iterator[tuple[str, torch.Tensor]]:
@@ -459,7 +462,7 @@ def _iter_full_tensors(
         )
 
     for name, m in iter_gathered_modules(model, unit_types, leave=assembled):
-        direct = assembled(list(m.parameters(recurse=isinstance(m, unit_types))))
+        direct = assembled(_unit_params(m, unit_types))
         out = {}
         for full, t in _unit_tensors(name, m, unit_types):
             if id(t) in seen:

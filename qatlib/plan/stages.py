@@ -193,9 +193,8 @@ def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
             Term("one layer recomputed in backward", layer_act),
         ]
         if zero3 and x.expert_leaf and m.moe_layers:
-            if (
-                x.ckpt_reentrant
-            ):  # the recompute gathers every expert; DeepSpeed holds them to the layer's end
+            if x.ckpt_reentrant:
+                # the recompute gathers every expert; DeepSpeed holds them to the layer's end
                 experts = m.experts * 3 * m.hidden * m.moe_intermediate * d
                 acts.append(Term("a layer's frozen experts held through its recompute (reentrant)", experts))
             else:  # `qatlib.moe.recompute_experts_one_by_one`: their shared input, indices, weights

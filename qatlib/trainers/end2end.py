@@ -168,9 +168,10 @@ class QATTrainer(Trainer):
             # Every model weight is frozen: without this, checkpointed blocks see inputs that do not
             # require grad and the scales get no gradient (upstream hit the same).
             model.enable_input_require_grads()
-        reentrant = bool(
-            (getattr(args, "gradient_checkpointing_kwargs", None) or {}).get("use_reentrant", False)
+        ckpt_kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(
+            args, "gradient_checkpointing_kwargs", None
         )
+        reentrant = bool((ckpt_kwargs or {}).get("use_reentrant", False))  # transformers' default: False
         if checkpointing and not reentrant:
             # a layer's recompute no longer gathers all of its experts at once (its docstring)
             recompute_experts_one_by_one(model)
