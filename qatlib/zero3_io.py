@@ -37,8 +37,10 @@ Decisions (measured with DeepSpeed 0.19.8, 2 CPU ranks, gloo; see tests/test_zer
   ["qatlib.moe.ExpertMLP"]}`` gathers one expert at a time (correct with prefetch on), the
   memory-lean setting for wide layers (a whole Qwen3-30B-A3B MoE layer is 1.2 GB bf16).
 - Loading: rank 0 reads; a tensor larger than the load chunk (an embedding) is sent to each rank
-  as its partition only (`qatlib.zero3_load`), never gathered whole on every rank. Saving mirrors
-  it: such a tensor is assembled on rank 0 from the partitions and written in its own shard.
+  as its partition only (`qatlib.zero3_load`), in pieces read straight from the file, never
+  gathered whole on every rank nor held whole on rank 0. Saving mirrors it: each rank sends its
+  partition of such a tensor to rank 0 in pieces, which rank 0 writes to a shard of its own as
+  they arrive (`qatlib.checkpoint.safetensors.TensorFileWriter`).
 - bf16: quantizer parameters are created under an fp32 ``zero.Init`` and stay fp32 partitions; the
   engine does not cast ZeRO-Init models, and ZeRO-3's optimizer takes its working dtype from the
   (fp32) trainable parameters, so scales are fp32 in forward and in the optimizer. Keep all
@@ -65,6 +67,7 @@ import torch
 from torch import nn
 
 from . import heap, peers
+from .checkpoint import safetensors as st
 from .checkpoint.keys import key_of, scale_keys
 from .checkpoint.layout import (
     RUN_METADATA_FILE,
@@ -86,8 +89,9 @@ log = logging.getLogger(__name__)
 
 # A consolidated save's shard size: what rank 0 buffers before writing (qatlib.plan mirrors it).
 SAVE_SHARD_BYTES = 512 << 20
-# Above this a tensor moves partition by partition (load: `qatlib.zero3_load`, whose load chunk
-# is the same size; save: `save_consolidated`), never gathered whole on every rank.
+# Above this a tensor moves partition by partition, in pieces of at most this size (load:
+# `qatlib.zero3_load`, whose load chunk is the same size; save: `save_consolidated`), never
+# gathered whole on every rank.
 PARTITION_BYTES = 64 << 20
 
 
@@ -130,6 +134,73 @@ def sliced_evenly(p: Any) -> bool:
         and getattr(p, "ds_secondary_tensor", None) is None
         and torch.distributed.get_world_size(p.ds_process_group) == torch.distributed.get_world_size()
     )
+
+
+def _partition_pieces(p: torch.Tensor, piece_bytes: int) -> Iterator[torch.Tensor]:
+    """``p``'s flattened elements in order on rank 0, in CPU pieces of at most ``piece_bytes``;
+    every other rank sends its partition's pieces (only its elements inside the tensor: never the
+    padding) and yields nothing. Every rank must exhaust it, the same parameters in the same order.
+    Rank 0's pieces are views of its own partition or of one reused receive buffer: each is valid
+    until the next is asked for."""
+    dev, n, numel = collective_device(), p.ds_tensor.numel(), p.ds_numel
+    k = max(1, min(n, piece_bytes // p.element_size()))
+    part = p.ds_tensor.detach().view(-1)
+    rank = get_rank()
+    if rank != 0:
+        buf = None if part.device == dev else torch.empty(k, dtype=p.dtype, device=dev)
+        valid = max(0, min(n, numel - rank * n))
+        for lo in range(0, valid, k):
+            m = min(k, valid - lo)
+            piece = part[lo : lo + m]
+            if buf is not None:
+                piece = buf[:m].copy_(piece)
+            torch.distributed.send(piece, dst=0)
+        return
+    buf = None
+    for r in range(get_world_size()):
+        valid = max(0, min(n, numel - r * n))
+        for lo in range(0, valid, k):
+            m = min(k, valid - lo)
+            if r == 0:
+                yield part[lo : lo + m].cpu()
+                continue
+            if buf is None:
+                buf = torch.empty(k, dtype=p.dtype, device=dev)
+            torch.distributed.recv(buf[:m], src=r)
+            yield buf[:m].cpu()
+
+
+class _PartitionStream:
+    """A partitioned parameter on its way to rank 0 in pieces (`_partition_pieces`): rank 0's
+    consumer iterates it (``save_consolidated`` writes each piece to the file as it comes);
+    `_iter_full_tensors` drains what is left on every rank, so each rank's sends and rank 0's
+    receives match whatever the consumer did (e.g. stopped writing after an error). A failed
+    send / receive is raised again by `drain` (whatever the consumer caught): the collectives
+    are out of step."""
+
+    def __init__(self, p: torch.Tensor, piece_bytes: int) -> None:
+        self.dtype = p.dtype
+        self.shape = tuple(p.ds_shape)
+        self._pieces = _partition_pieces(p, piece_bytes)
+        self._failed: BaseException | None = None
+
+    def __iter__(self) -> _PartitionStream:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        try:
+            return next(self._pieces)
+        except StopIteration:
+            raise
+        except BaseException as e:
+            self._failed = e
+            raise
+
+    def drain(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+        for _ in self:
+            pass
 
 
 def _partitions_to_rank0(p: torch.Tensor) -> torch.Tensor | None:
@@ -444,12 +515,18 @@ def _unit_tensors(name: str, m: nn.Module, unit_types) -> Iterator[tuple[str, to
 
 
 def _iter_full_tensors(
-    model: nn.Module, keep: bool, partition_bytes: int = PARTITION_BYTES
-) -> Iterator[tuple[str, nn.Module, dict[str, torch.Tensor], bool]]:
+    model: nn.Module,
+    keep: bool,
+    partition_bytes: int = PARTITION_BYTES,
+    stream: Callable[[str], bool] | None = None,
+) -> Iterator[tuple[str, nn.Module, dict[str, torch.Tensor | _PartitionStream], bool]]:
     """(unit name, unit, {full name: CPU clone}, assembled) per unit; clones only when ``keep``
     (rank 0). A unit that is one parameter above ``partition_bytes`` (an embedding, an output
     head) is not gathered: rank 0 assembles it from the ranks' partitions (`_partitions_to_rank0`)
-    and ``assembled`` is True. Tied parameters appear once, under their first name (as
+    and ``assembled`` is True; or, when ``stream(full name)`` says so (the same answer on every
+    rank), rank 0 gets a `_PartitionStream` of its pieces (at most ``partition_bytes`` each) in
+    place of the tensor, and whatever of it the consumer did not read is received (and dropped)
+    before the next unit. Tied parameters appear once, under their first name (as
     ``named_parameters`` gives them)."""
     unit_types = (QuantLinear,)
     seen: set[int] = set()
@@ -463,18 +540,25 @@ def _iter_full_tensors(
 
     for name, m in iter_gathered_modules(model, unit_types, leave=assembled):
         direct = assembled(_unit_params(m, unit_types))
-        out = {}
+        out: dict[str, torch.Tensor | _PartitionStream] = {}
+        streams = []
         for full, t in _unit_tensors(name, m, unit_types):
             if id(t) in seen:
                 continue
             seen.add(id(t))
-            if direct and is_zero3_param(t):
+            if direct and is_zero3_param(t) and stream is not None and stream(full):
+                streams.append(_PartitionStream(t, partition_bytes))  # sent while rank 0 reads it
+                if keep:
+                    out[full] = streams[-1]
+            elif direct and is_zero3_param(t):
                 whole = _partitions_to_rank0(t)  # every rank: point-to-point sends
                 if keep:
                     out[full] = whole
             elif keep:
                 out[full] = t.detach().to("cpu", copy=True)
         yield name, m, out, direct
+        for s_ in streams:  # every rank: the sends (ranks > 0), what rank 0 left unread
+            s_.drain()
 
 
 def consolidated_state_dict(
@@ -514,11 +598,13 @@ def save_consolidated(
 
     Every rank runs the same gathers unit by unit; rank 0 alone keeps CPU copies and flushes a shard
     once ``max_shard_bytes`` accumulate, writing into a temporary sibling directory renamed at the end
-    (no half-written ``out_dir``). A tensor above ``partition_bytes`` is assembled on rank 0 from
-    the ranks' partitions instead of gathered, and written in a shard of its own. Rank 0's peak:
-    its shard of the model, ``max_shard_bytes`` and one unit, or one such tensor and a partition
-    (issue #16: the 2 GiB buffer this used to default to was the 2-layer rehearsal's rank-0 peak).
-    Returns the path on rank 0, None elsewhere.
+    (no half-written ``out_dir``). A tensor above ``partition_bytes`` is not gathered: each rank
+    sends its partition to rank 0 in pieces of at most ``partition_bytes``, which rank 0 writes to
+    a shard of its own as they arrive (`st.TensorFileWriter`: safetensors has no streaming
+    writer), never holding the tensor whole. Rank 0's peak: its shard of the model,
+    ``max_shard_bytes`` and one unit (issue #16: the 2 GiB buffer this used to default to was the
+    2-layer rehearsal's rank-0 peak; assembling an embedding whole was the next one). Returns the
+    path on rank 0, None elsewhere.
     """
     from safetensors.torch import save_file
 
@@ -546,14 +632,33 @@ def save_consolidated(
             shards.append((path, list(pending)))
             pending, pending_bytes = {}, 0
 
+    def write_streamed(full: str, pieces: _PartitionStream) -> None:
+        """A shard holding only ``full``, written piece by piece as the ranks send them. A write
+        error stops the writing, not the receiving: the pieces left are drained by
+        `_iter_full_tensors` (the other ranks send them whatever happens here)."""
+        path = tmp / f"shard-{len(shards):05d}.safetensors"
+        with st.TensorFileWriter(path, full, pieces.dtype, pieces.shape, metadata={"format": "pt"}) as w:
+            for piece in pieces:
+                w.write(piece)
+        shards.append((path, [full]))
+
     quant_prefixes = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, Quantizer))
-    for name, m, tensors, assembled in _iter_full_tensors(model, rank0, partition_bytes):
+
+    def streamed(full: str) -> bool:
+        """Every rank, the same answer: an assembled tensor streams to its file, but a quantizer
+        parameter comes whole (a scale is converted and stored under every tied member's key)."""
+        return not full.startswith(quant_prefixes)
+
+    for name, m, tensors, assembled in _iter_full_tensors(model, rank0, partition_bytes, streamed):
         if not rank0 or error is not None:
             continue
         try:
             if assembled:
                 flush()  # alone in its shard: the buffer never holds it beside a full shard
             for full, t in tensors.items():
+                if isinstance(t, _PartitionStream):
+                    write_streamed(full, t)
+                    continue
                 if full.startswith(quant_prefixes):
                     for name_ in (full, *aliases.get(full, ())):  # a tied scale: under every member's key
                         if name_ in param_key:

@@ -131,7 +131,7 @@ def _execute_plan(
 
     for chunk in st.chunks(plan, chunk_bytes):
         if _partition_wise(chunk, params, comm, chunk_bytes, cast):
-            _load_partitions(params[chunk[0].assigns[0].target], chunk[0], comm)
+            _load_partitions(params[chunk[0].assigns[0].target], chunk[0], comm, chunk_bytes)
             continue
         targets = list(dict.fromkeys(a.target for e in chunk for a in e.assigns))
         chunk_params = [params[t] for t in targets if t in params]
@@ -169,38 +169,110 @@ def _partition_wise(
     return e.info.end - e.info.start > chunk_bytes and sliced_evenly(p)
 
 
-def _load_partitions(p: torch.Tensor, e: st.PlanEntry, comm: _Comm) -> None:
-    """Rank 0 reads the tensor and sends each rank its ZeRO-3 partition (elements ``[r * n, (r + 1)
-    * n)`` of the flattened tensor, zero-padded at the end); no rank but 0 ever holds the whole
-    tensor. Gathering it instead holds it on every rank, twice under gloo (its all-gather writes a
-    flat copy first): +1.2 GB per rank for a 0.62 GB embedding, the rank's peak of the whole load."""
+def _load_partitions(p: torch.Tensor, e: st.PlanEntry, comm: _Comm, chunk_bytes: int) -> None:
+    """Rank 0 reads each rank's ZeRO-3 partition of the tensor (elements ``[r * n, (r + 1) * n)``
+    of the flattened tensor) straight from the file, in pieces of at most ``chunk_bytes``, and
+    sends each piece; rank r receives it into the matching slice of its ``ds_tensor`` and zeroes
+    the padding past the tensor's end (never sent). Rank 0's own partition is read into its
+    ``ds_tensor``. No rank holds the whole tensor, nor a partition beside its own: rank 0 holds one
+    reused piece buffer. Gathering it instead holds it on every rank, twice under gloo (its
+    all-gather writes a flat copy first): +1.2 GB per rank for a 0.62 GB embedding.
+
+    A file dtype other than the parameter's is converted piece by piece, as `st.copy_entry` does
+    (``copy_``). Rank 0's errors reach every rank as one `Zero3Error`: opening the file (and the
+    conversion) is checked before any piece is sent; a read that fails later (the file shrank)
+    still sends every piece the other ranks wait for, zeros from then on, and raises after."""
+    info = e.info
+    src = info.torch_dtype
+    cast = src != p.dtype
     dev, n = collective_device(), p.ds_tensor.numel()
-    full, error = None, None
+    # the piece's elements: its file bytes (and its converted copy) fit in chunk_bytes; every
+    # rank computes the same pieces from the plan entry
+    k = max(1, min(n, chunk_bytes // (src.itemsize + (p.element_size() if cast else 0))))
+    fh, error = None, None
     if comm.is_main:
         try:
-            full = torch.empty(p.ds_shape, dtype=p.dtype)
-            with open(e.info.file, "rb") as fh:
-                st.copy_entry(fh, e, lambda _name: full)
+            fh = open(info.file, "rb")  # noqa: SIM115 - closed below, on every path
+            if cast:  # a conversion copy_ refuses, refused before anything is sent
+                torch.zeros(1, dtype=p.dtype).copy_(torch.zeros(1, dtype=src))
         except Exception as err:  # noqa: BLE001 - broadcast and raised on every rank below
-            error = f"{e.info.file}: {err}"
+            error = f"{info.file}: {err}"
+    try:
+        error = comm.bcast(error)
+        if error:
+            raise Zero3Error(error)
+        with torch.no_grad():
+            if comm.is_main:
+                error = _send_partitions(p, fh, info, k, dev)
+            else:
+                _recv_partition(p, k, dev, comm.rank)
+    finally:
+        if fh is not None:
+            fh.close()
     error = comm.bcast(error)
     if error:
         raise Zero3Error(error)
-    with torch.no_grad():
-        if comm.is_main:
-            flat = full.view(-1)
-            for r in range(torch.distributed.get_world_size()):
-                piece = torch.zeros(n, dtype=p.dtype, device=dev)
-                part = flat[r * n : (r + 1) * n]
-                piece[: part.numel()].copy_(part)
-                if r == 0:
-                    p.ds_tensor.copy_(piece)
-                else:
-                    torch.distributed.send(piece, dst=r)
+
+
+def _valid(rank: int, n: int, numel: int) -> int:
+    """How many elements of rank ``rank``'s partition (``n`` long) lie inside the tensor."""
+    return max(0, min(n, numel - rank * n))
+
+
+def _send_partitions(p: torch.Tensor, fh, info: st.TensorInfo, k: int, dev: torch.device) -> str | None:
+    """Rank 0's half of `_load_partitions`: read its own partition into ``p.ds_tensor``, then every
+    other rank's, piece by piece, and send each piece. Returns the first read error (every piece
+    is sent whatever happens: zeros after an error)."""
+    src, n, numel = info.torch_dtype, p.ds_tensor.numel(), p.ds_numel
+    part = p.ds_tensor.data.view(-1)
+    into_part = part.device.type == "cpu" and src == p.dtype  # read straight into the partition
+    raw = torch.empty(k, dtype=src)  # the piece as the file holds it (CPU: file reads)
+    out = raw if src == p.dtype and dev.type == "cpu" else torch.empty(k, dtype=p.dtype, device=dev)
+    error = None
+    for r in range(torch.distributed.get_world_size()):
+        valid = _valid(r, n, numel)
+        for lo in range(0, valid, k):
+            m = min(k, valid - lo)
+            if error is None:
+                try:
+                    if r == 0:
+                        if into_part:
+                            st.read_elements(fh, info, lo, part[lo : lo + m])
+                        else:
+                            part[lo : lo + m].copy_(st.read_elements(fh, info, lo, raw[:m]))
+                    else:
+                        st.read_elements(fh, info, r * n + lo, raw[:m])
+                        if out is not raw:
+                            out[:m].copy_(raw[:m])
+                except Exception as err:  # noqa: BLE001 - broadcast and raised on every rank
+                    error = f"{info.file}: {err}"
+            if r == 0:
+                continue
+            if error is not None:
+                out[:m].zero_()  # rank r waits for this piece: it gets zeros, then the error
+            torch.distributed.send(out[:m], dst=r)
+        if r == 0:
+            part[valid:].zero_()
+    return error
+
+
+def _recv_partition(p: torch.Tensor, k: int, dev: torch.device, rank: int) -> None:
+    """Rank ``rank``'s half of `_load_partitions`: its partition's pieces, in order, into its
+    ``ds_tensor`` (through one buffer on the collective's device when the partition is elsewhere);
+    the padding past the tensor's end zeroed."""
+    n, numel = p.ds_tensor.numel(), p.ds_numel
+    part = p.ds_tensor.data.view(-1)
+    direct = part.device == dev
+    buf = None if direct else torch.empty(k, dtype=p.dtype, device=dev)
+    valid = _valid(rank, n, numel)
+    for lo in range(0, valid, k):
+        m = min(k, valid - lo)
+        if direct:
+            torch.distributed.recv(part[lo : lo + m], src=0)
         else:
-            piece = torch.empty(n, dtype=p.dtype, device=dev)
-            torch.distributed.recv(piece, src=0)
-            p.ds_tensor.copy_(piece)
+            torch.distributed.recv(buf[:m], src=0)
+            part[lo : lo + m].copy_(buf[:m])
+    part[valid:].zero_()
 
 
 def _broadcast_tensor(t: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 from conftest import build_model, tiny_qwen3_config, tiny_qwen3_moe_config
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from qatlib.checkpoint import keys
@@ -245,6 +246,67 @@ def test_reader_matches_safetensors_and_finds_truncation(tmp_path):
     os.truncate(path, path.stat().st_size - 4)
     with pytest.raises(CheckpointError, match="truncated safetensors file"):
         st.read_header(path)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_streamed_writer_matches_save_file_byte_for_byte(tmp_path, dtype):
+    """`st.TensorFileWriter` (the ZeRO-3 save's streamed shard) writes, piece by piece, the file
+    safetensors' own ``save_file`` writes for the same tensor and metadata; keys and shapes chosen
+    so that the JSON header needs padding to 8 bytes (the spec's spaces)."""
+    g = torch.Generator().manual_seed(0)
+    padded = {}
+    for key, shape in (("model.embed_tokens.weight", (37, 11)), ("lm_head.weight", (5, 3, 7)), ("w", (1,))):
+        t = torch.randn(shape, generator=g).to(dtype)
+        ref, got = tmp_path / "ref.safetensors", tmp_path / "got.safetensors"
+        save_file({key: t}, str(ref), metadata={"format": "pt"})
+        flat = t.reshape(-1)
+        with st.TensorFileWriter(got, key, dtype, shape, metadata={"format": "pt"}) as w:
+            for lo in range(0, flat.numel(), 6):  # uneven pieces, the last one shorter
+                w.write(flat[lo : lo + 6])
+        assert got.read_bytes() == ref.read_bytes(), key
+        head = st.header_bytes(key, dtype, shape, {"format": "pt"})
+        n = int.from_bytes(head[:8], "little")
+        assert len(head) == 8 + n and n % 8 == 0 and got.read_bytes()[: 8 + n] == head
+        padded[key] = head.endswith(b" ")
+        with safe_open(str(got), framework="pt") as f:
+            assert f.metadata() == {"format": "pt"} and list(f.keys()) == [key]
+            assert torch.equal(f.get_tensor(key), t) and f.get_tensor(key).dtype == dtype
+    assert padded["model.embed_tokens.weight"]  # its header needed the spaces (both dtypes)
+
+
+def test_streamed_writer_refuses_a_wrong_byte_count(tmp_path):
+    path = tmp_path / "t.safetensors"
+    with pytest.raises(CheckpointError, match="holds 24 bytes, got 16"):
+        with st.TensorFileWriter(path, "w", torch.float32, (2, 3)) as w:
+            w.write(torch.zeros(4))
+    assert not path.exists()  # no partial file left
+    with pytest.raises(CheckpointError, match="holds 24 bytes, got 28"):
+        with st.TensorFileWriter(path, "w", torch.float32, (2, 3)) as w:
+            w.write(torch.zeros(7))
+    assert not path.exists()
+    with pytest.raises(CheckpointError, match="got a torch.float16 piece"):
+        with st.TensorFileWriter(path, "w", torch.float32, (2, 3)) as w:
+            w.write(torch.zeros(6, dtype=torch.float16))
+    assert not path.exists()
+
+
+def test_read_elements_reads_a_range_and_finds_a_short_read(tmp_path):
+    t = torch.randn(7, 5).to(torch.bfloat16)
+    path = tmp_path / "t.safetensors"
+    save_file({"a": torch.ones(3), "t": t}, str(path))
+    info = next(i for i in st.read_header(path) if i.key == "t")
+    assert info.torch_dtype == torch.bfloat16
+    with open(path, "rb") as fh:
+        for lo, n in ((0, 35), (3, 9), (34, 1), (35, 0)):
+            out = torch.empty(n, dtype=torch.bfloat16)
+            assert torch.equal(st.read_elements(fh, info, lo, out), t.reshape(-1)[lo : lo + n])
+        with pytest.raises(CheckpointError, match="outside t"):
+            st.read_elements(fh, info, 30, torch.empty(6, dtype=torch.bfloat16))
+        with pytest.raises(CheckpointError, match="read into a torch.float32"):
+            st.read_elements(fh, info, 0, torch.empty(2))
+    os.truncate(path, info.start + 10)  # the file shrank after its header was read
+    with open(path, "rb") as fh, pytest.raises(CheckpointError, match="short read of t"):
+        st.read_elements(fh, info, 2, torch.empty(8, dtype=torch.bfloat16))
 
 
 def test_weight_plan_from_shapes_alone(tmp_path):

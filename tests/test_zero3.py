@@ -24,6 +24,7 @@ from conftest import (
     tiny_qwen3_moe_config,
     torchrun,
 )
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from qatlib import ptq as qptq
@@ -572,6 +573,9 @@ def test_consolidated_save_reloads_without_deepspeed(zero3_run, name):
         for key in ("model.embed_tokens.weight", "lm_head.weight"):  # one-parameter units
             w = results[name]["weights"][key]
             assert w.numel() * w.element_size() > 2048 and files[index[key]] == [key]
+            # streamed in 2 KB pieces (a partition is 32 of them); == the whole-tensor path
+            with safe_open(str(saved / index[key]), framework="pt") as f:
+                assert f.metadata() == {"format": "pt"} and torch.equal(f.get_tensor(key), w)
         assert max(len(keys) for keys in files.values()) > 1  # the rest are gathered, several a shard
 
 
@@ -833,6 +837,108 @@ def test_uncaught_error_ends_the_run_fast(bad_run):
         assert "Zero3Error" in line and spec["truncated_file"] in line and "truncated" in line
     assert "UNEXPECTED" not in proc.stdout
     assert seconds < 55  # start-up + cases; a hang would wait out the 60 s collective timeout
+
+
+# --------------------------------------------------------------------------- large tensors in pieces (2 ranks)
+# 509 x 63: neither the embedding nor the head divides by 2 ranks (the last partition is padded);
+# fp32 partitions of 64 KB move in pieces of at most 2 KB, loaded (read from the file) and saved
+# (streamed to their own shard).
+ODD = {"vocab_size": 509, "hidden_size": 63, "num_hidden_layers": 1}
+PIECE = 2048
+PARTITION_ERRORS = {
+    "short_read_own": "short read of model.embed_tokens.weight",
+    "short_read_other": "short read of model.embed_tokens.weight",
+    "missing_file": "No such file or directory",
+    "save_write_fails": "failed at model.embed_tokens: OSError: disk full (test)",
+    "save_open_fails": "OSError: cannot create shard-00000.safetensors (test)",
+}
+
+
+@pytest.fixture(scope="module")
+def partition_run(tmp_path_factory):
+    import shutil
+
+    tmp = tmp_path_factory.mktemp("partition_io")
+    for name, tied in (("odd", False), ("odd_tied", True)):
+        build_model(tiny_qwen3_config(**ODD, tie_word_embeddings=tied), seed=2).save_pretrained(tmp / name)
+    errors = {"model": str(tmp / "odd"), "chunk_bytes": PIECE, "partition_bytes": PIECE}
+    for case in ("short_read_own", "short_read_other", "missing_file"):  # a copy each case damages
+        shutil.copytree(tmp / "odd", tmp / case)
+        errors[case] = str(tmp / case)
+    piece = {"chunk_bytes": PIECE, "partition_bytes": PIECE}
+    spec = {
+        "out": str(tmp / "run"),
+        "ds_config": str(DS_TEST),
+        "phases": [
+            {"name": "odd", "model": str(tmp / "odd"), **piece},
+            # bf16 parameters from an fp32 file: each piece converted as it is read
+            {"name": "odd_tied_bf16", "model": str(tmp / "odd_tied"), "bf16": True, **piece},
+        ],
+        "errors": errors,
+    }
+    (tmp / "run").mkdir()
+    proc, seconds = torchrun(WORKERS / "partition_io.py", spec, tmp, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.stdout.count("WORKER OK") == 2
+    return spec, tmp / "run"
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", ["odd", "odd_tied_bf16"])
+def test_large_tensors_load_and_save_in_pieces(partition_run, name):
+    """Tensors above 2 KB load partition-wise in 2 KB pieces read straight from the file (padding
+    zeroed on the receiver) and save streamed to a shard of their own; both bit for bit."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    spec, run_dir = partition_run
+    ph = next(ph for ph in spec["phases"] if ph["name"] == name)
+    dtype = torch.bfloat16 if ph.get("bf16") else torch.float32
+    ckpt = load_file(str(Path(ph["model"]) / "model.safetensors"))
+    emb = ckpt["model.embed_tokens.weight"]
+    assert emb.numel() % 2 == 1 and emb.numel() // 2 * dtype.itemsize > 8 * PIECE  # padded; many pieces
+    r = torch.load(run_dir / f"{name}.pt", weights_only=False)
+    tied = name.startswith("odd_tied")
+    streamed = ["model.embed_tokens.weight"] + ([] if tied else ["lm_head.weight"])
+    for checks in r["checks"]:  # both ranks
+        assert checks["gathered_mismatch"] == [] and checks["bad_padding"] == []
+        assert set(streamed) <= set(checks["padded"])
+    saved = run_dir / f"{name}_saved"
+    index = json.loads((saved / WEIGHTS_INDEX_FILE).read_text())["weight_map"]
+    for key in streamed:
+        assert [k for k, f in index.items() if f == index[key]] == [key]  # alone in its shard
+        with safe_open(str(saved / index[key]), framework="pt") as f:
+            assert f.metadata() == {"format": "pt"} and list(f.keys()) == [key]
+            t = f.get_tensor(key)
+        assert t.dtype == dtype and torch.equal(t, ckpt[key].to(dtype))
+        assert torch.equal(t, r["state_dict"][key])  # == the whole-tensor path (consolidated_state_dict)
+    with one_thread():
+        model = AutoModelForCausalLM.from_pretrained(str(saved), dtype=dtype)
+    assert model.config.tie_word_embeddings == tied
+    for n, p in model.named_parameters(remove_duplicate=False):
+        ref = ckpt["model.embed_tokens.weight" if tied and n == "lm_head.weight" else n]
+        assert torch.equal(p.detach(), ref.to(dtype)), n
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_large_tensor_failures_are_one_error_on_every_rank(partition_run):
+    """A file that shrinks after its header was read (inside rank 0's own partition, inside rank
+    1's), a file gone, a streamed shard whose write fails midway or at its start: the same
+    `Zero3Error` on both ranks at once, the ranks still in step (a save afterwards works), and no
+    output left by a failed save."""
+    spec, run_dir = partition_run
+    ranks = json.loads((run_dir / "errors.json").read_text())
+    for case, text in PARTITION_ERRORS.items():
+        errors = [r[case]["error"] for r in ranks]
+        assert errors[0] is not None and text in errors[0], (case, errors[0])
+        assert errors[0] == errors[1], case
+        assert all(r[case]["seconds"] < 15 for r in ranks), case
+    assert ranks[0]["write_calls"] == 2  # the write failed after one piece was written
+    assert ranks[0]["saved_after_errors"]
+    outputs = ranks[0]["outputs"]
+    assert "after_errors" in outputs and not any("save_" in o for o in outputs), outputs
 
 
 # --------------------------------------------------------------------------- single process (plain models)
