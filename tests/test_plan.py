@@ -82,7 +82,12 @@ def test_tiny_model_terms_by_hand():
     assert t["persistent small parameters (replicated)"] == 0
     # fp8 per-tensor weight + static input scale per linear: (4 attn + 12 expert) x 2 x 2 layers
     assert t["trainable scales: param + fp32 master + grad + Adam m, v"] == 64 * 20 // 2
-    assert t["gathered unit (one decoder layer, or the embeddings, + prefetch)"] == max(LAYER, 800) * 2
+    assert (
+        t[
+            "gathered unit (one decoder layer, or the embeddings / a 64 MiB block of them + 64 MiB fp32, + prefetch)"
+        ]
+        == max(LAYER, 800) * 2
+    )
     assert t["checkpointed layer inputs"] == 2 * 16 * 8 * 2
     assert (
         t["student logits"] == t["KD teacher logits (no grad)"] == t["logits gradient buffer"] == 16 * 100 * 2
@@ -113,6 +118,23 @@ def test_tiny_model_terms_by_hand():
     assert "teacher: the model itself, quantization disabled" not in t
 
 
+def test_wide_embedding_loads_and_saves_in_pieces_by_hand():
+    """A 25 M x 8 vocabulary: 200 M parameters, 400 MB bf16 per embedding, above the 64 MiB load
+    chunk / save threshold. Under ZeRO-3 rank 0 stages one 64 MiB piece of it at load, and the
+    consolidated save streams it to its own shard, so the save buffer is one 512 MiB shard + one
+    824-parameter layer (+ the 64 fp32 scales), not the embedding + a partition (600 MB). One
+    process stages the embedding whole, and its save buffer is capped by the model (800 MB)."""
+    m = qp.ModelShape.from_config({**TINY, "vocab_size": 25_000_000})
+    load = "load staging (largest tensor; under ZeRO-3 one piece of it, at most 64 MiB)"
+    save = "rank 0: consolidated-save buffer (one shard + one unit or embedding; tensors above 64 MiB stream; + scales)"
+    t = terms(qp.plan(m, tiny_inputs(), qp.Run(gpus=0, cpu_ranks=2))[1])
+    assert t[load] == 64 * 2**20
+    assert t[save] == 512 * 2**20 + 824 * 2 + 64 * 4
+    t = terms(qp.plan(m, tiny_inputs(zero3=False), qp.Run(gpus=0, cpu_ranks=2))[1])
+    assert t[load] == 25_000_000 * 8 * 2
+    assert t[save] == (2 * 25_000_000 * 8 + 8 + 2 * 824) * 2 + 64 * 4
+
+
 def test_int4_group_scales_and_weight_only_by_hand():
     m = qp.ModelShape.from_config(TINY)
     x = tiny_inputs(weight=qp.WeightFormat(4, "group", 4), act_quant=False, calib=False)
@@ -135,15 +157,36 @@ def test_expert_leaf_gathers_one_expert_not_the_layer_by_hand():
     dtype = x_lean.dtype_bytes
     assert (
         terms(qp.plan(m, x_lean, qp.Run())[1])[
-            "gathered unit (one expert or linear, or the embeddings, + prefetch)"
+            "gathered unit (one expert or linear, or the embeddings / a 64 MiB block of them + 64 MiB fp32, + prefetch)"
         ]
         == 144 * dtype
     )
     assert (
         terms(qp.plan(m, x_layer, qp.Run())[1])[
-            "gathered unit (one decoder layer, or the embeddings, + prefetch)"
+            "gathered unit (one decoder layer, or the embeddings / a 64 MiB block of them + 64 MiB fp32, + prefetch)"
         ]
         == LAYER * dtype
+    )
+
+
+def test_wide_embeddings_gather_a_block_of_rows_by_hand():
+    """Under ZeRO-3 an embedding / head above 64 MiB is computed from the partitions 64 MiB of rows
+    at a time (`qatlib.vocab_parallel`): with a 25 M x 8 vocabulary (400 MB bf16) a rank holds one
+    64 MiB block (2**25 bf16 elements) and, in the head's backward, at most 64 MiB of its rows in
+    fp32, not 200 M elements; vocab 10 x 8 keeps the 824-parameter layer as the unit (the test
+    above)."""
+    zero3 = terms(
+        qp.plan(
+            qp.ModelShape.from_config({**TINY, "vocab_size": 25_000_000}),
+            tiny_inputs(),
+            qp.Run(gpus=0, cpu_ranks=2),
+        )[1]
+    )
+    assert (
+        zero3[
+            "gathered unit (one decoder layer, or the embeddings / a 64 MiB block of them + 64 MiB fp32, + prefetch)"
+        ]
+        == (64 + 64) * 2**20
     )
 
 

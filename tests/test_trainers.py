@@ -930,6 +930,26 @@ def _z3_reference(tmp_path: Path, spec: dict, data: list) -> list[dict[str, torc
     return after
 
 
+def _assert_steps_match_reference(
+    tmp_path: Path, spec: dict, data: list, steps: int, *, loss_rel: float = 0.0
+) -> None:
+    """The ZeRO-3 run's per-step scales against `_z3_reference`'s (rtol 1e-5: why above it), its
+    logged losses equal (``loss_rel`` 0) or within ``loss_rel``, and the scales trained."""
+    lines = read_log(tmp_path / "run" / "trainer" / LOG_FILE)
+    z3 = [_saved_scales(tmp_path / "run" / "steps" / str(k)) for k in range(1, steps + 1)]
+    ref = _z3_reference(tmp_path, spec, data)
+    ref_lines = read_log(tmp_path / "ref" / "out" / LOG_FILE)
+    assert len(ref_lines) == len(lines) == len(ref) == steps
+    for a, b in zip(lines, ref_lines):
+        for k in ("lm_loss", "kd/cakld", "total_loss", "loss"):
+            assert a[k] == pytest.approx(b[k], rel=loss_rel, abs=0), (a["step"], k)
+    for step, (got, exp) in enumerate(zip(z3, ref), 1):
+        assert got.keys() == exp.keys()
+        for k in exp:
+            torch.testing.assert_close(got[k], exp[k], rtol=1e-5, atol=1e-8, msg=f"step {step}: {k}")
+    _assert_trained(spec, _saved_scales(tmp_path / "run" / "saved"))
+
+
 def _assert_trained(spec: dict, got: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import load_file
 
@@ -1040,7 +1060,7 @@ def test_zero3_weight_training_with_a_partitioned_original_teacher_matches_singl
     assert [x["step"] for x in lines] == [x["step"] for x in ref_lines] == [1]
     for a, b in zip(lines, ref_lines):
         for k in ("lm_loss", "kd/cakld", "total_loss"):
-            assert a[k] == pytest.approx(b[k], rel=1e-6), (a["step"], k)
+            assert a[k] == pytest.approx(b[k], rel=1e-5), (a["step"], k)
     saved = tmp_path / "run" / "saved"
     got = {k: v for f in saved.glob("model*.safetensors") for k, v in load_file(str(f)).items()}
     base = {k: v for f in Path(spec["model"]).glob("*.safetensors") for k, v in load_file(str(f)).items()}
@@ -1102,20 +1122,43 @@ def test_zero3_gradient_checkpointing_frozen_weights_matches_single_process(tmp_
     assert res["trainable"].get("weight", 0) == res["trainable"].get("norm", 0) == 0
     if moe:  # each expert recomputed in its own backward: no other expert of its block is gathered
         assert res["others_gathered"] == 0  # (the layer-wide recompute held all 4 experts: 3)
-    lines = read_log(tmp_path / "run" / "trainer" / LOG_FILE)
-    z3 = [_saved_scales(tmp_path / "run" / "steps" / str(k)) for k in range(1, steps + 1)]
+    _assert_steps_match_reference(tmp_path, spec, data, steps)
 
-    ref = _z3_reference(tmp_path, spec, data)
-    ref_lines = read_log(tmp_path / "ref" / "out" / LOG_FILE)
-    assert len(ref_lines) == len(lines) == len(ref) == steps
-    for a, b in zip(lines, ref_lines):
-        for k in ("lm_loss", "kd/cakld", "total_loss", "loss"):
-            assert a[k] == b[k], (a["step"], k)
-    for step, (got, exp) in enumerate(zip(z3, ref), 1):
-        assert got.keys() == exp.keys()
-        for k in exp:
-            torch.testing.assert_close(got[k], exp[k], rtol=1e-5, atol=1e-8, msg=f"step {step}: {k}")
-    _assert_trained(spec, _saved_scales(tmp_path / "run" / "saved"))
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize("block_bytes", [3000, None], ids=["partitioned", "deepspeed_gathers"])
+def test_zero3_embeddings_from_partitions_match_single_process(tmp_path, block_bytes):
+    """Issue #16: under ZeRO-3 the trainer computes the input embedding and the output head from the
+    ranks' partitions (`qatlib.vocab_parallel`), so DeepSpeed never gathers either matrix (Qwen3-30B-
+    A3B's 0.58 GiB each were the rank's step peak). Blocks of 11 rows (3000 bytes of 64 fp32): one
+    block straddles the two ranks' partitions (rows 253-263 of 512), so it is assembled from both.
+    Reentrant layer checkpointing: its layers train only if the embedding's output requires grad,
+    which the swapped module must keep. Every step's scales match one process (rtol 1e-5 as above)
+    and the logged losses to 1e-5 relative (the head's products are taken block by block: the KD
+    term, a small difference of logits, moved 4.6e-6 relative in step 2).
+    ``deepspeed_gathers`` (the switch off) is the probe's check: there DeepSpeed does fetch them."""
+    steps = 2
+    extra = {"vocab_block_bytes": block_bytes} if block_bytes else {"vocab_block_bytes": None}
+    spec, data = _z3_setup(
+        tmp_path,
+        4,
+        steps,
+        save_every_step=True,
+        eps=1.0,
+        gradient_checkpointing=True,
+        use_reentrant=True,
+        **extra,
+    )
+    proc, _ = torchrun(Z3_WORKER, spec, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    res = json.loads((tmp_path / "run" / "result.json").read_text())
+    if block_bytes is None:
+        assert res["vocab_swapped"] == [] and res["vocab_gathered"]
+        return
+    assert res["vocab_swapped"] == ["input", "output"]
+    assert not res["vocab_gathered"]
+    _assert_steps_match_reference(tmp_path, spec, data, steps, loss_rel=1e-5)
 
 
 @pytest.mark.slow

@@ -174,13 +174,17 @@ def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
         work.append(Term("persistent small parameters (replicated)", persist * d, f"< {threshold} elements"))
         prefetch = x.prefetch if x.prefetch is not None else int(0.9 * m.hidden * m.hidden)
         # what one fetch gathers: a MoE layer's experts together (qatlib's leaf, the default) or one
-        # expert / one linear at a time (`expert_leaf`); the embeddings and the head gather whole
+        # expert / one linear at a time (`expert_leaf`); the embeddings and the head above 64 MiB
+        # are computed from the partitions a block of rows at a time (`qatlib.vocab_parallel`; the
+        # head's backward adds fp32 rows of at most 64 MiB), smaller ones gathered whole
         emb = m.vocab * m.hidden
+        if emb * d > PARTITION_BYTES:
+            emb = (2 * PARTITION_BYTES) // d
         if x.expert_leaf and m.moe_layers:
             unit_params = max(3 * m.hidden * m.moe_intermediate, *(o * i for o, i in m.attn_linears()))
-            name = "gathered unit (one expert or linear, or the embeddings, + prefetch)"
+            name = "gathered unit (one expert or linear, or the embeddings / a 64 MiB block of them + 64 MiB fp32, + prefetch)"
         else:
-            name = "gathered unit (one decoder layer, or the embeddings, + prefetch)"
+            name = "gathered unit (one decoder layer, or the embeddings / a 64 MiB block of them + 64 MiB fp32, + prefetch)"
         work.append(Term(name, (max(unit_params, emb) + prefetch) * d))
     opt = Term(
         "trainable scales: param + fp32 master + grad + Adam m, v", scales * 20 // world, f"{scales:,} scales"
@@ -214,7 +218,10 @@ def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
         work.append(
             Term("teacher: the model itself, quantization disabled", 0, "no second copy of the weights")
         )
-    host_each = [Term("load staging (largest tensor)", m.vocab * m.hidden * d)]
+    # ZeRO-3 reads a tensor above the load chunk (64 MiB = PARTITION_BYTES) into the partitions
+    # piece by piece (`qatlib.zero3_load`): rank 0 stages one piece, never the whole tensor
+    staged = min(m.vocab * m.hidden * d, PARTITION_BYTES) if zero3 else m.vocab * m.hidden * d
+    host_each = [Term("load staging (largest tensor; under ZeRO-3 one piece of it, at most 64 MiB)", staged)]
     if x.offload_optimizer:
         host_each.append(Term("offloaded optimizer state", scales * 16 // world))
         opt = Term(opt.name.replace("fp32 master + grad + Adam m, v", "grad"), scales * 4 // world)
@@ -226,12 +233,12 @@ def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
         work.insert(1, Term("trained weights: fp32 master + grad + Adam m, v", weights * 16 // world))
     work.insert(1, opt)
     emb = m.vocab * m.hidden * d
-    if zero3 and emb > PARTITION_BYTES:  # written alone, assembled from the ranks' partitions
-        save = max(SAVE_SHARD_BYTES + unit_params * d, emb + emb // world)
+    if zero3 and emb > PARTITION_BYTES:  # streamed to a shard of its own, one piece (<= 64 MiB) at a time
+        save = SAVE_SHARD_BYTES + unit_params * d
     else:
         save = SAVE_SHARD_BYTES + max(unit_params * d, emb)
     save = min(m.total_params * d, save)
-    name = "rank 0: consolidated-save buffer (one shard + one unit, or an embedding + a partition; + scales)"
+    name = "rank 0: consolidated-save buffer (one shard + one unit or embedding; tensors above 64 MiB stream; + scales)"
     node = [Term(name, save + scales * 4)]
     if x.max_steps > 0:
         train_tokens = x.max_steps * tokens * world

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-from transformers import Seq2SeqTrainingArguments, Trainer, TrainingArguments
+from transformers import Seq2SeqTrainingArguments, Trainer, TrainerCallback, TrainingArguments
 
 from ..checkpoint.layout import TRAIN_LOG_FILE
 from ..data import PadCollator
@@ -59,6 +59,8 @@ from ..losses import LossConfig, qat_loss
 from ..moe import recompute_experts_one_by_one
 from ..quant import quantization_disabled
 from ..quant.calibration import calibrate_activations, static_quantizers
+from ..vocab_parallel import partition_vocab
+from ..zero3_io import PARTITION_BYTES, model_is_zero3
 from .guard import TrainingGuard
 from .log_scale import install_log_space_steps
 from .params import (
@@ -99,6 +101,33 @@ def _check_teacher_vocab(teacher: nn.Module, model: nn.Module) -> None:
         )
 
 
+class _PartitionedVocab(TrainerCallback):
+    """`qatlib.vocab_parallel.partition_vocab` for the span of ``train()``: installed once the
+    DeepSpeed engine exists (``on_train_begin`` comes after the Trainer wraps the model), the
+    original modules put back at ``on_train_end``. ``swapped`` says which were."""
+
+    def __init__(self, block_bytes: int | None, output_requires_grad: bool) -> None:
+        self.block_bytes, self.output_requires_grad = block_bytes, output_requires_grad
+        self.swapped: list[str] = []
+        self._restore = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.block_bytes is None or model is None or self._restore or not model_is_zero3(model):
+            return
+        self.swapped, self._restore = partition_vocab(
+            model, block_bytes=self.block_bytes, output_requires_grad=self.output_requires_grad
+        )
+        if self.swapped:
+            log.info(
+                "ZeRO-3: %s embeddings computed from the partitions (never gathered whole)", self.swapped
+            )
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
+
+
 class QATTrainer(Trainer):
     """HF Trainer for QAT (see the module docstring).
 
@@ -107,7 +136,10 @@ class QATTrainer(Trainer):
     ``norm_lr``, ``weight_lr``, ``scale_update`` (``"additive"``, or ``"log"``:
     `qatlib.trainers.log_scale`), ``e8m0_scale_lr`` (MXFP4's E8M0 scales; None:
     `qatlib.trainers.log_scale.e8m0_lr` of ``learning_rate``), ``teacher`` (a separate teacher model; None = the model itself with quantization
-    disabled), ``log_file`` (default ``<output_dir>/train_log.jsonl``; False = none).
+    disabled), ``log_file`` (default ``<output_dir>/train_log.jsonl``; False = none),
+    ``vocab_block_bytes`` (under ZeRO-3, an embedding / head above this many bytes is computed from
+    the partitions a block of rows this large at a time, never gathered whole:
+    `qatlib.vocab_parallel`; None = DeepSpeed gathers it).
     """
 
     def __init__(
@@ -125,6 +157,7 @@ class QATTrainer(Trainer):
         e8m0_scale_lr: float | None = None,
         teacher: nn.Module | None = None,
         log_file: str | os.PathLike | bool | None = None,
+        vocab_block_bytes: int | None = PARTITION_BYTES,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("optimizers", (None, None))[0] is not None:
@@ -152,7 +185,11 @@ class QATTrainer(Trainer):
             teacher.requires_grad_(False)
         self.teacher_forwards = 0
         self.guard = TrainingGuard(model, [np for _, ps in trainable.items() for np in ps])
-        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.guard]
+        checkpointing = getattr(args, "activation_checkpointing", None) or getattr(
+            args, "gradient_checkpointing", False
+        )
+        self.vocab = _PartitionedVocab(vocab_block_bytes, output_requires_grad=bool(checkpointing))
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.guard, self.vocab]
         super().__init__(model=model, args=args, **kwargs)
         self.guard.trainer = self
         # We compute the loss ourselves from num_items_in_batch: make the Trainer count it (over the
@@ -161,9 +198,6 @@ class QATTrainer(Trainer):
         self._loss_shifts_labels = True
         if teacher is not None and not any(hasattr(p, "ds_id") for p in teacher.parameters()):
             teacher.to(self.args.device)  # a plain teacher is replicated on every rank
-        checkpointing = getattr(args, "activation_checkpointing", None) or getattr(
-            args, "gradient_checkpointing", False
-        )
         if checkpointing and hasattr(model, "enable_input_require_grads"):
             # Every model weight is frozen: without this, checkpointed blocks see inputs that do not
             # require grad and the scales get no gradient (upstream hit the same).

@@ -8,8 +8,10 @@ SPEC: {"out", "model", "ptq", "ds_config", "scheme", "data" (list of {"input_ids
 is then the original model as an inference-only ZeRO-3 engine, `base_model_teacher`), "save_steps", "crash_at" (raise after that optimizer step, on every rank:
 a killed run; its state at that moment is first saved to ``{out}/at_kill``), "gradient_checkpointing" (+ "use_reentrant"), "moe" (a Qwen3-MoE model; "others_gathered"
 in result.json: the most other experts of a block gathered while one is recomputed), "save_every_step" (the
-consolidated save after each optimizer step k in ``{out}/steps/k``) and "resume_from" (a checkpoint
-directory)}. Rank 0 writes ``{out}/result.json`` (log history, teacher forwards, trainable counts) and
+consolidated save after each optimizer step k in ``{out}/steps/k``), "resume_from" (a checkpoint
+directory) and "vocab_block_bytes" (QATTrainer's; "vocab_swapped" and "vocab_gathered" in
+result.json: which embeddings it computed from the partitions, and whether DeepSpeed's fetch
+gathered the embedding or head weights during training)}. Rank 0 writes ``{out}/result.json`` (log history, teacher forwards, trainable counts) and
 the consolidated save ``{out}/saved``.
 """
 
@@ -84,6 +86,18 @@ def main() -> None:
                     others_gathered[0] = max(others_gathered[0], n)
 
             ex.register_forward_pre_hook(probe)
+    # DeepSpeed's fetch of a module's parameters goes through the first one's
+    # ``all_gather_coalesced``: record, during the training steps, whether the vocabulary matrices were fetched
+    vocab_ids = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    vocab_gathered, training = [False], [False]
+    for p in model.parameters():
+
+        def fetch(params, *a, _real=p.all_gather_coalesced, **k):
+            if training[0] and any(id(q) in vocab_ids for q in params):
+                vocab_gathered[0] = True
+            return _real(params, *a, **k)
+
+        p.all_gather_coalesced = fetch
     out = Path(spec["out"])
     args = TrainingArguments(
         output_dir=str(out / "trainer"),
@@ -110,7 +124,11 @@ def main() -> None:
     class Crash(TrainerCallback):
         """Per-step saves (collective: every rank runs on_step_end) and the kill."""
 
+        def on_step_begin(self, args, state, control, **kw):
+            training[0] = True  # the step's forwards and backward (not the saves below)
+
         def on_step_end(self, args, state, control, **kw):
+            training[0] = False
             if spec.get("save_every_step"):
                 z.save_consolidated(model, out / "steps" / str(state.global_step), scheme=scheme)
             if state.global_step == spec.get("crash_at"):
@@ -133,6 +151,8 @@ def main() -> None:
             "weight_lr": spec["weight_lr"],
             "teacher": base_model_teacher(SimpleNamespace(model=mcfg), ctx),
         }
+    if "vocab_block_bytes" in spec:
+        pick["vocab_block_bytes"] = spec["vocab_block_bytes"]
     trainer = QATTrainer(
         model,
         args,
@@ -165,6 +185,8 @@ def main() -> None:
                     "compiled_calls": compiled_calls[0],
                     "layer0_forwards": layer0_forwards[0],
                     "others_gathered": others_gathered[0],
+                    "vocab_swapped": trainer.vocab.swapped,
+                    "vocab_gathered": vocab_gathered[0],
                     "checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
                     "teacher": type(trainer.teacher).__name__,
                     "teacher_partitioned": trainer.teacher is not None
