@@ -1139,7 +1139,6 @@ def test_zero3_embeddings_from_partitions_match_single_process(tmp_path, block_b
     term, a small difference of logits, moved 4.6e-6 relative in step 2).
     ``deepspeed_gathers`` (the switch off) is the probe's check: there DeepSpeed does fetch them."""
     steps = 2
-    extra = {"vocab_block_bytes": block_bytes} if block_bytes else {"vocab_block_bytes": None}
     spec, data = _z3_setup(
         tmp_path,
         4,
@@ -1148,7 +1147,7 @@ def test_zero3_embeddings_from_partitions_match_single_process(tmp_path, block_b
         eps=1.0,
         gradient_checkpointing=True,
         use_reentrant=True,
-        **extra,
+        vocab_block_bytes=block_bytes,
     )
     proc, _ = torchrun(Z3_WORKER, spec, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
+from cases import run_cases
 
 
 def say(line: str) -> None:
@@ -57,17 +57,7 @@ def main() -> None:
         ),
         "optimizer_block": lambda: z.init_zero3(spec["ds_config_with_optimizer"]),
     }
-    results = {}
-    for name, fn in cases.items():
-        t0 = time.perf_counter()
-        try:
-            fn()
-            results[name] = {"error": None}
-        except z.Zero3Error as e:
-            results[name] = {"error": str(e)}
-            say(f"[rank{rank}] CASE {name}: {str(e).splitlines()[0]}")
-        results[name]["seconds"] = round(time.perf_counter() - t0, 3)
-        torch.distributed.barrier()  # still in step after the error
+    results = run_cases(cases, z.Zero3Error, say=lambda line: say(f"[rank{rank}] {line}"))
     everyone = [None] * z.get_world_size()
     torch.distributed.all_gather_object(everyone, results)
     if rank == 0:

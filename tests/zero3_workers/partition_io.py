@@ -23,10 +23,10 @@ import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
+from cases import run_cases
 
 logging.basicConfig(level=logging.INFO, format=f"[rank{os.environ.get('RANK', '?')}] %(name)s: %(message)s")
 
@@ -147,16 +147,7 @@ def run_errors(spec: dict) -> dict:
         "save_write_fails": lambda: failing_save("save_write_fails", {"write": failing_write}),
         "save_open_fails": lambda: failing_save("save_open_fails", {"__init__": failing_init}),
     }
-    results = {}
-    for name, fn in cases.items():
-        t0 = time.perf_counter()
-        try:
-            fn()
-            results[name] = {"error": None}
-        except z.Zero3Error as e:
-            results[name] = {"error": str(e)}
-        results[name]["seconds"] = round(time.perf_counter() - t0, 3)
-        torch.distributed.barrier()  # still in step after the error
+    results = run_cases(cases, z.Zero3Error)
     results["write_calls"] = calls["n"]
     # the model still saves (every collective matched), and the failed saves left no output
     ok = z.save_consolidated(
