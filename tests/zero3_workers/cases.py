@@ -11,7 +11,11 @@ from collections.abc import Callable
 import torch
 
 
-def run_cases(cases: dict[str, Callable[[], object]], error: type[Exception], say=None) -> dict:
+def run_cases(
+    cases: dict[str, Callable[[], object]],
+    error: type[Exception],
+    say: Callable[[str], None] | None = None,
+) -> dict:
     """``{name: {"error": message or None, "seconds": wall}}`` for each case, run in order. Every
     rank runs every case and meets a barrier after it: a case whose error ended one rank but left
     the other waiting would hang here (the test's timeout), not pass."""
