@@ -197,8 +197,7 @@ def run(
             *base,
             "--save-path",
             str(work / "ptq"),
-            "--overwrite",
-            "--layerwise",  # streamed, as the plan models it and the workflow's rule runs it
+            "--overwrite",  # streamed by default, as the plan models it
         ],
         "zero3_qat": [
             sys.executable,
@@ -226,7 +225,6 @@ def run(
             "--save-path",
             str(work / "export"),
             "--overwrite",
-            "--layerwise",
         ],
         # the qat variant: the whole model resident, fake-quantized (the plan's peak over the variants)
         "evaluate": [

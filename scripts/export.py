@@ -8,6 +8,8 @@ the model is rebuilt with the experiment's scheme, the trained scales are loaded
 (`qatlib.models.load_prepared`; a quantizer without a trained value is an error), and
 `qatlib.export.export` writes ``compression.QAT.save_format`` (default ``real``: compressed-tensors,
 loadable by vLLM / SGLang / transformers).
+Host memory: one decoder layer + one output shard at a time (`qatlib.plan.streamed`: the same
+tensors as the in-memory export); ``--whole-model`` loads the model instead.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --save-path")
     ap.add_argument(
-        "--layerwise", action="store_true", help="stream one decoder layer at a time, write shard by shard"
+        "--whole-model",
+        action="store_true",
+        help="load the whole model instead of streaming one decoder layer at a time and writing shard "
+        "by shard (the default: the same tensors, qatlib.plan.streamed)",
     )
     args = ap.parse_args(argv)
     cfg = _common.load_experiment(args)
@@ -33,13 +38,15 @@ def main(argv=None) -> int:
     with _common.stage("convert_export", args) as record:
         from qatlib.export import export
         from qatlib.models import load_prepared, load_tokenizer
+        from qatlib.plan import streamed
 
         scheme = cfg.quant_scheme()
+        layerwise = streamed(cfg.raw, "convert_export") and not args.whole_model
         model, loaded = load_prepared(
-            cfg, args.model_path, scales=args.model_path, complete=True, skeleton=args.layerwise
+            cfg, args.model_path, scales=args.model_path, complete=True, skeleton=layerwise
         )
         onload = None
-        if args.layerwise:  # host memory: one layer + one output shard, never the model
+        if layerwise:  # host memory: one layer + one output shard, never the model
             from qatlib.onload import Onloader
 
             onload = Onloader.from_checkpoint(model, args.model_path)
@@ -54,7 +61,9 @@ def main(argv=None) -> int:
             ignore=cfg.quantization.ignore_layers,
             onload=onload,
         )
-        record.update(save_format=save_format, scheme=scheme.name, scales_loaded=loaded.get("hits"))
+        record.update(
+            save_format=save_format, scheme=scheme.name, scales_loaded=loaded.get("hits"), streamed=layerwise
+        )
         print(f"exported {scheme.name} ({save_format}): {out}")
     return 0
 

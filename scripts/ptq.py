@@ -9,6 +9,9 @@ scales (input, q / k / v outputs) are calibrated on the experiment's ``dataset``
 samples of ``max_seq_length`` tokens, ``batch_size`` per forward; ``compression.QAT.hf_dataset``
 wins over ``dataset.data_path``). Round-to-nearest weight-only and dynamic-activation schemes
 read no data.
+Host memory: one decoder layer at a time, read from the shards, wherever `qatlib.plan.streamed`
+says the streamed calibration gives the same scales (all but GPTQ and a static input scale on the
+head); ``--whole-model`` loads the model instead.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ def main(argv=None) -> int:
     ap = _common.parser(__doc__.splitlines()[0])
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --save-path")
     ap.add_argument(
-        "--layerwise",
+        "--whole-model",
         action="store_true",
-        help="stream one decoder layer at a time (qatlib.onload; RTN only)",
+        help="load the whole model instead of streaming one decoder layer at a time (the default "
+        "wherever qatlib.plan.streamed says the streamed PTQ writes the same scales)",
     )
     args = ap.parse_args(argv)
     cfg = _common.load_experiment(args)
@@ -37,14 +41,16 @@ def main(argv=None) -> int:
         from qatlib import device
         from qatlib.data import PadCollator, load_training_data
         from qatlib.models import load_model, load_tokenizer, resolve_model_dir
+        from qatlib.plan import streamed
         from qatlib.ptq import calibrate, save_ptq_checkpoint
 
         scheme = cfg.quant_scheme()
         model_dir = resolve_model_dir(cfg.model.model_path, cache_dir=cfg.model.cache_dir)
         gptq = cfg.ptq_algorithm == "gptq"
-        if args.layerwise and gptq:
-            raise SystemExit("error: --layerwise: GPTQ changes the weights; run it on the loaded model")
-        args.layerwise |= cfg.quantization.low_memory and not gptq  # upstream's layer-by-layer PTQ
+        # The one owner of the choice (the plan and the DAG's resources model the same): streamed
+        # unless GPTQ (it changes the weights) or a static input scale on the head; upstream's
+        # `low_memory` asks for what is already the default.
+        layerwise = streamed(cfg.raw, "ptq_calibrate") and not args.whole_model
         m = cfg.model
         common = dict(
             torch_dtype=m.torch_dtype,
@@ -52,7 +58,7 @@ def main(argv=None) -> int:
             attn_implementation=m.attn_implementation,
         )
         device_map = device.device_map(m.device_map)
-        model = None if args.layerwise else load_model(model_dir, device_map=device_map, **common)
+        model = None if layerwise else load_model(model_dir, device_map=device_map, **common)
         tok = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
         # Weight scales come from the weights; only static activation scales need calibration data.
         static_act = [
@@ -89,14 +95,25 @@ def main(argv=None) -> int:
             report = run_gptq(
                 model, scheme, batches, ignore=cfg.ignore_layers, options=cfg.prepare_options(), latent=True
             )
-        elif args.layerwise:  # the model is never loaded: its layers are streamed from the shards
+        elif layerwise:  # the model is never loaded: its layers are streamed from the shards
+            from qatlib.checkpoint.layout import CheckpointError
             from qatlib.ptq import calibrate_from_checkpoint
 
-            model, report, scales = calibrate_from_checkpoint(
-                model_dir, scheme, batches, device=device.current(), ignore=cfg.ignore_layers,
-                options=cfg.prepare_options(), **common,
-            )  # fmt: skip
-        else:
+            try:
+                model, report, scales = calibrate_from_checkpoint(
+                    model_dir, scheme, batches, device=device.current(), ignore=cfg.ignore_layers,
+                    options=cfg.prepare_options(), **common,
+                )  # fmt: skip
+            except CheckpointError as e:
+                # The streamed reader maps the shards' keys one to one onto the model's names; a
+                # checkpoint whose keys transformers renames while loading (its conversion mapping,
+                # e.g. HunYuan v3's router / shared_mlp) is read whole, as --whole-model would.
+                print(
+                    f"warning: {model_dir}: not streamed ({str(e).splitlines()[0]}); loading the whole model"
+                )
+                layerwise = False
+                model = load_model(model_dir, device_map=device_map, **common)
+        if not gptq and not layerwise:
             report = calibrate(
                 model, scheme, batches, ignore=cfg.ignore_layers, options=cfg.prepare_options()
             )
@@ -108,9 +125,11 @@ def main(argv=None) -> int:
             save_weights=gptq,
             tokenizer=tok,
             overwrite=args.overwrite,
-            scales=scales if args.layerwise else None,
+            scales=scales if layerwise else None,
         )
-        record.update(scheme=scheme.name, batches=report.num_batches, tokens=report.num_tokens)
+        record.update(
+            scheme=scheme.name, batches=report.num_batches, tokens=report.num_tokens, streamed=layerwise
+        )
         print(f"PTQ checkpoint ({scheme.name}): {cfg.global_.save_path}")
     return 0
 

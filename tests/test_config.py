@@ -872,3 +872,19 @@ def test_bad_cases_are_valid_without_the_edit(tmp_path: Path, w4a8_raw: dict[str
     cfg = load_config(_write(tmp_path, "ok.yaml", yaml.safe_dump(data)))
     assert cfg.zero3_enabled and cfg.model.device_map is None
     assert load_config(DATA / "qwen3-4b_w4a8_fp8_end2end_qkv_fp8attn.yaml").zero3_enabled is False
+
+
+def test_raw_is_the_validated_mapping_with_its_overrides(tmp_path):
+    """`ExperimentConfig.raw` is what `qatlib.plan` reads (e.g. `qatlib.plan.streamed` in the stage
+    scripts): the YAML's own keys with the overrides applied, no defaults filled in, a copy."""
+    from qatlib.config import load_config
+    from qatlib.plan import streamed
+
+    exp = Path(__file__).parents[1] / "config/experiments/smollm2-135m.yaml"
+    cfg = load_config(exp, ["compression.quantization.name=int4_gptq"])
+    raw = cfg.raw
+    assert raw["compression"]["quantization"]["name"] == "int4_gptq"
+    assert "deploy" not in raw or raw["deploy"] == load_yaml(exp).get("deploy")  # not filled with defaults
+    assert streamed(raw, "ptq_calibrate") is False and streamed(load_config(exp).raw, "ptq_calibrate") is True
+    raw["compression"]["quantization"]["name"] = "x"
+    assert cfg.raw["compression"]["quantization"]["name"] == "int4_gptq"

@@ -1,5 +1,6 @@
 """The workflow's streamed stages: `qatlib.plan.streamed` decides where ``ptq_calibrate`` /
-``convert_export`` run one decoder layer at a time, the DAG passes ``--layerwise`` exactly there,
+``convert_export`` run one decoder layer at a time, the scripts stream by default exactly there
+(the DAG passes no flag; ``--whole-model`` opts out),
 the torch-free decision agrees with what the scripts refuse (`qatlib.config`), and the streamed
 scripts write what the whole-model ones write, tensor by tensor, for the experiments' own formats
 and architectures (SmolLM2's tied Llama, the tiny Qwen3-MoE)."""
@@ -104,7 +105,7 @@ def test_the_dag_passes_layerwise_exactly_where_streamed_says(tmp_path):
     for key, shell in shells.items():
         exp, stage = key.split("/")
         assert e.streamed(exp, stage) is True  # both stream every stage
-        assert " --layerwise " in shell, shell
+        assert "--layerwise" not in shell and "--whole-model" not in shell, shell  # the script decides
     # where the PTQ cannot stream (GPTQ), its job runs the whole model; the export still streams
     d = tmp_path / "experiments"
     shutil.copytree(REPO / ".test/config/experiments", d)
@@ -114,8 +115,8 @@ def test_the_dag_passes_layerwise_exactly_where_streamed_says(tmp_path):
     shells = _shells(["results/tiny-test/export", *cfg], tmp_path / "wd2")
     e = xp.Experiments(REPO, "results", str(d), "x", None, REPO / "workflow/schemas/experiment.schema.json")
     assert e.streamed("tiny-test", "ptq_calibrate") is False
-    assert "--layerwise" not in shells["tiny-test/ptq_calibrate"]
-    assert " --layerwise " in shells["tiny-test/convert_export"]
+    for stage in ("ptq_calibrate", "convert_export"):
+        assert "--layerwise" not in shells[f"tiny-test/{stage}"]
 
 
 # ----------------------------------------------------------------------------- the scripts
@@ -168,8 +169,9 @@ def _same_output(a: Path, b: Path) -> int:
 def test_streamed_scripts_write_the_whole_model_outputs(
     scripts, tmp_path, tiny_tokenizer, single_thread, exp, config, sets
 ):
-    """scripts/ptq.py and scripts/export.py with --layerwise (what the DAG runs) against the same
-    scripts on the loaded model: the same PTQ checkpoint and the same export, tensor by tensor."""
+    """scripts/ptq.py and scripts/export.py as a user runs them (no flag: streamed, what the DAG
+    runs) against the same scripts with --whole-model: the same PTQ checkpoint and the same
+    export, tensor by tensor; each run's timing record says which path ran."""
     ptq, export = scripts
     assert qp.streamed(_raw(exp, sets), "ptq_calibrate") and qp.streamed(_raw(exp, sets), "convert_export")
     base = tmp_path / "base"
@@ -179,9 +181,11 @@ def test_streamed_scripts_write_the_whole_model_outputs(
     sets = [*sets, f"dataset.data_path={tmp_path / 'train.txt'}", "dataset.num_samples=3",
             "dataset.max_seq_length=32", f"compression.QAT.from_ptq_ckpt={tmp_path / 'ptq'}"]  # fmt: skip
     common = ["-c", str(EXPS / f"{exp}.yaml"), "--no-progress", *(f"--set={s}" for s in sets)]
-    for mode, flag in (("whole", []), ("layerwise", ["--layerwise"])):
+    for mode, flag in (("whole", ["--whole-model"]), ("layerwise", [])):
         argv = [*common, "--model-path", str(base), "--save-path", str(tmp_path / f"ptq-{mode}"), *flag]
+        argv += ["--timing", str(tmp_path / f"ptq-{mode}.json")]
         assert ptq.main(argv) == 0
+        assert json.loads((tmp_path / f"ptq-{mode}.json").read_text())["streamed"] is (mode == "layerwise")
     n = _same_output(tmp_path / "ptq-whole", tmp_path / "ptq-layerwise")
     static = any("input_scale" in k for k in _tensors(tmp_path / "ptq-whole"))
     assert static is ("fp8_static" in str(sets)) and n > 0  # the calibration batches ran where they must
@@ -196,9 +200,11 @@ def test_streamed_scripts_write_the_whole_model_outputs(
               for k, v in scales.items()}  # fmt: skip
     save_file(scales, str(qat / "scales.safetensors"), metadata={"format": "pt"})
     shutil.copy(tmp_path / "ptq-whole/quant_scheme.json", qat)
-    for mode, flag in (("whole", []), ("layerwise", ["--layerwise"])):
+    for mode, flag in (("whole", ["--whole-model"]), ("layerwise", [])):
         argv = [*common, "--model-path", str(qat), "--save-path", str(tmp_path / f"export-{mode}"), *flag]
+        argv += ["--timing", str(tmp_path / f"export-{mode}.json")]
         assert export.main(argv) == 0
+        assert json.loads((tmp_path / f"export-{mode}.json").read_text())["streamed"] is (mode == "layerwise")
     n = _same_output(tmp_path / "export-whole", tmp_path / "export-layerwise")
     assert n > 0
 

@@ -457,12 +457,12 @@ def test_rehearsal_one_layer_ptq_zero3_qat_export_reload(tmp_path):
     base = ["-c", str(exp), *(f"--set={s}" for s in sets), "--no-progress"]
     env = {**__import__("os").environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     runs = [
-        [sys.executable, "scripts/ptq.py", *base, "--save-path", str(tmp_path / "ptq"), "--layerwise"],
+        [sys.executable, "scripts/ptq.py", *base, "--save-path", str(tmp_path / "ptq")],
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "scripts/qat.py",
          *base, "--from-ptq-ckpt", str(tmp_path / "ptq"), "--save-path", str(tmp_path / "qat"),
          "--run-dir", str(tmp_path / "qat_run"), "--threads", "1"],
         [sys.executable, "scripts/export.py", *base, "--model-path", str(tmp_path / "qat"),
-         "--save-path", str(tmp_path / "export"), "--layerwise"],
+         "--save-path", str(tmp_path / "export")],
     ]  # fmt: skip
     for i, cmd in enumerate(runs):
         r = watch(cmd, REHEARSAL_LIMIT, env, tmp_path / f"stage{i}.log")

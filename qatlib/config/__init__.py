@@ -107,10 +107,12 @@ def parse_config(
     apply_overrides(raw, items, label)
     ctx = {"source": source, "config_dir": Path(config_dir).resolve() if config_dir is not None else None}
     try:
-        return ExperimentConfig.model_validate(raw, context=ctx)
+        cfg = ExperimentConfig.model_validate(raw, context=ctx)
     except ValidationError as e:
         issues = issues_from(e, [k for k, _ in items], ExperimentConfig)
         raise ConfigError(format_issues(issues, label), issues) from None
+    cfg._raw = raw  # the validated mapping as written (+ overrides): what `qatlib.plan` reads
+    return cfg
 
 
 def load_config(

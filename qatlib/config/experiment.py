@@ -9,6 +9,7 @@ validated YAML, never a second copy of its fields.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -152,6 +153,7 @@ class ExperimentConfig(Section):
     _ds_config: dict[str, Any] | None = PrivateAttr(None)
     _ds_path: Path | None = PrivateAttr(None)
     _ds_dropped_optimizer: bool = PrivateAttr(False)
+    _raw: dict[str, Any] | None = PrivateAttr(None)
 
     # upstream feature key (SpinQuant rotations): refused when present
     transform: dict[str, Any] | None = None
@@ -310,6 +312,13 @@ class ExperimentConfig(Section):
     @property
     def config_dir(self) -> Path | None:
         return self._config_dir
+
+    @property
+    def raw(self) -> dict[str, Any]:
+        """The mapping this config was validated from (the YAML with its overrides applied, no
+        defaults filled in): what `qatlib.plan` reads, so a stage script and the plan decide from
+        the same keys (e.g. `qatlib.plan.streamed`). A copy: changing it changes nothing here."""
+        return copy.deepcopy(self._raw if self._raw is not None else self.model_dump(by_alias=True))
 
     @property
     def deepspeed_config(self) -> dict[str, Any] | None:

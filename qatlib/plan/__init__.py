@@ -10,11 +10,11 @@ after an hour of loading (or is killed by the OOM killer on a shared node); the 
 second, and names the term that is too large.
 
 What each stage's terms model (the code as it is after #16's streaming and QAT-memory work);
-``streamed(raw, stage)`` decides which stages run streamed, and the workflow's rules pass
-``--layerwise`` exactly there (``workflow/lib/experiment.py``), so the plan sizes what runs:
+``streamed(raw, stage)`` decides which stages run streamed, and the stage scripts stream by
+default exactly there (``--whole-model`` opts out), so the plan sizes what a user runs:
 
 ``ptq_calibrate``  ``qatlib/ptq.py`` + ``quant/calibration.py``, streamed layer by layer
-                   (``scripts/ptq.py --layerwise``): the input embeddings while the first
+                   (``scripts/ptq.py``, its default): the input embeddings while the first
                    layer's inputs are captured, then ONE decoder layer at a time (never both),
                    its experts read per expert from the shards into the linearised skeleton
                    (no fused tensor), calibration activations carried from layer to layer. Not
@@ -35,7 +35,7 @@ What each stage's terms model (the code as it is after #16's streaming and QAT-m
                    then the original model, a second partitioned copy (``base_model_teacher``).
                    Rank 0's host also holds ``zero3_io.save_consolidated``'s buffer (one shard +
                    one gathered unit + every scale).
-``convert_export`` ``export_stream.py`` (``scripts/export.py --layerwise``, always; host only): the
+``convert_export`` ``export_stream.py`` (``scripts/export.py``, always; host only): the
                    output shard as it fills (codes + unquantized tensors, at most 5 GiB), one
                    onloaded decoder layer, one linear's compression temporaries, every scale.
 ``evaluate``       ``scripts/evaluate.py``: the whole model on the device when it fits, else

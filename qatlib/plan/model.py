@@ -157,7 +157,7 @@ class PlanInputs:
     calib_samples: int = 256
     calib_batch: int = 1
     gptq: bool = False
-    ptq_streamed: bool = True  # `streamed(raw, "ptq_calibrate")`: the rule passes --layerwise
+    ptq_streamed: bool = True  # `streamed(raw, "ptq_calibrate")`: scripts/ptq.py streams by default
     eval_seq: int = 2048
     eval_batch: int = 1
     weight: WeightFormat = field(default_factory=lambda: WeightFormat(8))
@@ -283,20 +283,20 @@ def _gptq(raw: dict[str, Any]) -> bool:
 
 
 def streamed(raw: dict[str, Any], stage: str) -> bool:
-    """Whether ``stage`` runs streamed, one decoder layer at a time (its script's ``--layerwise``),
-    for the experiment ``raw`` (raw, validated config). The one owner of that choice: the workflow's
-    rules pass ``--layerwise`` exactly when this is true (`workflow.lib.experiment`), and the plan
-    (`from_experiment`, `qatlib.plan.stages`) models the stage that runs.
+    """Whether ``stage`` runs streamed, one decoder layer at a time, for the experiment ``raw``
+    (raw, validated config: `ExperimentConfig.raw`). The one owner of that choice: scripts/ptq.py
+    and scripts/export.py stream by default exactly when this is true (``--whole-model`` opts
+    out), whoever calls them (the workflow's rules pass no flag), and the plan
+    (`from_experiment`, `qatlib.plan.stages`) and the DAG's resources model the stage that runs.
 
-    ``convert_export``: always. ``scripts/export.py --layerwise`` (`qatlib.export_stream`) writes
+    ``convert_export``: always. The streamed export (`qatlib.export_stream`) writes
     the same tensors as the in-memory export for every ``save_format`` (real, fake,
     real_and_kvcache, save_kvcache_only), dense and MoE, tied embeddings included (the same bytes
     for a model within one 5 GiB shard; tests/test_export.py, tests/test_workflow.py).
 
-    ``ptq_calibrate``: streamed (``scripts/ptq.py --layerwise``, `qatlib.ptq.calibrate_from_checkpoint`:
+    ``ptq_calibrate``: streamed (`qatlib.ptq.calibrate_from_checkpoint`:
     the same scales bit for bit, tests/test_ptq.py), except
-      - GPTQ: it changes the weights, so it runs on the loaded model (scripts/ptq.py refuses
-        ``--layerwise``);
+      - GPTQ: it changes the weights, so it runs on the loaded model;
       - a static input scale on the output head (a static-activation format with ``lm_head`` not
         in ``ignore_layers``): the streamed calibration runs the decoder layers only and refuses
         it (`qatlib.ptq.calibrate_layerwise`); the whole-model forward calibrates it.

@@ -255,7 +255,7 @@ def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
 
 
 def _export(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
-    """The streamed export (``scripts/export.py --layerwise``, `qatlib.export_stream`). Measured
+    """The streamed export (``scripts/export.py``, its default; `qatlib.export_stream`). Measured
     (benchmarks/plan_rehearsal.py, qwen3-30b-a3b-width at 1 layer: 2.81 GiB against the 4.66 GiB
     of the earlier terms, "largest QAT-checkpoint shard + two layers with codes"): the input
     checkpoint is read one layer at a time, never a shard; what is held is the OUTPUT shard as it

@@ -12,9 +12,9 @@
 - the `--set` arguments a stage's script gets: its overrides and the paths resolved here;
 - each job's resources (`Experiments.resources`: mem_mb, runtime) from the memory plan
   (`qatlib.plan`, arithmetic on the model's config.json: no torch, no weights);
-- whether a stage runs streamed, one decoder layer at a time (`Experiments.layerwise`: the
-  ``--layerwise`` of ptq_calibrate and convert_export, where `qatlib.plan.streamed` says so, the
-  stage the plan models).
+- whether a stage runs streamed, one decoder layer at a time (`Experiments.streamed`: what
+  `qatlib.plan.streamed` says, which the scripts of ptq_calibrate and convert_export decide by
+  themselves, with no flag; the stage the plan models).
 """
 
 from __future__ import annotations
@@ -394,10 +394,6 @@ class Experiments:
         from qatlib.plan import streamed
 
         return streamed(self.get(exp), stage)
-
-    def layerwise(self, exp: str, stage: str) -> str:
-        """The ``--layerwise`` argument of `stage`'s script when it runs streamed, else ""."""
-        return "--layerwise" if self.streamed(exp, stage) else ""
 
     # ------------------------------------------------------------------ resources (the memory plan)
     @cache  # noqa: B019 (one instance per workflow run)

@@ -3,8 +3,8 @@
 
 
 rule convert_export:
-    """Rebuild the QAT model (trained scales; weights streamed one decoder layer at a time with
-    --layerwise, as qatlib.plan.streamed says), convert and export it shard by shard."""
+    """Rebuild the QAT model (trained scales; weights streamed one decoder layer at a time, the
+    script's default as qatlib.plan.streamed says), convert and export it shard by shard."""
     input:
         qat=rules.zero3_qat.output.qat,
         code=code("export.py"),
@@ -23,8 +23,7 @@ rule convert_export:
         config=lambda wc: EXPERIMENTS.stage_config(wc.exp, "convert_export"),
         yaml=lambda wc: EXPERIMENTS.yaml_path(wc.exp),
         sets=lambda wc: EXPERIMENTS.cli_sets(wc.exp, "convert_export"),
-        layerwise=lambda wc: EXPERIMENTS.layerwise(wc.exp, "convert_export"),
     shell:
         "python {input.code[0]} -c {params.yaml} --model-path {input.qat}"
-        " --save-path {output.export} {params.sets} {params.layerwise} --threads {threads}"
+        " --save-path {output.export} {params.sets} --threads {threads}"
         " --timing {output.timing} 2>&1 | tee {log}"

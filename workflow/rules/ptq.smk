@@ -4,8 +4,8 @@
 
 rule ptq_calibrate:
     """Round-to-nearest PTQ: weight scales from the weights, static activation scales from
-    calibration batches of the experiment's dataset (single process). Streamed one decoder layer
-    at a time (--layerwise) where qatlib.plan.streamed says so."""
+    calibration batches of the experiment's dataset (single process). The script streams one
+    decoder layer at a time where qatlib.plan.streamed says so (its default, no flag)."""
     input:
         unpack(lambda wc: base_inputs(wc.exp)),
         unpack(lambda wc: data_inputs(wc.exp)),
@@ -30,8 +30,7 @@ rule ptq_calibrate:
             wc.exp, "ptq_calibrate", "dataset.data_path", "compression.QAT.hf_dataset"
         ),
         progress=progress_flag(),
-        layerwise=lambda wc: EXPERIMENTS.layerwise(wc.exp, "ptq_calibrate"),
     shell:
         "python {input.code[0]} -c {params.yaml} --model-path {params.model}"
-        " --save-path {output.ptq} {params.sets} {params.layerwise} --threads {threads} {params.progress}"
+        " --save-path {output.ptq} {params.sets} --threads {threads} {params.progress}"
         " --timing {output.timing} 2>&1 | tee {log}"
