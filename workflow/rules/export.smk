@@ -4,7 +4,8 @@
 
 rule convert_export:
     """Rebuild the QAT model (trained scales; weights streamed one decoder layer at a time, the
-    script's default as qatlib.plan.streamed says), convert and export it shard by shard."""
+    script's default as qatlib.plan.streamed says), convert and export it shard by shard.
+    """
     input:
         qat=rules.zero3_qat.output.qat,
         code=code("export.py"),

@@ -5,7 +5,8 @@
 rule ptq_calibrate:
     """Round-to-nearest PTQ: weight scales from the weights, static activation scales from
     calibration batches of the experiment's dataset (single process). The script streams one
-    decoder layer at a time where qatlib.plan.streamed says so (its default, no flag)."""
+    decoder layer at a time where qatlib.plan.streamed says so (its default, no flag).
+    """
     input:
         unpack(lambda wc: base_inputs(wc.exp)),
         unpack(lambda wc: data_inputs(wc.exp)),
