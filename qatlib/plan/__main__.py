@@ -27,11 +27,9 @@ def weight_format(scheme) -> WeightFormat:
 
 def build(args) -> tuple[ModelShape, list]:
     from qatlib.config import load_config  # the owner of every config value (validates first)
-    from qatlib.yamlio import apply_overrides, load_yaml, normalise_overrides
 
     cfg = load_config(args.config, args.overrides)
-    raw = load_yaml(args.config)
-    apply_overrides(raw, normalise_overrides(args.overrides, args.config), args.config)
+    raw = cfg.raw  # the YAML + overrides, as the stage scripts read it
     if args.model_config:
         with open(args.model_config, encoding="utf-8") as f:
             mcfg = json.load(f)
