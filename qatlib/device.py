@@ -133,6 +133,22 @@ def device_map(configured: str | dict | None = None) -> str | dict | None:
     return configured or "auto"
 
 
+WHOLE_MODEL_HEADROOM = 1.2  # a whole-model stage holds the model plus activations and temporaries
+
+
+def fits_current(nbytes: int, free_bytes: int | None = None) -> bool:
+    """Whether a model of ``nbytes`` is evaluated whole on this process's device, read there by
+    qatlib's reader (`qatlib.onload.load_whole`), instead of spread by accelerate's ``device_map``
+    (which maps the safetensors files). Always on the CPU path (host RAM is the memory plan's
+    concern); on CUDA when the free device memory (``torch.cuda.mem_get_info``, or
+    ``free_bytes``) holds it `WHOLE_MODEL_HEADROOM` times: the plan's ``evaluate`` stage makes
+    the same choice (the whole model on the device when it fits)."""
+    if not resolve().is_cuda:
+        return True
+    free = free_bytes if free_bytes is not None else torch.cuda.mem_get_info(current())[0]
+    return nbytes * WHOLE_MODEL_HEADROOM <= free
+
+
 def autocast(device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16):
     """bf16 autocast on CUDA (matmuls in bf16 on tensor cores, reductions in fp32); a null context
     on the CPU, where CPU autocast would change the numerics the CPU tests pin."""

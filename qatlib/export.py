@@ -69,6 +69,7 @@ from .checkpoint.layout import (
     AtomicDir,
     write_json,
 )
+from .checkpoint.st_write import save_tensors
 from .export_format import CTFormat, ExportError, compressed_tensors_format
 from .quant import QuantLinear, QuantScheme, quant_linears
 from .quant import functional as F
@@ -556,10 +557,7 @@ def write_side_files(
         save_file(kv, str(kv_file), metadata={"format": "pt"})
     if resume_scales:
         (tmp / FAKE_EXPORT_SCALES_FILE).parent.mkdir(exist_ok=True)
-        save_file(
-            resume_scales,
-            str(tmp / FAKE_EXPORT_SCALES_FILE),
-            metadata={"format": "pt", "qatlib": "fake-export-scales"},
-        )
+        meta = {"format": "pt", "qatlib": "fake-export-scales"}
+        save_tensors(resume_scales, tmp / FAKE_EXPORT_SCALES_FILE, metadata=meta)
         write_json(tmp / SCHEME_FILE, scheme.to_dict())
     write_json(tmp / EXPORT_INFO_FILE, job.info, sort_keys=True)

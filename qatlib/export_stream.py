@@ -5,9 +5,9 @@ The model is a skeleton (`qatlib.onload.load_skeleton`, prepared, every scale re
 every weight on the meta device); each decoder layer is onloaded from the checkpoint in turn
 (`qatlib.onload.iter_onloaded_modules`), its tensors exported one at a time
 (`qatlib.export.iter_export_tensors`) and appended to the current output shard, which is written
-as soon as it is full. Host memory: one output shard + one onloaded layer and one linear's
-compression temporaries (issue-16 target: largest shard + 2 x one decoder layer;
-``benchmarks/stream_memory.py`` measures it). Same tensors as the in-memory export (and, for a
+as soon as it is full, each tensor spilled to disk as it comes. Host memory: one output tensor +
+one onloaded layer and one linear's compression temporaries (``benchmarks/stream_memory.py`` and
+``benchmarks/plan_rehearsal.py`` measure it). Same tensors as the in-memory export (and, for a
 model within one shard, the same bytes).
 """
 
@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import save_file
 
 from .checkpoint.layout import WEIGHTS_FILE, name_weight_shards
+from .checkpoint.st_write import ShardWriter
 from .export import ExportJob, iter_export_tensors, write_side_files
 
 if TYPE_CHECKING:
@@ -70,28 +70,34 @@ def write_shards(
     directory: Path, tensors: Iterable[tuple[str, torch.Tensor]], max_shard_bytes: int
 ) -> list[tuple[Path, list[str]]]:
     """Write ``tensors`` (in order) into safetensors shards of at most ``max_shard_bytes`` (a
-    tensor larger than that gets a shard of its own; huggingface_hub's greedy split), each written
-    as soon as it is full, so only one shard is ever held; named as ``save_pretrained`` names them
-    (`qatlib.checkpoint.layout.name_weight_shards`). Hand-written because ``save_pretrained``
-    needs the whole state dict up front."""
+    tensor larger than that gets a shard of its own; huggingface_hub's greedy split), named as
+    ``save_pretrained`` names them (`qatlib.checkpoint.layout.name_weight_shards`), each file
+    the bytes ``save_file`` writes. Each tensor is spilled to disk as it comes
+    (`qatlib.checkpoint.st_write.ShardWriter`), so what is held is one tensor, not a shard
+    (issue #36: a 2.3 GiB shard was the streamed export's peak). Hand-written because
+    ``save_pretrained`` needs the whole state dict up front."""
     shards: list[tuple[Path, list[str]]] = []
-    cur: dict[str, torch.Tensor] = {}
-    size = 0
-
-    def flush() -> None:
-        path = directory / f".shard-{len(shards):05d}.safetensors"
-        save_file(cur, str(path), metadata={"format": "pt"})  # save_pretrained's metadata
-        shards.append((path, list(cur)))
-        cur.clear()
-
-    for key, t in tensors:
-        n = t.numel() * t.element_size()
-        if cur and size + n > max_shard_bytes:
-            flush()
-            size = 0
-        cur[key] = t
-        size += n
-    if cur or not shards:
-        flush()
+    cur: ShardWriter | None = None
+    try:
+        for key, t in tensors:
+            n = t.numel() * t.element_size()
+            if cur is not None and cur.nbytes + n > max_shard_bytes and cur.entries:
+                cur.close()
+                cur = None
+            if cur is None:
+                path = directory / f".shard-{len(shards):05d}.safetensors"
+                cur = ShardWriter(path, metadata={"format": "pt"})  # save_pretrained's metadata
+                shards.append((path, []))
+            cur.add(key, t)
+            shards[-1][1].append(key)
+        if cur is None:  # no tensor at all: one empty shard, as save_file writes it
+            path = directory / ".shard-00000.safetensors"
+            cur = ShardWriter(path, metadata={"format": "pt"})
+            shards.append((path, []))
+        cur.close()
+    except BaseException:
+        if cur is not None:
+            cur.abort()
+        raise
     name_weight_shards(directory, shards)
     return shards

@@ -31,6 +31,7 @@ from torch import nn
 from . import __version__
 from .checkpoint.keys import scale_state_dict
 from .checkpoint.layout import SCALES_FILE, SCHEME_FILE, WEIGHTS_FILE, AtomicDir, write_json
+from .checkpoint.st_write import save_tensors
 from .quant import QuantScheme, QuantSpec, quant_linears
 from .quant.calibration import (
     CalibrationReport,
@@ -255,7 +256,7 @@ def save_ptq_checkpoint(
         weights=WEIGHTS_FILE if save_weights else None,
     )
     with target as tmp:
-        save_file(scales, str(tmp / SCALES_FILE), metadata={"format": "pt", "qatlib": "ptq-scales"})
+        save_tensors(scales, tmp / SCALES_FILE, metadata={"format": "pt", "qatlib": "ptq-scales"})
         if save_weights:
             if not hasattr(model, "save_pretrained"):
                 save_file(weights_state_dict(model), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})

@@ -28,19 +28,19 @@ Decisions (measured with DeepSpeed 0.19.8, 2 CPU ranks, gloo; see tests/test_zer
 
 - Optimizer: qatlib owns it (torch AdamW, scale / LWC groups, passed to ``deepspeed.initialize``
   with ``zero_allow_untested_optimizer``); a config with an ``optimizer`` block is refused.
-- MoE: every `LinearizedMoeExperts` is a ZeRO-3 leaf module (`mark_moe_leaf_modules`, on by
-  default; DeepSpeed's default list already holds transformers' ``Qwen3MoeSparseMoeBlock``). Without
-  leaf modules DeepSpeed's parameter prefetch produced wrong MoE gradients (silently; correct with
-  ``stage3_prefetch_bucket_size: 0``). Every expert still runs on every rank, so the per-expert
-  hooks of a non-leaf setup stay in step whatever the routing (tested with prefetch off). A config
-  with its own ``zero_optimization.leaf_module`` owns the choice: ``{"classes":
-  ["qatlib.moe.ExpertMLP"]}`` gathers one expert at a time (correct with prefetch on), the
-  memory-lean setting for wide layers (a whole Qwen3-30B-A3B MoE layer is 1.2 GB bf16).
+- MoE: each expert (`qatlib.moe.ExpertMLP`) is a ZeRO-3 leaf module, gathered alone (correct
+  with prefetch on), whatever JSON the user brings: `init_zero3` fills
+  ``zero_optimization.leaf_module`` where the JSON has none (`qatlib.ds_config`), because
+  DeepSpeed's own default makes ``Qwen3MoeSparseMoeBlock`` one leaf, a whole layer's experts (1.2
+  GB bf16 per Qwen3-30B-A3B layer) on every rank at once. A JSON with its own list keeps it.
+  Without any leaf module DeepSpeed's parameter prefetch produced wrong MoE gradients (silently;
+  correct with ``stage3_prefetch_bucket_size: 0``). Every expert runs on every rank, so the
+  per-expert hooks stay in step whatever the routing.
 - Loading: rank 0 reads; a tensor larger than the load chunk (an embedding) is sent to each rank
   as its partition only (`qatlib.zero3_load`), in pieces read straight from the file, never
   gathered whole on every rank nor held whole on rank 0. Saving mirrors it: each rank sends its
   partition of such a tensor to rank 0 in pieces, which rank 0 writes to a shard of its own as
-  they arrive (`qatlib.checkpoint.safetensors.TensorFileWriter`).
+  they arrive (`qatlib.checkpoint.st_write.TensorFileWriter`).
 - bf16: quantizer parameters are created under an fp32 ``zero.Init`` and stay fp32 partitions; the
   engine does not cast ZeRO-Init models, and ZeRO-3's optimizer takes its working dtype from the
   (fp32) trainable parameters, so scales are fp32 in forward and in the optimizer. Keep all
@@ -67,7 +67,6 @@ import torch
 from torch import nn
 
 from . import heap, peers
-from .checkpoint import safetensors as st
 from .checkpoint.keys import key_of, scale_keys
 from .checkpoint.layout import (
     RUN_METADATA_FILE,
@@ -78,8 +77,10 @@ from .checkpoint.layout import (
     name_weight_shards,
     write_json,
 )
+from .checkpoint.st_write import TensorFileWriter
 from .device import bind as bind_device
 from .device import collective_device
+from .ds_config import with_defaults
 from .models import resolve_dtype
 from .quant import Quantizer, QuantLinear, QuantScheme
 from .quant.linear import prepared_scheme
@@ -431,6 +432,7 @@ def init_zero3(
     cfg = load_ds_config(ds_config)
     source = str(ds_config) if not isinstance(ds_config, dict) else "the DeepSpeed config"
     check_ds_config(cfg, source=source)
+    cfg = with_defaults(cfg)  # one expert per gather where the JSON names no leaf modules
     pinned = _precision_dtype(cfg)
     dtype = resolve_dtype(dtype) if dtype is not None else None
     dtype = None if dtype == "auto" else dtype
@@ -600,7 +602,7 @@ def save_consolidated(
     once ``max_shard_bytes`` accumulate, writing into a temporary sibling directory renamed at the end
     (no half-written ``out_dir``). A tensor above ``partition_bytes`` is not gathered: each rank
     sends its partition to rank 0 in pieces of at most ``partition_bytes``, which rank 0 writes to
-    a shard of its own as they arrive (`st.TensorFileWriter`: safetensors has no streaming
+    a shard of its own as they arrive (`TensorFileWriter`: safetensors has no streaming
     writer), never holding the tensor whole. Rank 0's peak: its shard of the model,
     ``max_shard_bytes`` and one unit (issue #16: the 2 GiB buffer this used to default to was the
     2-layer rehearsal's rank-0 peak; assembling an embedding whole was the next one). Returns the
@@ -637,7 +639,7 @@ def save_consolidated(
         error stops the writing, not the receiving: the pieces left are drained by
         `_iter_full_tensors` (the other ranks send them whatever happens here)."""
         path = tmp / f"shard-{len(shards):05d}.safetensors"
-        with st.TensorFileWriter(path, full, pieces.dtype, pieces.shape, metadata={"format": "pt"}) as w:
+        with TensorFileWriter(path, full, pieces.dtype, pieces.shape, metadata={"format": "pt"}) as w:
             for piece in pieces:
                 w.write(piece)
         shards.append((path, [full]))

@@ -34,7 +34,7 @@ from .checkpoint.layout import (
     write_json,
 )
 from .device import collective_device
-from .moe import LinearizedMoeExperts, linearize_moe_experts
+from .moe import linearize_moe_experts
 from .quant import PrepareOptions, Quantizer, QuantScheme, prepare
 from .quant.tying import checkpoint_max, param_aliases, tied_checkpoint_keys
 from .zero3_io import (
@@ -52,21 +52,6 @@ log = logging.getLogger(__name__)
 
 
 # =========================================================================== empty model
-def mark_moe_leaf_modules(model: nn.Module) -> int:
-    """Make every `LinearizedMoeExperts` a ZeRO-3 leaf: its experts' parameters are fetched in one
-    coalesced gather when the block starts instead of one hook per expert linear. Returns how many.
-
-    LinearizedMoeExperts runs every expert on every rank, so the collectives match whatever the
-    routing even without this; but without leaf modules DeepSpeed 0.19.8's prefetch computed wrong
-    MoE gradients in our tests, so `build_empty_model` always marks them unless told otherwise.
-    DeepSpeed's default already treats transformers' ``Qwen3MoeSparseMoeBlock`` (the parent) as a
-    leaf; this covers other architectures and configs that override ``leaf_module.classes``.
-    """
-    from deepspeed.utils import set_z3_leaf_modules
-
-    return len(set_z3_leaf_modules(model, [LinearizedMoeExperts], raise_if_not_found=False))
-
-
 def build_empty_model(
     model_path_or_config: str | os.PathLike | Any,
     ctx: Zero3Context,
@@ -74,17 +59,13 @@ def build_empty_model(
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
     linearize_moe: bool = True,
-    moe_leaf: bool = True,
 ) -> nn.Module:
     """A causal LM built from its config under ``zero.Init``: partitioned, weights NOT read nor
     initialised (fill them with `stream_load_weights`). Fused MoE experts are linearised inside the
     same context, so the per-expert linears are partitioned at creation and nothing is copied.
-
-    ``moe_leaf``: each `LinearizedMoeExperts` becomes a ZeRO-3 leaf (`mark_moe_leaf_modules`),
-    unless the DeepSpeed config has its own ``zero_optimization.leaf_module``: then that list is
-    the one owner of what gathers together (DeepSpeed applies it in ``initialize``). E.g.
-    ``{"classes": ["qatlib.moe.ExpertMLP"]}`` gathers one expert at a time instead of a whole
-    layer's experts (1.2 GB bf16 per Qwen3-30B-A3B layer; config/deepspeed/zero3_cpu_lean.json)."""
+    What gathers together is the DeepSpeed config's ``zero_optimization.leaf_module`` (qatlib's
+    default: one `qatlib.moe.ExpertMLP`, `qatlib.ds_config`), which DeepSpeed applies in
+    ``initialize``."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
     from transformers.integrations.deepspeed import prevent_arange_dtype_change
@@ -105,8 +86,6 @@ def build_empty_model(
         n_moe = linearize_moe_experts(model, copy_weights=False) if linearize_moe else 0
     if hasattr(model, "tie_weights"):  # no_init_weights also skipped the tying init_weights does
         model.tie_weights()
-    if n_moe and moe_leaf and "leaf_module" not in ctx.ds_config.get("zero_optimization", {}):
-        mark_moe_leaf_modules(model)
     model.config.use_cache = False
     log.info(
         "built empty %s under zero.Init in %.1fs (%d MoE blocks linearised)",
@@ -345,7 +324,6 @@ def load_model(
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
     chunk_bytes: int = 64 << 20,
-    moe_leaf: bool = True,
 ) -> nn.Module:
     """`build_empty_model` + `stream_load_weights`: the ZeRO-3 branch of `qatlib.models.load_model`."""
     model = build_empty_model(
@@ -353,7 +331,6 @@ def load_model(
         ctx,
         trust_remote_code=trust_remote_code,
         attn_implementation=attn_implementation,
-        moe_leaf=moe_leaf,
     )
     stream_load_weights(model, model_path, chunk_bytes=chunk_bytes)
     return model
@@ -486,7 +463,6 @@ def build_qat_model(
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
     scales_report_path: str | os.PathLike | None = None,
-    moe_leaf: bool = True,
     chunk_bytes: int = 64 << 20,
 ) -> nn.Module:
     """The whole ZeRO-3 start: empty model -> streamed weights -> prepare -> streamed PTQ scales.
@@ -506,7 +482,6 @@ def build_qat_model(
         ctx,
         trust_remote_code=trust_remote_code,
         attn_implementation=attn_implementation,
-        moe_leaf=moe_leaf,
         chunk_bytes=chunk_bytes,
     )
     prepare_zero3(model, scheme, ctx, ignore=ignore, options=options)

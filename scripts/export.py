@@ -8,8 +8,9 @@ the model is rebuilt with the experiment's scheme, the trained scales are loaded
 (`qatlib.models.load_prepared`; a quantizer without a trained value is an error), and
 `qatlib.export.export` writes ``compression.QAT.save_format`` (default ``real``: compressed-tensors,
 loadable by vLLM / SGLang / transformers).
-Host memory: one decoder layer + one output shard at a time (`qatlib.plan.streamed`: the same
-tensors as the in-memory export); ``--whole-model`` loads the model instead.
+Host memory: one decoder layer + one output tensor at a time (`qatlib.plan.streamed`: the same
+tensors as the in-memory export); ``--whole-model`` loads the model instead. The stage is
+`qatlib.pipeline.run_export`.
 """
 
 from __future__ import annotations
@@ -33,38 +34,13 @@ def main(argv=None) -> int:
     cfg = _common.load_experiment(args)
     if not args.model_path:
         ap.error("--model-path (the QAT checkpoint) is required")
-    save_format = args.save_format or cfg.qat.save_format or "real"
 
     with _common.stage("convert_export", args) as record:
-        from qatlib.export import export
-        from qatlib.models import load_prepared, load_tokenizer
-        from qatlib.plan import streamed
+        from qatlib.pipeline import run_export
 
-        scheme = cfg.quant_scheme()
-        layerwise = streamed(cfg.raw, "convert_export") and not args.whole_model
-        model, loaded = load_prepared(
-            cfg, args.model_path, scales=args.model_path, complete=True, skeleton=layerwise
-        )
-        onload = None
-        if layerwise:  # host memory: one layer + one output shard, never the model
-            from qatlib.onload import Onloader
-
-            onload = Onloader.from_checkpoint(model, args.model_path)
-        tok = load_tokenizer(args.model_path, trust_remote_code=cfg.model.trust_remote_code)
-        out = export(
-            model,
-            scheme,
-            cfg.global_.save_path,
-            save_format,
-            tokenizer=tok,
-            overwrite=args.overwrite,
-            ignore=cfg.quantization.ignore_layers,
-            onload=onload,
-        )
-        record.update(
-            save_format=save_format, scheme=scheme.name, scales_loaded=loaded.get("hits"), streamed=layerwise
-        )
-        print(f"exported {scheme.name} ({save_format}): {out}")
+        kw = dict(save_format=args.save_format, whole_model=args.whole_model, overwrite=args.overwrite)
+        record.update(run_export(cfg, args.model_path, **kw))
+        print(f"exported {record['scheme']} ({record['save_format']}): {record.pop('out')}")
     return 0
 
 

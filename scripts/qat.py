@@ -45,9 +45,8 @@ def main(argv=None) -> int:
     from qatlib.resume import ResumeError, check_resume_world_size
 
     try:  # before any model is loaded
-        if cfg.dataset is not None:
-            n = cfg.dataset.num_samples
-            check_samples_for_ranks(n, cfg.dataset.data_path or "the training set", n)
+        if (ds := cfg.dataset) is not None:
+            check_samples_for_ranks(ds.num_samples, ds.data_path or "the training set", ds.num_samples)
         if cfg.qat.resume_ckpt_dir:
             check_resume_world_size(cfg.qat.resume_ckpt_dir, _common.world_size())
     except (DataError, ResumeError) as e:
@@ -65,16 +64,14 @@ def main(argv=None) -> int:
         model_dir = resolve_model_dir(cfg.model.model_path, cache_dir=cfg.model.cache_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         scale_report = run_dir / SCALE_LOAD_FILE
+        if cfg.zero3_enabled and _common.rank() == 0:  # keys of the user's JSON that cost memory
+            from qatlib.plan import run_warnings
+
+            for w in run_warnings(cfg.raw, cfg.deepspeed_config, model_dir, _common.world_size()):
+                print(f"warning: {cfg.deepspeed_config_path or 'hf_args.deepspeed'}: {w}", flush=True)
         # first: deepspeed.comm and the HF DeepSpeed config, before any TrainingArguments / model
-        ctx = (
-            zero3_io.init_zero3(
-                cfg.deepspeed_config,
-                dtype=resolve_dtype(cfg.model.torch_dtype),
-                timeout_s=cfg.global_.collective_timeout_s,
-            )
-            if cfg.zero3_enabled
-            else None
-        )
+        kw = dict(dtype=resolve_dtype(cfg.model.torch_dtype), timeout_s=cfg.global_.collective_timeout_s)
+        ctx = zero3_io.init_zero3(cfg.deepspeed_config, **kw) if cfg.zero3_enabled else None
         with ctx or contextlib.nullcontext():  # ZeRO-3: barrier + process-group teardown at the end
             scheme = cfg.quant_scheme()
             model, _ = load_prepared(cfg, model_dir, scales=ptq, zero3=ctx, report_path=scale_report)

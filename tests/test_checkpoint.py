@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from qatlib.checkpoint import keys
 from qatlib.checkpoint import safetensors as st
+from qatlib.checkpoint import st_write as stw
 from qatlib.checkpoint.layout import (
     NESTED_DIR,
     SCHEME_FILE,
@@ -250,7 +251,7 @@ def test_reader_matches_safetensors_and_finds_truncation(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_streamed_writer_matches_save_file_byte_for_byte(tmp_path, dtype):
-    """`st.TensorFileWriter` (the ZeRO-3 save's streamed shard) writes, piece by piece, the file
+    """`stw.TensorFileWriter` (the ZeRO-3 save's streamed shard) writes, piece by piece, the file
     safetensors' own ``save_file`` writes for the same tensor and metadata; keys and shapes chosen
     so that the JSON header needs padding to 8 bytes (the spec's spaces)."""
     g = torch.Generator().manual_seed(0)
@@ -260,11 +261,11 @@ def test_streamed_writer_matches_save_file_byte_for_byte(tmp_path, dtype):
         ref, got = tmp_path / "ref.safetensors", tmp_path / "got.safetensors"
         save_file({key: t}, str(ref), metadata={"format": "pt"})
         flat = t.reshape(-1)
-        with st.TensorFileWriter(got, key, dtype, shape, metadata={"format": "pt"}) as w:
+        with stw.TensorFileWriter(got, key, dtype, shape, metadata={"format": "pt"}) as w:
             for lo in range(0, flat.numel(), 6):  # uneven pieces, the last one shorter
                 w.write(flat[lo : lo + 6])
         assert got.read_bytes() == ref.read_bytes(), key
-        head = st.header_bytes(key, dtype, shape, {"format": "pt"})
+        head = stw.header_bytes(key, dtype, shape, {"format": "pt"})
         n = int.from_bytes(head[:8], "little")
         assert len(head) == 8 + n and n % 8 == 0 and got.read_bytes()[: 8 + n] == head
         padded[key] = head.endswith(b" ")
@@ -277,17 +278,79 @@ def test_streamed_writer_matches_save_file_byte_for_byte(tmp_path, dtype):
 def test_streamed_writer_refuses_a_wrong_byte_count(tmp_path):
     path = tmp_path / "t.safetensors"
     with pytest.raises(CheckpointError, match="holds 24 bytes, got 16"):
-        with st.TensorFileWriter(path, "w", torch.float32, (2, 3)) as w:
+        with stw.TensorFileWriter(path, "w", torch.float32, (2, 3)) as w:
             w.write(torch.zeros(4))
     assert not path.exists()  # no partial file left
     with pytest.raises(CheckpointError, match="holds 24 bytes, got 28"):
-        with st.TensorFileWriter(path, "w", torch.float32, (2, 3)) as w:
+        with stw.TensorFileWriter(path, "w", torch.float32, (2, 3)) as w:
             w.write(torch.zeros(7))
     assert not path.exists()
     with pytest.raises(CheckpointError, match="got a torch.float16 piece"):
-        with st.TensorFileWriter(path, "w", torch.float32, (2, 3)) as w:
+        with stw.TensorFileWriter(path, "w", torch.float32, (2, 3)) as w:
             w.write(torch.zeros(6, dtype=torch.float16))
     assert not path.exists()
+
+
+def test_shard_writer_matches_save_file_byte_for_byte(tmp_path, monkeypatch):
+    """`stw.ShardWriter` (the streamed export's shards) writes tensors of every dtype safetensors
+    names, added one at a time in an arbitrary order (a scalar, an empty tensor, a non-contiguous
+    view among them), into the file ``save_file`` writes for the same dict and metadata: the same
+    storage order (dtype, then name), header and bytes; the spill is gone afterwards. The copy
+    runs in 5-byte pieces here, so a tensor crosses several."""
+    monkeypatch.setattr(stw, "COPY_BYTES", 5)
+    g = torch.Generator().manual_seed(1)
+    tensors = {}
+    for i, dtype in enumerate(stw.ST_DTYPES.values()):
+        shape = [(3, 5), (7,), (), (0, 4)][i % 4]
+        raw = torch.randint(0, 100, shape, generator=g)
+        tensors[f"{'zyx'[i % 3]}.{i}.{str(dtype)[6:]}"] = raw.to(dtype)
+    tensors["a.view"] = torch.randn(6, 4, generator=g).t()  # not contiguous
+    order = list(tensors)
+    order = order[1::2] + order[::2]  # not the storage order
+    ref, got = tmp_path / "ref.safetensors", tmp_path / "got.safetensors"
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(ref), metadata={"format": "pt"})
+    with stw.ShardWriter(got, metadata={"format": "pt"}) as w:
+        for k in order:
+            w.add(k, tensors[k])
+        assert w.spill.is_file() and not got.exists()  # nothing assembled before close
+    assert got.read_bytes() == ref.read_bytes()
+    assert not w.spill.exists()
+    with safe_open(str(got), framework="pt") as f:
+        assert all(torch.equal(f.get_tensor(k), t) for k, t in tensors.items())
+
+
+def test_save_tensors_writes_the_same_bytes_every_time(tmp_path):
+    """`stw.save_tensors` (PTQ scales, a fake export's scales: two metadata keys) puts the metadata
+    in key order, so the same tensors give the same file (safetensors' own ``save_file`` writes
+    the metadata from a hash map: its order, hence the file's hash, may change from run to run);
+    the tensors and metadata read back as saved."""
+    t = {"b": torch.arange(6.0).reshape(2, 3), "a": torch.ones(4, dtype=torch.int32)}
+    meta = {"qatlib": "ptq-scales", "format": "pt"}
+    for i in range(3):
+        stw.save_tensors(
+            t, tmp_path / f"{i}.safetensors", metadata=dict(reversed(meta.items())) if i else meta
+        )
+    files = [(tmp_path / f"{i}.safetensors").read_bytes() for i in range(3)]
+    assert files[0] == files[1] == files[2]
+    n = int.from_bytes(files[0][:8], "little")
+    assert json.loads(files[0][8 : 8 + n])["__metadata__"] == {"format": "pt", "qatlib": "ptq-scales"}
+    assert files[0][8:].index(b'"format"') < files[0][8:].index(b'"qatlib"')
+    with safe_open(str(tmp_path / "0.safetensors"), framework="pt") as f:
+        assert f.metadata() == meta and all(torch.equal(f.get_tensor(k), v) for k, v in t.items())
+
+
+def test_shard_writer_leaves_nothing_on_an_error(tmp_path):
+    path = tmp_path / "t.safetensors"
+    with pytest.raises(RuntimeError, match="boom"):
+        with stw.ShardWriter(path) as w:
+            w.add("w", torch.zeros(3))
+            raise RuntimeError("boom")
+    assert not path.exists() and not w.spill.exists()
+    with pytest.raises(CheckpointError, match="w added twice"):
+        with stw.ShardWriter(path) as w:
+            w.add("w", torch.zeros(3))
+            w.add("w", torch.zeros(3))
+    assert not path.exists() and not w.spill.exists()
 
 
 def test_read_elements_reads_a_range_and_finds_a_short_read(tmp_path):

@@ -153,7 +153,10 @@ def test_upstream_zero3_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert cfg.deepspeed_config_path == (tmp_path / "ds_config_zero3.json").resolve()
     assert cfg.source == str(tmp_path / "zero3.yaml")
     args = cfg.hf_training_args()
-    assert args["deepspeed"] == str((tmp_path / "ds_config_zero3.json").resolve())
+    # the file's content plus qatlib's ZeRO-3 default: one expert per gather (qatlib.ds_config)
+    expert_leaf = {"leaf_module": {"classes": ["qatlib.moe.ExpertMLP"]}}
+    assert args["deepspeed"] == {**DS_ZERO3, "zero_optimization": {"stage": 3, **expert_leaf}}
+    assert cfg.deepspeed_config == args["deepspeed"]
     assert args["output_dir"] == "./output" and args["seed"] == 42
     assert cfg.global_.save_path == "./output" and cfg.global_.seed == 42
     scheme = cfg.quant_scheme()
@@ -177,7 +180,22 @@ def test_deepspeed_inline_dict(tmp_path: Path) -> None:
     p = _write(tmp_path, "c.yaml", ZERO3_YAML)
     cfg = load_config(p, {"compression.QAT.hf_args.deepspeed": {"zero_optimization": {"stage": 3}}})
     assert cfg.zero3_enabled and cfg.deepspeed_config_path is None
-    assert cfg.hf_training_args()["deepspeed"] == {"zero_optimization": {"stage": 3}}
+    leaf = {"classes": ["qatlib.moe.ExpertMLP"]}
+    assert cfg.hf_training_args()["deepspeed"] == {"zero_optimization": {"stage": 3, "leaf_module": leaf}}
+
+
+def test_deepspeed_json_with_its_own_leaf_list_is_passed_as_the_file(tmp_path: Path) -> None:
+    """A JSON that names its own ``leaf_module`` owns the choice: nothing is added, and the Trainer
+    gets the file itself; a stage-2 config gets no ZeRO-3 default either."""
+    yaml_path = _zero3_files(tmp_path)
+    own = {"zero_optimization": {"stage": 3, "leaf_module": {"classes": []}}}
+    (tmp_path / "own.json").write_text(json.dumps(own))
+    cfg = load_config(yaml_path, {"compression.QAT.hf_args.deepspeed": str(tmp_path / "own.json")})
+    assert cfg.deepspeed_config == own
+    assert cfg.hf_training_args()["deepspeed"] == str((tmp_path / "own.json").resolve())
+    (tmp_path / "s2.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    cfg = load_config(yaml_path, {"compression.QAT.hf_args.deepspeed": str(tmp_path / "s2.json")})
+    assert cfg.deepspeed_config == {"zero_optimization": {"stage": 2}}
 
 
 def test_deepspeed_optimizer_block_refused_scheduler_allowed(tmp_path: Path) -> None:

@@ -85,3 +85,14 @@ def test_single_process_stages_device_map(monkeypatch):
         assert device.device_map() == "auto" and device.device_map({"": 0}) == {"": 0}
     else:
         assert device.device_map("auto") is None
+
+
+def test_whole_model_on_one_device_when_it_fits():
+    """An evaluation reads the whole model onto its device (qatlib's reader) when it fits: always
+    on the CPU path; on CUDA when the free memory holds 1.2 x the model (on a GPU machine: 1 byte
+    fits, 1 PB does not, and the reported free memory decides at the 1.2 margin)."""
+    if not torch.cuda.is_available():
+        assert device.fits_current(1) and device.fits_current(10**15)
+        return
+    assert device.fits_current(1) and not device.fits_current(10**15)
+    assert device.fits_current(1000, free_bytes=1200) and not device.fits_current(1001, free_bytes=1200)

@@ -139,8 +139,8 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _same_output(a: Path, b: Path) -> int:
-    """Every file of ``a`` is in ``b``; safetensors: the same tensors bit for bit; JSON: equal.
-    Returns the number of tensors compared."""
+    """Every file of ``a`` is in ``b``; safetensors: the same tensors bit for bit and the same
+    bytes; JSON: equal. Returns the number of tensors compared."""
     fa = sorted(str(p.relative_to(a)) for p in a.rglob("*") if p.is_file())
     fb = sorted(str(p.relative_to(b)) for p in b.rglob("*") if p.is_file())
     assert fa == fb
@@ -148,6 +148,10 @@ def _same_output(a: Path, b: Path) -> int:
     assert ta.keys() == tb.keys() and ta
     bad = [k for k in ta if ta[k].dtype != tb[k].dtype or not torch.equal(ta[k], tb[k])]
     assert bad == [], bad[:5]
+    for f in fa:  # the files themselves, byte for byte
+        if f.endswith(".safetensors"):
+            assert (a / f).read_bytes() == (b / f).read_bytes(), f"{f} differs"
+
     for f in fa:
         if f.endswith(".json"):
             assert json.loads((a / f).read_text()) == json.loads((b / f).read_text()), f
@@ -171,7 +175,8 @@ def test_streamed_scripts_write_the_whole_model_outputs(
 ):
     """scripts/ptq.py and scripts/export.py as a user runs them (no flag: streamed, what the DAG
     runs) against the same scripts with --whole-model: the same PTQ checkpoint and the same
-    export, tensor by tensor; each run's timing record says which path ran."""
+    export, byte for byte; each run's timing record says which path ran. The library verbs
+    (`qatlib.pipeline.run_ptq` / `run_export`) called from Python take the same default path."""
     ptq, export = scripts
     assert qp.streamed(_raw(exp, sets), "ptq_calibrate") and qp.streamed(_raw(exp, sets), "convert_export")
     base = tmp_path / "base"
@@ -207,6 +212,21 @@ def test_streamed_scripts_write_the_whole_model_outputs(
         assert json.loads((tmp_path / f"export-{mode}.json").read_text())["streamed"] is (mode == "layerwise")
     n = _same_output(tmp_path / "export-whole", tmp_path / "export-layerwise")
     assert n > 0
+    # the library verbs from Python, no flag: the scripts' default path, the same bytes
+    from qatlib.config import load_config
+    from qatlib.pipeline import run_export, run_ptq
+
+    cfg = load_config(
+        EXPS / f"{exp}.yaml", [*sets, f"model.model_path={base}", f"global.save_path={tmp_path / 'ptq-py'}"]
+    )
+    assert run_ptq(cfg, progress=False)["streamed"]
+    _same_output(tmp_path / "ptq-layerwise", tmp_path / "ptq-py")
+    cfg = load_config(
+        EXPS / f"{exp}.yaml",
+        [*sets, f"model.model_path={base}", f"global.save_path={tmp_path / 'export-py'}"],
+    )
+    assert run_export(cfg, qat)["streamed"]
+    _same_output(tmp_path / "export-layerwise", tmp_path / "export-py")
 
 
 @pytest.mark.parametrize("frozen", [False, True], ids=["lsq", "frozen_codes"])

@@ -55,6 +55,9 @@ def tiny_inputs(**kw) -> qp.PlanInputs:
         eval_batch=1,
         persistence_threshold=0,
         prefetch=0,
+        # a whole-layer leaf (a DeepSpeed JSON that lists Qwen3MoeSparseMoeBlock): the hand sums
+        # below gather the 824-parameter layer; qatlib's default (one expert) is tested on its own
+        expert_leaf=False,
     )
     return replace(qp.PlanInputs(), **{**base, **kw})
 
@@ -95,9 +98,11 @@ def test_tiny_model_terms_by_hand():
     assert t["KD/LM chunk fp32 working set"] == 16 * 100 * 4 * 6  # 16 rows < CHUNK_ELEMENTS // 100
     # a CPU run: a rank's working set is host RAM; the node holds 2 ranks + rank 0's save buffer
     assert qat.device == [] and qat.host_peak == 2 * qat.host_per_rank + (TOTAL * 2 + 64 * 4)
-    # streamed export: the fp8 output (embeddings bf16, the rest 1 byte) + one bf16 layer
+    # streamed export: one output tensor (the bf16 embedding or head, 100 x 8, is the largest),
+    # the 64 MiB shard-assembly buffer, one bf16 layer
     t = terms(export)
-    assert t["output shard being filled (codes + unquantized tensors)"] == 1608 * 2 + (TOTAL - 1608)
+    assert t["one output tensor (spilled to disk as it is written)"] == 100 * 8 * 2
+    assert t["shard assembly buffer (copied from the spill)"] == 64 << 20
     assert t["one decoder layer onloaded (weights)"] == LAYER * 2
     assert terms(ev)["model (resident)"] == TOTAL * 2
     # 2 nodes x 2 ranks: world 4, a quarter each; rank 0's save buffer once per node
@@ -145,28 +150,65 @@ def test_int4_group_scales_and_weight_only_by_hand():
 
 
 def test_expert_leaf_gathers_one_expert_not_the_layer_by_hand():
-    """With the DeepSpeed config's leaf list naming ExpertMLP, a fetch gathers one expert (3 x 8 x 6
-    = 144) or one attention linear (64), not the 824-parameter layer; the embeddings (vocab 10 x 8
-    here, so that neither is hidden behind them) gather whole either way."""
+    """qatlib's default (a DeepSpeed JSON with no leaf list, as upstream's and the repository's):
+    a fetch gathers one expert (3 x 8 x 6 = 144) or one attention linear (64), not the
+    824-parameter layer; so does a JSON naming ExpertMLP or no leaf class at all (one linear per
+    gather). A JSON that lists DeepSpeed's Qwen3MoeSparseMoeBlock (or qatlib's whole experts block)
+    gathers the layer. The embeddings (vocab 10 x 8 here, so that neither is hidden behind them)
+    gather whole either way."""
     m = qp.ModelShape.from_config({**TINY, "vocab_size": 10})
     zero = {"stage": 3, "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0}
     exp = load_yaml(REPO / "config/experiments/qwen3-30b-a3b-width.yaml")
-    lean = {"zero_optimization": {**zero, "leaf_module": {"classes": ["qatlib.moe.ExpertMLP"]}}}
-    x_lean, x_layer = qp.from_experiment(exp, lean), qp.from_experiment(exp, {"zero_optimization": zero})
-    assert x_lean.expert_leaf and not x_layer.expert_leaf
-    dtype = x_lean.dtype_bytes
+    sparse = "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"
+    leaves = {
+        "default": None,
+        "expert": ["qatlib.moe.ExpertMLP"],
+        "none": [],
+        "sparse": [sparse],
+        "both": ["qatlib.moe.ExpertMLP", "qatlib.moe.LinearizedMoeExperts"],
+    }
+    xs = {}
+    for name, classes in leaves.items():
+        zo = {**zero} if classes is None else {**zero, "leaf_module": {"classes": classes}}
+        xs[name] = qp.from_experiment(exp, {"zero_optimization": zo})
+    assert {k: x.expert_leaf for k, x in xs.items()} == {
+        "default": True,
+        "expert": True,
+        "none": True,
+        "sparse": False,
+        "both": False,
+    }
+    dtype = xs["default"].dtype_bytes
     assert (
-        terms(qp.plan(m, x_lean, qp.Run())[1])[
+        terms(qp.plan(m, xs["default"], qp.Run())[1])[
             "gathered unit (one expert or linear, or the embeddings / a 64 MiB block of them + 64 MiB fp32, + prefetch)"
         ]
         == 144 * dtype
     )
     assert (
-        terms(qp.plan(m, x_layer, qp.Run())[1])[
+        terms(qp.plan(m, xs["sparse"], qp.Run())[1])[
             "gathered unit (one decoder layer, or the embeddings / a 64 MiB block of them + 64 MiB fp32, + prefetch)"
         ]
         == LAYER * dtype
     )
+
+
+def test_persistent_parameters_follow_deepspeeds_rule_by_hand():
+    """`stage3_param_persistence_threshold` keeps every parameter of at most that many elements
+    whole on every rank (DeepSpeed's ``mark_persistent_parameters``), up to
+    `stage3_model_persistence_threshold` in total. Tiny MoE: threshold 8 keeps the norms (2 x 8 +
+    2 x 4 per layer, + the final 8): 2 x 24 + 8 = 56; threshold 48 adds k and v (4 x 8 each),
+    the router (4 x 8) and every expert linear (6 x 8 = 48; 12 per layer): 56 + 2 x (3 x 32 + 12
+    x 48) = 1400; the same with a model cap of 64 keeps the first layer's k and v (in model order:
+    the embedding and q are too large), after which nothing fits."""
+    m = qp.ModelShape.from_config(TINY)
+    name = "persistent small parameters (replicated)"
+    for threshold, cap, want in ((8, None, 56), (48, None, 1400), (48, 64, 64)):
+        t = terms(
+            qp.plan(m, tiny_inputs(persistence_threshold=threshold, model_persistence=cap), qp.Run())[1]
+        )
+        assert t[name] == want * 2, (threshold, cap)
+        assert t["parameter shard (model / world)"] == (TOTAL - want) * 2 // 2
 
 
 def test_wide_embeddings_gather_a_block_of_rows_by_hand():
@@ -210,7 +252,9 @@ def test_checkpointed_expert_leaf_keeps_expert_inputs_or_holds_a_layer_by_hand()
     hf["gradient_checkpointing_kwargs"] = {"use_reentrant": True}
     t = terms(qp.plan(m, qp.from_experiment(exp, lean), qp.Run())[1])
     assert t[held] == 1152 and kept not in t
-    t = terms(qp.plan(m, qp.from_experiment(exp, {"zero_optimization": zero}), qp.Run())[1])
+    sparse = {"classes": ["transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"]}
+    whole = {"zero_optimization": {**zero, "leaf_module": sparse}}
+    t = terms(qp.plan(m, qp.from_experiment(exp, whole), qp.Run())[1])
     assert kept not in t and held not in t
 
 
@@ -278,9 +322,9 @@ def test_constants_agree_with_the_modules_they_mirror():
     assert qp.CHUNK_ELEMENTS == CHUNK_ELEMENTS
     assert qp.SAVE_SHARD_BYTES == inspect.signature(save_consolidated).parameters["max_shard_bytes"].default
     assert qp.PARTITION_BYTES == inspect.signature(save_consolidated).parameters["partition_bytes"].default
-    from qatlib.export import export
+    from qatlib.checkpoint.st_write import COPY_BYTES
 
-    assert qp.EXPORT_SHARD_BYTES == inspect.signature(export).parameters["max_shard_size"].default
+    assert qp.COPY_BYTES == COPY_BYTES
 
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
@@ -523,7 +567,7 @@ def test_rehearsal_reads_the_step_time_and_extracts_older_code(tmp_path):
     assert step_seconds(log) is None
     dest = extract("HEAD", tmp_path)
     assert (dest / "qatlib/frozen_linear.py").is_file() and (dest / "scripts/qat.py").is_file()
-    assert (dest / "config/deepspeed/zero3_cpu_lean.json").is_file()
+    assert (dest / "config/deepspeed/zero3.json").is_file()
     with pytest.raises(SystemExit, match="--before-ref 'no-such-ref': not a commit"):
         extract("no-such-ref", tmp_path / "w")
     assert not (tmp_path / "w").exists()  # nothing written
@@ -549,3 +593,67 @@ def test_base_model_rule_writes_a_random_width_model(tmp_path):
     ] == "base_model"
     shape = qp.ModelShape.from_config(qp.find_model_config(str(out)))
     assert shape == qp.ModelShape.from_config({**TINY, "num_hidden_layers": 1})
+
+
+UPSTREAM_DS = REPO / "tests/data/upstream/configs/qwen3/qat/fp8_static/learn_scale/ds_config_zero3.json"
+UPSTREAM_FOCUS_DS = REPO / "tests/data/upstream/configs/qwen3/fp4/ds_config_zero3_focus.json"
+
+
+def test_upstream_and_repository_json_plan_the_same_zero3_peak_without_warnings():
+    """Whichever JSON a user brings, qatlib gathers one expert at a time (its leaf default), so
+    upstream AngelSlim's ds_config_zero3.json (no leaf list, "auto" buckets) and the repository's
+    zero3.json plan the same ZeRO-3 peak for Qwen3-30B-A3B on 8 GPUs; upstream's FOCUS JSON
+    (persistence threshold 0) partitions the norms the others replicate (48 x (2 x 2048 + 2 x
+    128) + 2048 elements, bf16, 7/8 of them on top of the shard): 0.36 MiB less. None draws a
+    warning."""
+    raw = load_yaml(REPO / "config/experiments/qwen3-30b.yaml")
+    m = qp.ModelShape.from_config(qp.find_model_config("Qwen/Qwen3-30B-A3B"))
+    run = qp.Run(gpus=8)
+    peaks = {}
+    jsons = {
+        "repo": REPO / "config/deepspeed/zero3.json",
+        "upstream": UPSTREAM_DS,
+        "focus": UPSTREAM_FOCUS_DS,
+    }
+    for name, path in jsons.items():
+        ds = json.loads(path.read_text())
+        assert "leaf_module" not in ds["zero_optimization"]
+        x = qp.from_experiment(raw, ds)
+        assert x.expert_leaf
+        peaks[name] = qp.plan(m, x, run)[1].device_peak
+        assert qp.zero3_setting_warnings(m, raw, ds, run) == []
+    assert peaks["repo"] == peaks["upstream"]
+    norms = 48 * (2 * 2048 + 2 * 128) + 2048
+    replicated, shard = norms * 2, (m.total_params - norms) * 2 // 8
+    assert peaks["repo"] - peaks["focus"] == replicated + shard - m.total_params * 2 // 8
+
+
+def test_json_settings_that_raise_the_zero3_peak_are_named():
+    """Each key that alone adds more than 5% to the plan's per-rank ZeRO-3 peak over qatlib's
+    default is named with its value and cost (here on Qwen3-30B-A3B, 8 GPUs): a 5e8-element
+    prefetch bucket ((5e8 - 0.9 x 2048^2) x 2 B = 0.92 GiB over "auto", 6% of 14.6), a 1e7
+    persistence threshold (every
+    expert, attention and router weight replicated); a reuse distance above DeepSpeed's 1e9 is
+    named as unmodelled. A whole-layer leaf list costs 1.17 GiB of gather but frees the 0.78 GiB
+    of per-expert recompute inputs (+0.26 GiB, under 5%): not named."""
+    raw = load_yaml(REPO / "config/experiments/qwen3-30b.yaml")
+    m = qp.ModelShape.from_config(qp.find_model_config("Qwen/Qwen3-30B-A3B"))
+    base = json.loads((REPO / "config/deepspeed/zero3.json").read_text())
+    sparse = {"classes": ["transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"]}
+    zo = {
+        "stage3_prefetch_bucket_size": 5e8,
+        "stage3_param_persistence_threshold": 1e7,
+        "stage3_max_reuse_distance": 1e10,
+        "leaf_module": sparse,
+    }
+    ds = {**base, "zero_optimization": {**base["zero_optimization"], **zo}}
+    got = qp.zero3_setting_warnings(m, raw, ds, qp.Run(gpus=8))
+    assert [w.split(" ", 1)[0] for w in got] == [
+        "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.stage3_param_persistence_threshold",
+        "zero_optimization.stage3_max_reuse_distance",
+    ]
+    assert "(+0.92, qatlib.plan)" in got[0]
+    ref = qp.plan(m, qp.from_experiment(raw, base), qp.Run(gpus=0, cpu_ranks=8))[1].host_per_rank
+    assert f"from {ref / qp.GIB:.2f} to " in got[0]
+    assert qp.zero3_setting_warnings(m, raw, {"zero_optimization": {"stage": 2, **zo}}) == []

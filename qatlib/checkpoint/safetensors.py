@@ -5,7 +5,7 @@ The reader is hand-written (8-byte header length, JSON header, raw data) and rea
 reads, no mmap: mapped pages would count in the RSS of the reading process (rank 0 of a ZeRO-3
 load) for the whole shard. A truncated or corrupt file is found from its header, before any
 collective depends on it. `read_elements` reads a range of one tensor (a ZeRO-3 partition, a
-piece of one), and `TensorFileWriter` writes a one-tensor file whose bytes arrive in pieces.
+piece of one); the writers (`TensorFileWriter`, `ShardWriter`) are `qatlib.checkpoint.st_write`'s.
 
 A plan is built from file headers and a `ModelTensors` (names and FULL shapes, no tensors), so it
 knows nothing of how the parameters are stored; the ZeRO-3 loader executes plans on partitioned
@@ -29,29 +29,13 @@ from torch import nn
 from ..moe import LinearizedMoeExperts, is_fused_experts
 from ..quant.quantizer import role_parameters
 from .layout import CheckpointError
+from .st_write import ST_DTYPES as _ST_DTYPES
+from .st_write import numel as _numel
 
 log = logging.getLogger(__name__)
 
 # Checkpoint keys a model never has a parameter for (old checkpoints stored RoPE tables).
 DEFAULT_IGNORED_KEYS = (r".*\.rotary_emb\.inv_freq$",)
-
-_ST_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16,
-    "U32": torch.uint32,
-    "U64": torch.uint64,
-}
 
 
 # =========================================================================== reading
@@ -129,6 +113,18 @@ def read_tensor(fh, info: TensorInfo, out: torch.Tensor | None = None) -> torch.
     return out if out is not None else buf.view(dtype).reshape(info.shape)
 
 
+def read_all(files: Sequence[str | os.PathLike]) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors ``files``, each read into its own storage with plain file
+    reads (`read_tensor`): safetensors' ``load_file`` maps the file, and the reading process's RSS
+    (and a cgroup limit) then counts the mapped pages besides the tensors."""
+    out: dict[str, torch.Tensor] = {}
+    for path in files:
+        with open(path, "rb") as fh:
+            for info in read_header(path):
+                out[info.key] = read_tensor(fh, info)
+    return out
+
+
 def read_elements(fh, info: TensorInfo, start: int, out: torch.Tensor) -> torch.Tensor:
     """Read elements ``[start, start + out.numel())`` of the flattened tensor ``info`` into ``out``
     (contiguous, the file's dtype) with plain file reads: one partition of a large tensor, or a
@@ -150,97 +146,6 @@ def read_elements(fh, info: TensorInfo, start: int, out: torch.Tensor) -> torch.
     if nbytes and fh.readinto(out.view(-1).view(torch.uint8).numpy()) != nbytes:
         raise CheckpointError(f"{info.file}: short read of {info.key} (file truncated while loading?)")
     return out
-
-
-# =========================================================================== writing
-def header_bytes(
-    key: str, dtype: torch.dtype, shape: Sequence[int], metadata: dict[str, str] | None
-) -> bytes:
-    """The 8-byte length and JSON header of a safetensors file holding the one tensor ``key``,
-    as safetensors itself writes them: ``__metadata__`` first, compact JSON, padded with spaces
-    so that the data starts at a multiple of 8 bytes."""
-    names = {v: k for k, v in _ST_DTYPES.items()}
-    if dtype not in names:
-        raise CheckpointError(f"{key}: dtype {dtype} has no safetensors name")
-    nbytes = _numel(shape) * dtype.itemsize
-    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-    header[key] = {"dtype": names[dtype], "shape": [int(s) for s in shape], "data_offsets": [0, nbytes]}
-    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
-
-
-class TensorFileWriter:
-    """A safetensors file holding one tensor, written as its bytes arrive: the header first, then
-    `write` the tensor's pieces in order (flattened, row-major); `close` checks every byte came.
-
-    Written by hand because safetensors 0.8 has no streaming writer: ``save_file`` /
-    ``serialize_file`` take each tensor as one buffer in memory (a ``TensorSpec`` is a data
-    pointer and length), so saving a 0.58 GiB embedding that way holds all of it. This writer
-    holds one piece at a time (the ZeRO-3 consolidated save: rank 0 writes each rank's partition
-    as it is received). The file is what ``save_file`` writes for the same tensor and metadata,
-    byte for byte (tests/test_checkpoint.py). Use it as a context manager: on an error the
-    partial file is removed.
-    """
-
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        key: str,
-        dtype: torch.dtype,
-        shape: Sequence[int],
-        metadata: dict[str, str] | None = None,
-    ) -> None:
-        self.path = Path(path)
-        self.key = key
-        self.dtype = dtype
-        self.nbytes = _numel(shape) * dtype.itemsize
-        self.written = 0
-        head = header_bytes(key, dtype, shape, metadata)
-        self._fh = open(self.path, "wb")  # noqa: SIM115 - closed by close() / abort()
-        try:
-            self._fh.write(head)
-        except BaseException:
-            self.abort()
-            raise
-
-    def write(self, piece: torch.Tensor) -> None:
-        """Append ``piece``'s elements (a CPU tensor of the file's dtype) after those written."""
-        if piece.dtype != self.dtype:
-            raise CheckpointError(f"{self.path}: {self.key} is {self.dtype}, got a {piece.dtype} piece")
-        data = piece.detach().contiguous().view(-1).view(torch.uint8)
-        if self.written + data.numel() > self.nbytes:
-            raise CheckpointError(
-                f"{self.path}: {self.key} holds {self.nbytes} bytes, got {self.written + data.numel()}"
-            )
-        self._fh.write(data.numpy())
-        self.written += data.numel()
-
-    def close(self) -> None:
-        """Finish the file; fewer bytes than the tensor holds is a `CheckpointError` (file removed)."""
-        if self._fh is None:
-            return
-        if self.written != self.nbytes:
-            self.abort()
-            raise CheckpointError(f"{self.path}: {self.key} holds {self.nbytes} bytes, got {self.written}")
-        self._fh.close()
-        self._fh = None
-
-    def abort(self) -> None:
-        """Close and remove the partial file."""
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
-        self.path.unlink(missing_ok=True)
-
-    def __enter__(self) -> TensorFileWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 # =========================================================================== plans
@@ -328,13 +233,6 @@ def _shape_after(shape: Sequence[int], index: tuple | None) -> tuple[int, ...] |
 
 def _fmt(shape: Sequence[int] | None) -> str:
     return "(does not fit)" if shape is None else str(list(shape))
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 _FUSED_KEY = re.compile(r"^(?P<prefix>.+)\.(?P<proj>gate_up_proj|down_proj)$")

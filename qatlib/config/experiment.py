@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
+from qatlib.ds_config import with_defaults, zero_stage
 from qatlib.losses import LossConfig
 from qatlib.quant.linear import PrepareOptions
 from qatlib.quant.spec import QuantScheme
@@ -118,16 +119,6 @@ def _check_deepspeed(ds: dict[str, Any], path: Path | None) -> dict[str, Any]:
     return ds
 
 
-def _zero_stage(ds: dict[str, Any] | None) -> int | None:
-    if not ds:
-        return None
-    zo = ds.get("zero_optimization")
-    if not isinstance(zo, dict):
-        return None
-    stage = zo.get("stage")
-    return stage if isinstance(stage, int) and not isinstance(stage, bool) else None
-
-
 # --------------------------------------------------------------------------------------------
 # The experiment
 # --------------------------------------------------------------------------------------------
@@ -152,7 +143,7 @@ class ExperimentConfig(Section):
     _scheme: QuantScheme | None = PrivateAttr(None)
     _ds_config: dict[str, Any] | None = PrivateAttr(None)
     _ds_path: Path | None = PrivateAttr(None)
-    _ds_dropped_optimizer: bool = PrivateAttr(False)
+    _ds_changed: bool = PrivateAttr(False)
     _raw: dict[str, Any] | None = PrivateAttr(None)
 
     # upstream feature key (SpinQuant rotations): refused when present
@@ -190,9 +181,10 @@ class ExperimentConfig(Section):
                 qat.hf_args.get("deepspeed"), self._config_dir
             )
             if self._ds_config is not None:
-                checked = _check_deepspeed(self._ds_config, self._ds_path)
-                self._ds_dropped_optimizer = checked is not self._ds_config
-                self._ds_config = checked
+                # the file minus an all-auto optimizer block, plus qatlib's ZeRO-3 defaults
+                effective = with_defaults(_check_deepspeed(self._ds_config, self._ds_path))
+                self._ds_changed = effective is not self._ds_config
+                self._ds_config = effective
         except Violation as v:
             issues.append((v.path, v.message))
 
@@ -322,7 +314,8 @@ class ExperimentConfig(Section):
 
     @property
     def deepspeed_config(self) -> dict[str, Any] | None:
-        """The DeepSpeed config (loaded from ``hf_args.deepspeed``), or None without DeepSpeed."""
+        """The DeepSpeed config the run uses: ``hf_args.deepspeed``'s, with qatlib's ZeRO-3 defaults
+        filled in (`qatlib.ds_config.with_defaults`), or None without DeepSpeed."""
         return self._ds_config
 
     @property
@@ -333,7 +326,7 @@ class ExperimentConfig(Section):
     @property
     def zero3_enabled(self) -> bool:
         """ZeRO-3 is on iff the DeepSpeed config has ``zero_optimization.stage == 3``."""
-        return _zero_stage(self._ds_config) == 3
+        return zero_stage(self._ds_config) == 3
 
     @property
     def ignore_layers(self) -> list[str]:
@@ -398,8 +391,8 @@ class ExperimentConfig(Section):
         args = dict(self.qat.hf_args)
         args["output_dir"] = self.global_.save_path
         args.setdefault("seed", self.global_.seed)
-        if self._ds_dropped_optimizer:
-            args["deepspeed"] = dict(self._ds_config or {})  # the file minus its optimizer block
+        if self._ds_changed:  # the file minus its optimizer block / plus qatlib's ZeRO-3 defaults
+            args["deepspeed"] = copy.deepcopy(self._ds_config or {})
         elif self._ds_path is not None:
             args["deepspeed"] = str(self._ds_path)
         return args

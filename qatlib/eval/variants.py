@@ -35,6 +35,7 @@ def load_variant(cfg, variant: str, model_path: str, scales: str | None) -> tupl
     runtime refusal only the exported model shows, such as the W4A8 kernel's shape limits: the
     parse-time check already stopped every format the target cannot load at all)."""
     from .. import device
+    from ..checkpoint.layout import weight_files
     from ..models import load_model, load_prepared
     from ..onload import load_skeleton, load_whole
 
@@ -56,9 +57,11 @@ def load_variant(cfg, variant: str, model_path: str, scales: str | None) -> tupl
 
         kw = dict(trust_remote_code=m.trust_remote_code, device_map=device_map)
         return AutoModelForCausalLM.from_pretrained(model_path, **kw).eval(), {}
-    # one device (the CPU path): qatlib's reader, the model once in memory (`qatlib.onload.load_whole`);
-    # a device_map (CUDA: accelerate spreads the model over the GPUs and the host): from_pretrained
-    whole = device_map is None
+    # the model fits one device (always on the CPU path): qatlib's reader, the model once in memory
+    # (`qatlib.onload.load_whole`, no mapped file); else accelerate spreads it over the GPUs and the
+    # host (`from_pretrained` with a device_map)
+    nbytes = sum(f.stat().st_size for f in weight_files(model_path))
+    whole = device_map is None or device.fits_current(nbytes)
     if scales:
         kw = dict(read_onto=device.current()) if whole else dict(device_map=device_map)
         model = load_prepared(cfg, model_path, scales=scales, complete=True, **kw)[0]

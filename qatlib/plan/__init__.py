@@ -21,8 +21,10 @@ default exactly there (``--whole-model`` opts out), so the plan sizes what a use
                    streamed where ``streamed`` says so (GPTQ; a static input scale on the head):
                    the model loaded whole, plus GPTQ's carried activations or one batch's logits.
 ``zero3_qat``      ``zero3_load.py`` / ``trainers/end2end.py`` under DeepSpeed ZeRO-3: each rank
-                   holds model/world, the persistent (replicated) small parameters, one gathered
-                   unit (a decoder layer: ``Qwen3MoeSparseMoeBlock`` is a ZeRO-3 leaf), the
+                   holds model/world, the persistent (replicated) small parameters (DeepSpeed's
+                   persistence thresholds), one gathered unit (one expert or linear: qatlib's
+                   default leaf module, `qatlib.ds_config`; a decoder layer where the JSON lists a
+                   whole-layer class, e.g. ``Qwen3MoeSparseMoeBlock``) plus the prefetch bucket, the
                    trainable scales with their fp32 master, gradient and Adam moments (all
                    partitioned), the activations of a micro-batch (layer inputs only with
                    gradient checkpointing, plus one layer recomputed), fake-quantized weights
@@ -35,15 +37,17 @@ default exactly there (``--whole-model`` opts out), so the plan sizes what a use
                    then the original model, a second partitioned copy (``base_model_teacher``).
                    Rank 0's host also holds ``zero3_io.save_consolidated``'s buffer (one shard +
                    one gathered unit + every scale).
-``convert_export`` ``export_stream.py`` (``scripts/export.py``, always; host only): the
-                   output shard as it fills (codes + unquantized tensors, at most 5 GiB), one
-                   onloaded decoder layer, one linear's compression temporaries, every scale.
+``convert_export`` ``export_stream.py`` (``scripts/export.py``, always; host only): one
+                   output tensor (each is spilled to disk as it comes and the shards assembled
+                   64 MiB at a time), one onloaded decoder layer, one linear's compression
+                   temporaries, every scale.
 ``evaluate``       ``scripts/evaluate.py``: the whole model on the device when it fits, else
                    layer-sequential offload (one layer + embeddings on the device, the model in
                    host RAM); the export variant's compressed copy while it decompresses, one
                    layer's forward and the logits of a batch.
 
-Constants that mirror other modules (``CHUNK_ELEMENTS``, ``SAVE_SHARD_BYTES``, ``PARTITION_BYTES``, ``EXPORT_SHARD_BYTES``) are checked against
+Constants that mirror other modules (``CHUNK_ELEMENTS``, ``SAVE_SHARD_BYTES``, ``PARTITION_BYTES``,
+``COPY_BYTES``) are checked against
 them in tests/test_plan.py. ``benchmarks/plan_rehearsal.py`` measures the rehearsal's peak RSS per
 stage beside these predictions.
 """
@@ -56,6 +60,7 @@ from typing import Any
 
 from qatlib.yamlio import load_yaml
 
+from .ds_settings import zero3_setting_warnings
 from .model import (
     ModelShape,
     PlanError,
@@ -69,7 +74,7 @@ from .model import (
 )
 from .stages import (
     CHUNK_ELEMENTS,
-    EXPORT_SHARD_BYTES,
+    COPY_BYTES,
     GIB,
     PARTITION_BYTES,
     SAVE_SHARD_BYTES,
@@ -81,10 +86,10 @@ from .stages import (
 
 __all__ = [
     "CHUNK_ELEMENTS",
+    "COPY_BYTES",
     "GIB",
     "SAVE_SHARD_BYTES",
     "PARTITION_BYTES",
-    "EXPORT_SHARD_BYTES",
     "STAGES",
     "ModelShape",
     "PlanError",
@@ -97,8 +102,10 @@ __all__ = [
     "find_model_config",
     "from_experiment",
     "plan",
+    "run_warnings",
     "section",
     "streamed",
+    "zero3_setting_warnings",
 ]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -138,3 +145,12 @@ def find_model_config(model_path: str, repo: Path = REPO, base_models: str = BAS
         f"model.model_path: no config.json for {model_path!r} (looked for a local folder, an entry of "
         f"{base_models} under results/base/, and {hub.relative_to(repo)}); pass --model-config FILE"
     )
+
+
+def run_warnings(raw: dict[str, Any], ds: dict[str, Any] | None, model_path: str, world: int) -> list[str]:
+    """`zero3_setting_warnings` for a run of ``world`` ranks of the experiment ``raw`` on the model
+    at ``model_path`` (its config.json, `find_model_config`): what the QAT stage prints."""
+    mcfg = find_model_config(model_path)
+    shape = ModelShape.from_config(mcfg, f"{model_path}: config.json")
+    run = Run(gpus=0, cpu_ranks=max(1, world))
+    return zero3_setting_warnings(shape, raw, ds, run, mcfg.get("torch_dtype") or mcfg.get("dtype"))

@@ -11,7 +11,7 @@ import json
 import sys
 from dataclasses import replace
 
-from . import GIB, PlanError, Run, find_model_config, from_experiment, plan
+from . import GIB, PlanError, Run, find_model_config, from_experiment, plan, zero3_setting_warnings
 from .model import ModelShape, WeightFormat
 
 
@@ -25,7 +25,7 @@ def weight_format(scheme) -> WeightFormat:
     return WeightFormat(bits, gran if gran in ("group", "channel") else "tensor", w.group_size or 0)
 
 
-def build(args) -> tuple[ModelShape, list]:
+def build(args) -> tuple[ModelShape, list, list[str]]:
     from qatlib.config import load_config  # the owner of every config value (validates first)
 
     cfg = load_config(args.config, args.overrides)
@@ -46,7 +46,9 @@ def build(args) -> tuple[ModelShape, list]:
         int(args.node_mem_gib * GIB),
         args.threads,
     )
-    return shape, plan(shape, x, run)
+    dtype = mcfg.get("torch_dtype") or mcfg.get("dtype")
+    warnings = zero3_setting_warnings(shape, raw, cfg.deepspeed_config, run, dtype)
+    return shape, plan(shape, x, run), warnings
 
 
 def _gib(b: int) -> str:
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpus < 0 or args.nodes < 1 or args.ranks < 1:
         ap.error("--gpus must be >= 0, --nodes and --ranks >= 1")
     try:
-        shape, stages = build(args)
+        shape, stages, warnings = build(args)
     except (PlanError, OSError, ValueError) as e:  # ConfigError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -102,10 +104,13 @@ def main(argv: list[str] | None = None) -> int:
                 "layers": shape.layers,
             },
             "stages": [s.to_dict() for s in stages],
+            "warnings": warnings,
         }
         print(json.dumps(out, indent=2))
     else:
         print(render(shape, stages))
+        for w in warnings:
+            print(f"warning: {w}")
     return 0 if all(s.fits for s in stages) else 3
 
 

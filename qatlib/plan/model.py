@@ -7,6 +7,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from qatlib.ds_config import gathers_whole_layers
 from qatlib.patterns import matches_any
 from qatlib.yamlio import ConfigError
 
@@ -171,10 +172,11 @@ class PlanInputs:
     offload_optimizer: bool = False
     offload_param: bool = False
     persistence_threshold: int | None = None  # None: DeepSpeed "auto" (10 x hidden)
+    model_persistence: int | None = None  # stage3_model_persistence_threshold; None: no cap
     prefetch: int | None = None  # stage3_prefetch_bucket_size; None: "auto" (0.9 x hidden^2)
-    # zero_optimization.leaf_module lists qatlib.moe.ExpertMLP: one expert gathers at a time, not a
-    # whole layer's experts (`qatlib.zero3_load.build_empty_model`)
-    expert_leaf: bool = False
+    # one expert gathers at a time, not a whole layer's experts: qatlib's default leaf module
+    # (`qatlib.ds_config`), unless the DeepSpeed JSON lists a whole-layer class itself
+    expert_leaf: bool = True
     eager_attention: bool = False
     eval_sources: int = 1  # evaluation.ppl + evaluation.tasks
     eval_limit: int | None = None
@@ -362,10 +364,11 @@ def from_experiment(
         offload_optimizer=str(section(zo, "offload_optimizer.device") or "none") == "cpu",
         offload_param=str(section(zo, "offload_param.device") or "none") == "cpu",
         persistence_threshold=int(threshold) if isinstance(threshold, int | float) else None,
+        model_persistence=int(cap)
+        if isinstance(cap := zo.get("stage3_model_persistence_threshold"), int | float)
+        else None,
         prefetch=int(pf) if isinstance(pf := zo.get("stage3_prefetch_bucket_size"), int | float) else None,
-        expert_leaf=any(
-            str(c).rsplit(".", 1)[-1] == "ExpertMLP" for c in section(zo, "leaf_module.classes") or []
-        ),
+        expert_leaf=not gathers_whole_layers(ds),
         eager_attention=g("model.attn_implementation") == "eager",
         eval_sources=len(g("evaluation.ppl", []) or []) + len(g("evaluation.tasks", []) or []),
         eval_limit=g("evaluation.limit"),

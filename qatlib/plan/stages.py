@@ -13,7 +13,7 @@ CHUNK_ELEMENTS = 1 << 25  # qatlib.losses.CHUNK_ELEMENTS: logits elements per KD
 CHUNK_COPIES = 6  # fp32 copies of a chunk alive at once: s, t, log p_s, log p_t, p_t, grad
 SAVE_SHARD_BYTES = 512 << 20  # qatlib.zero3_io.save_consolidated's max_shard_bytes
 PARTITION_BYTES = 64 << 20  # qatlib.zero3_io.PARTITION_BYTES: above it, assembled from partitions
-EXPORT_SHARD_BYTES = 5 << 30  # qatlib.export.export's max_shard_size
+COPY_BYTES = 64 << 20  # qatlib.checkpoint.st_write.COPY_BYTES: a shard is assembled this much at a time
 # Per process, beyond the terms: interpreter + torch + transformers (+ DeepSpeed) resident set; on
 # GPUs the host side of the CUDA context and pinned buffers, and on the device the context and
 # the caching allocator's slack. CPU value measured here (docs/NOTES: 0.45-0.55 GiB a tiny rank).
@@ -64,6 +64,25 @@ def _n_scales(m: ModelShape, w: WeightFormat, inputs: bool) -> int:
     moe, dense = m.moe_layers, m.layers - m.moe_layers
     per = [sum(w.scales(o, i) + inputs for o, i in m.layer_linears(b)) for b in (True, False)]
     return moe * per[0] + dense * per[1]
+
+
+def _persistent(m: ModelShape, threshold: int, cap: int | None) -> int:
+    """Parameters DeepSpeed keeps whole on every rank: in model order, each of at most
+    ``threshold`` elements (``stage3_param_persistence_threshold``) while the running total stays
+    within ``cap`` (``stage3_model_persistence_threshold``; DeepSpeed's
+    ``mark_persistent_parameters``). Quantizer scales are left out (a few per linear)."""
+    sizes = [m.vocab * m.hidden]  # in transformers' Qwen3 / Qwen3-MoE parameter order
+    for i in range(m.layers):
+        moe = i >= m.layers - m.moe_layers  # which layers are dense does not change the sum
+        sizes += [o * n for o, n in m.attn_linears()] + [m.head_dim, m.head_dim]  # + q_norm, k_norm
+        sizes += ([m.experts * m.hidden] if moe else []) + [o * n for o, n in m.mlp_linears(moe)]
+        sizes += [m.hidden, m.hidden]  # input / post-attention norms
+    sizes += [m.hidden] + ([] if m.tied else [m.vocab * m.hidden])
+    total, limit = 0, cap if cap is not None else float("inf")
+    for n in sizes:
+        if n <= threshold and total + n <= limit:
+            total += n
+    return total
 
 
 @dataclass(frozen=True)
@@ -164,14 +183,15 @@ def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
     procs = run.ranks_per_node if zero3 else 1
     world = procs * run.nodes if zero3 else 1
     threshold = x.persistence_threshold if x.persistence_threshold is not None else 10 * m.hidden
-    small = 2 * m.hidden + 2 * m.head_dim  # the norms of a layer: below any usual threshold
-    persist = (m.layers * small + m.hidden) if zero3 and small < threshold else 0
+    persist = _persistent(m, threshold, x.model_persistence) if zero3 else 0
     shard = (m.total_params - persist) * d // world
     scales = _n_scales(m, x.weight, x.act_quant) if x.train_scales else 0
     work = [Term("parameter shard (model / world)", shard, f"{m.total_params:,} params / {world}")]
     unit_params = m.largest_layer  # what one gather holds: the consolidated save gathers the same units
     if zero3:
-        work.append(Term("persistent small parameters (replicated)", persist * d, f"< {threshold} elements"))
+        work.append(
+            Term("persistent small parameters (replicated)", persist * d, f"<= {threshold} elements each")
+        )
         prefetch = x.prefetch if x.prefetch is not None else int(0.9 * m.hidden * m.hidden)
         # what one fetch gathers: a MoE layer's experts together (qatlib's leaf, the default) or one
         # expert / one linear at a time (`expert_leaf`); the embeddings and the head above 64 MiB
@@ -255,16 +275,18 @@ def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
 
 
 def _export(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
-    """The streamed export (``scripts/export.py``, its default; `qatlib.export_stream`). Measured
-    (benchmarks/plan_rehearsal.py, qwen3-30b-a3b-width at 1 layer: 2.81 GiB against the 4.66 GiB
-    of the earlier terms, "largest QAT-checkpoint shard + two layers with codes"): the input
-    checkpoint is read one layer at a time, never a shard; what is held is the OUTPUT shard as it
-    fills (codes + the unquantized tensors, at most ``max_shard_size``), one onloaded layer and one
-    linear's compression temporaries."""
+    """The streamed export (``scripts/export.py``, its default; `qatlib.export_stream`). The input
+    checkpoint is read one layer at a time, never a shard; each output tensor is spilled to disk
+    as it is computed (`qatlib.checkpoint.st_write.ShardWriter`) and each shard assembled from the
+    spill 64 MiB at a time: what is held is one output tensor (the embeddings or the head, kept
+    unquantized, are the largest), one onloaded layer and one linear's compression temporaries
+    (measured before the spill, benchmarks/plan_rehearsal.py: the output shard as it filled was
+    the peak, 4.62 GiB for a 3.48 GiB model)."""
     d, layer = x.dtype_bytes, m.largest_layer * x.dtype_bytes
-    out_bytes = m.embed_params * d + (m.total_params - m.embed_params) * x.weight.bits // 8
+    out_tensor = max(m.vocab * m.hidden * d, m.largest_linear * x.weight.bits // 8)
     work = [
-        Term("output shard being filled (codes + unquantized tensors)", min(out_bytes, EXPORT_SHARD_BYTES)),
+        Term("one output tensor (spilled to disk as it is written)", out_tensor),
+        Term("shard assembly buffer (copied from the spill)", COPY_BYTES),
         Term("one decoder layer onloaded (weights)", layer),
         Term(
             "one linear's compression temporaries (fp32 dequantized + fp32 check)", 2 * m.largest_linear * 4

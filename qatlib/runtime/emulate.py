@@ -289,15 +289,13 @@ class DeployedModel:
 
 
 def _read_tensors(d: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    """The export's tensors, read by qatlib's reader (plain file reads, no mapped file)."""
+    from ..checkpoint.safetensors import read_all
 
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{d}: no *.safetensors (not an export folder)")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(f))
-    return out
+    return read_all(files)
 
 
 def _config_args(qc: dict) -> tuple[dict, dict | None]:

@@ -114,7 +114,7 @@ def main() -> None:
         report_to="none",
         use_cpu=device.use_cpu(),  # the rank's device: GPU LOCAL_RANK on CUDA, else the CPU
         disable_tqdm=True,
-        deepspeed=ds_config,
+        deepspeed=ctx.ds_config,  # as qatlib resolved it (its leaf default where the JSON has none)
         gradient_checkpointing=bool(spec.get("gradient_checkpointing", False)),
         gradient_checkpointing_kwargs={"use_reentrant": bool(spec.get("use_reentrant", False))},
         train_sampling_strategy="sequential",

@@ -90,6 +90,7 @@ def run_errors(spec: dict) -> dict:
     from qatlib import zero3_io as z
     from qatlib import zero3_load as zl
     from qatlib.checkpoint import safetensors as st
+    from qatlib.checkpoint import st_write as stw
     from qatlib.checkpoint.layout import weight_files
 
     err = spec["errors"]
@@ -118,7 +119,7 @@ def run_errors(spec: dict) -> dict:
         zl._execute_plan(model, [entry], comm, chunk_bytes=err["chunk_bytes"])
 
     calls = {"n": 0}
-    real_write, real_init = st.TensorFileWriter.write, st.TensorFileWriter.__init__
+    real_write, real_init = stw.TensorFileWriter.write, stw.TensorFileWriter.__init__
 
     def failing_write(self, piece):
         calls["n"] += 1
@@ -132,13 +133,13 @@ def run_errors(spec: dict) -> dict:
     def failing_save(case: str, patch: dict):
         if rank == 0:
             for attr, fn in patch.items():
-                setattr(st.TensorFileWriter, attr, fn)
+                setattr(stw.TensorFileWriter, attr, fn)
         try:
             return z.save_consolidated(
                 model, Path(spec["out"]) / case, partition_bytes=err["partition_bytes"]
             )
         finally:
-            st.TensorFileWriter.write, st.TensorFileWriter.__init__ = real_write, real_init
+            stw.TensorFileWriter.write, stw.TensorFileWriter.__init__ = real_write, real_init
 
     cases = {
         "short_read_own": lambda: damaged_load("short_read_own"),

@@ -86,7 +86,6 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
         ctx,
         scheme,
         from_ptq_ckpt=ph["ptq"],
-        moe_leaf=ph.get("leaf", True),
         chunk_bytes=ph.get("chunk_bytes", 64 << 20),
         scales_report_path=out / f"{ph['name']}_scales.json",
         options=PrepareOptions(deploy_target=ph.get("deploy_target", "none")),
@@ -139,7 +138,8 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
         model.activation_checkpointing_enable()
         model.enable_input_require_grads()
         checks["experts_recomputed_one_by_one"] = recompute_experts_one_by_one(model)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    # the run's config as qatlib resolved it (`init_zero3`: qatlib's leaf default where the JSON has none)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ctx.ds_config)
     # what gathers as one unit (ZeRO-3 leaf modules), after DeepSpeed applied the config's list
     checks["leaf_classes"] = sorted(
         {type(m).__name__ for m in model.modules() if getattr(m, "_z3_leaf", False)}
