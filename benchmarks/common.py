@@ -19,7 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +97,7 @@ def machine() -> dict[str, Any]:
         "native_half_gemm": {
             str(d).removeprefix("torch."): half_gemm_is_native(d) for d in (torch.bfloat16, torch.float16)
         },
-        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "load_avg_1m": load_avg(),
         "mem_total_bytes": mem.get("MemTotal"),
         "mem_available_bytes": mem.get("MemAvailable"),
         "versions": {p: _version(p) for p in PACKAGES},
@@ -108,6 +108,40 @@ def machine() -> dict[str, Any]:
 
 def load_avg() -> float | None:
     return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+
+
+# --------------------------------------------------------------------------- resident set
+def rss_now() -> int:
+    """This process's resident set now (bytes, ``/proc/self/statm``)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class RssSampler:
+    """Peak of this process's resident set (`rss_now`) while the block runs, sampled by a thread
+    every ``interval`` seconds (torch ops release the GIL): ``with RssSampler() as rs: ...; rs.peak``."""
+
+    def __init__(self, interval: float = 0.0005) -> None:
+        import threading
+
+        self.interval = interval
+        self.peak = rss_now()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_now())
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_now())
 
 
 # --------------------------------------------------------------------------- timing
@@ -164,6 +198,7 @@ IGNORE = ("lm_head", "embed_tokens", "gate")
 
 FORMATS: dict[str, str] = {
     "fp8_static": "FP8 E4M3 weights and static per-tensor activations",
+    "fp8_dynamic": "FP8 E4M3 weights and dynamic activations (vLLM's fp8 without calibration)",
     # vLLM concatenates channel scales of fused shards (no max-merge of weight scales); its fused
     # MoE refuses this pair (channel weights need token-dynamic inputs): dense models only
     "fp8_static_ch": "FP8 E4M3 per-channel weights and static per-tensor activations",
@@ -172,6 +207,10 @@ FORMATS: dict[str, str] = {
     "int4_ch": "int4 sym weight-only, per-channel",
     "w4a8_fp8_g32": "int4 g32 weights (FP8 recast) + static FP8 activations",
     "w4a8_fp8_g64": "int4 g64 weights (FP8 recast) + static FP8 activations",
+    # `benchmarks.gpu_check`'s (groups of 128 on the real width, 16 on its tiny model)
+    "int4_g128": "int4 sym weight-only, groups of 128",
+    "w4a8_fp8_g128": "int4 g128 weights (FP8 recast) + static FP8 activations",
+    "w4a8_fp8_g16": "int4 g16 weights (FP8 recast) + static FP8 activations",
     "int8_w8a8": "int8 per-channel weights + int8 per-token dynamic activations",
     "int3_g32": "int3 sym weight-only, groups of 32",
     "int3_g64": "int3 sym weight-only, groups of 64",
@@ -186,46 +225,62 @@ FORMATS: dict[str, str] = {
 }
 
 
+# the formats that are a qatlib preset as it is (renamed where the names differ)
+_PRESET_OF = {
+    "fp8_static": "fp8_static",
+    "fp8_dynamic": "fp8_dynamic",
+    "int8_w8a8": "int8",
+    "nvfp4": "nvfp4",
+    "nvfp4_w4a16": "nvfp4_weight_only",
+    "mxfp4": "mxfp4",
+    "mxfp4_w4a16": "mxfp4_weight_only",
+}
+
+
 def format_scheme(name: str):
-    """The `QuantScheme` of a benchmark format name (`FORMATS`)."""
+    """The `QuantScheme` of a benchmark format name (`FORMATS`): a qatlib preset, per channel
+    (``_ch``) or in groups of N (``_gN``: the int weight-only presets, ``w4a8_fp8``)."""
     from qatlib.quant import PRESETS
     from qatlib.quant.spec import Granularity
 
-    def weight_only(bits: int, group: int | None):
-        s = PRESETS[f"int{bits}_weight_only"]
-        w = (
-            s.weight.replace(group_size=group)
-            if group
-            else s.weight.replace(granularity=Granularity.CHANNEL, group_size=None)
-        )
-        return s.replace(name=name, weight=w)
-
-    if name == "fp8_static":
-        return PRESETS["fp8_static"]
-    if name == "fp8_static_ch":
-        s = PRESETS["fp8_static"]
-        return s.replace(name=name, weight=s.weight.replace(granularity=Granularity.CHANNEL))
-    if name in ("w4a8_fp8_g32", "w4a8_fp8_g64"):
-        s = PRESETS["w4a8_fp8"]
-        return s.replace(name=name, weight=s.weight.replace(group_size=int(name[-2:])))
-    if name == "int8_w8a8":
-        return PRESETS["int8"].replace(name=name)
-    if name == "int4_ch":
-        return weight_only(4, None)
-    if name in ("int4_g16", "int4_g32", "int4_g64", "int3_g32", "int3_g64", "int2_g32"):
-        return weight_only(int(name[3]), int(name[-2:]))
-    fp4 = {
-        "nvfp4": "nvfp4",
-        "nvfp4_w4a16": "nvfp4_weight_only",
-        "mxfp4": "mxfp4",
-        "mxfp4_w4a16": "mxfp4_weight_only",
-    }
-    if name in fp4:
-        return PRESETS[fp4[name]].replace(name=name)
-    raise KeyError(f"unknown benchmark format {name!r}; choose from {', '.join(FORMATS)}")
+    if name not in FORMATS:
+        raise KeyError(f"unknown benchmark format {name!r}; choose from {', '.join(FORMATS)}")
+    if name in _PRESET_OF:
+        s = PRESETS[_PRESET_OF[name]]
+        return s if s.name == name else s.replace(name=name)
+    kind, _, tail = name.rpartition("_")  # int4_g32 -> int4, g32; fp8_static_ch -> fp8_static, ch
+    s = PRESETS[kind if kind in PRESETS else f"{kind}_weight_only"]
+    if tail == "ch":
+        w = s.weight.replace(granularity=Granularity.CHANNEL, group_size=None)
+    else:
+        w = s.weight.replace(group_size=int(tail.removeprefix("g")))
+    return s.replace(name=name, weight=w)
 
 
-# --------------------------------------------------------------------------- default model
+# --------------------------------------------------------------------------- models
+# Qwen3-30B-A3B's width (its config.json), without the expert and layer counts: the real-width
+# benchmarks (`benchmarks.qat_width`, `benchmarks.gpu_check`) cut it to a few layers and experts.
+QWEN3_30B_A3B_WIDTH: dict[str, int] = dict(
+    hidden_size=2048,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    intermediate_size=6144,
+    vocab_size=151936,
+)
+
+
+def tensor_bytes(model_dir: str | os.PathLike) -> dict[str, int]:
+    """``{key: bytes}`` of every tensor of a model folder's weight files, from their headers
+    (`qatlib.checkpoint.layout.weight_files`, `qatlib.checkpoint.safetensors.read_header`)."""
+    from qatlib.checkpoint import safetensors as st
+    from qatlib.checkpoint.layout import weight_files
+
+    return {i.key: i.end - i.start for f in weight_files(model_dir) for i in st.read_header(f)}
+
+
 def base_models_spec(name: str = DEFAULT_BASE_MODEL) -> dict[str, Any]:
     """``config/base_models.yaml[name]`` (``model`` / ``train`` overrides of `qatlib.offline.base_model`)."""
     import yaml
@@ -245,22 +300,29 @@ def find_base_model(results: str | os.PathLike = "results", name: str = DEFAULT_
     return None
 
 
+def load_base(path: str | os.PathLike):
+    """A pre-trained model folder as the benchmarks run it: fp32, ``use_cache`` off, eval mode
+    (`qatlib.models.load_model`), experts on ``grouped_mm`` (`qatlib.offline.base_model`)."""
+    import torch
+
+    from qatlib.models import load_model
+    from qatlib.offline.base_model import ensure_grouped_mm
+
+    model = load_model(path, torch_dtype=torch.float32)
+    ensure_grouped_mm(model)
+    return model
+
+
 def default_model(results: str | os.PathLike = "results", name: str = DEFAULT_BASE_MODEL, *, seed: int = 0):
     """``(model, source)``: the pre-trained default model if the pipeline (or the quality
     benchmark) produced it, else the same architecture freshly initialised from its config (speed
     and memory do not depend on the weights' values). fp32, ``use_cache`` off, experts on
     ``grouped_mm``."""
-    from qatlib.offline.base_model import build_model, ensure_grouped_mm
+    from qatlib.offline.base_model import build_model
 
     path = find_base_model(results, name)
     if path is not None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-        model.config.use_cache = False
-        ensure_grouped_mm(model)
-        return model, str(path)
+        return load_base(path), str(path)
     model = build_model(base_models_spec(name).get("model"), seed=seed)
     return model, f"built from config/base_models.yaml[{name}] (random init)"
 
@@ -299,16 +361,6 @@ def target(
     met = None if value is None else (value >= threshold if higher_is_better else value <= threshold)
     op = ">=" if higher_is_better else "<="
     return {"target": f"{name} {op} {threshold}{unit}", "value": value, "met": met, "note": note}
-
-
-@contextlib.contextmanager
-def stopwatch() -> Iterator[dict[str, float]]:
-    rec: dict[str, float] = {}
-    t0 = time.perf_counter()
-    try:
-        yield rec
-    finally:
-        rec["s"] = time.perf_counter() - t0
 
 
 def log(msg: str) -> None:

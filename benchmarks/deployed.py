@@ -1,17 +1,18 @@
 """Deployment fidelity: PTQ vs QAT perplexity as trained AND as the runtime deploys it.
 
-Per format (`DEPLOYED_FORMATS`), on the default model and data of `benchmarks.quality` (its `Lab`:
-RTN PTQ, end-to-end QAT warm-started from it, the same test windows): the perplexity of the PTQ and
-the QAT model as trained (fake quantization in memory) and as deployed (the export run through
+Per format (`DEPLOYED_FORMATS`), on the default model and data of the quality benchmarks
+(`benchmarks.lab.Lab`: RTN PTQ, end-to-end QAT warm-started from it, the same test windows): the
+perplexity of the PTQ and the QAT model as trained (fake quantization in memory) and as deployed
+(`Lab.deployed`: the export loaded by `qatlib.eval.variants.load_deployed`, the runtime emulator
 `qatlib.runtime.emulate` for vLLM 0.33), and the share of QAT's gain that survives deployment::
 
     survives = (ppl_ptq_deployed - ppl_qat_deployed) / (ppl_ptq_trained - ppl_qat_trained)
 
 (1.0: the whole gain is deployed; below: the runtime's load-time transformations undo part of
-what QAT learned). ``tied`` (``PrepareOptions(deploy_target=...)``) repeats the row with the
+what QAT learned). ``tied`` (``PrepareOptions(deploy=tie_for(target))``) repeats the row with the
 runtime's merged scales (fp8 per-tensor scales, NVFP4 global scales) trained as one. A format the
 runtime refuses gets its refusal instead of deployed numbers. The models run in fp32 (the
-benchmark's `Lab`): the runtimes' bf16 scale rounding is a no-op here.
+lab's): the runtimes' bf16 scale rounding is a no-op here.
 
     python -m benchmarks.deployed [--quick] [--base-model DIR] [--capability 9.0] [--out results/bench]
 """
@@ -20,10 +21,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,10 @@ import torch
 
 from qatlib.report.metrics import MIN_REL_GAP
 
-from .common import DEFAULT_OUT, IGNORE, format_scheme, load_avg, log, machine, target, write_result
+from .common import DEFAULT_OUT, format_scheme, load_avg, log, machine, target, write_result
+from .lab import DEPLOY_TARGET, Lab, opened
+from .lab_inputs import QUICK as QUALITY_QUICK
+from .lab_inputs import QualitySettings
 
 # The default model's rows (SmolLM2-135M: hidden 576, k/v 192, MLP 1536, so group 64 divides every
 # in_features; w4a8_fp8_g64 is recorded as vLLM's refusal: its CUTLASS W4A8 kernel needs group 128
@@ -45,23 +48,9 @@ DEPLOYED_FORMATS = (
     "fp8_dynamic",
     "w4a8_fp8_g64",
 )
-TARGET = "vllm"
-
-
-def deployed_scheme(name: str):
-    """The scheme of a row: `common.format_scheme`'s names plus the group-64 rows of the default
-    model and ``fp8_dynamic``."""
-    from qatlib.quant import PRESETS
-
-    if name == "fp8_dynamic":
-        return PRESETS["fp8_dynamic"]
-    if name == "int4_g64":
-        s = PRESETS["int4_weight_only"]
-        return s.replace(name=name, weight=s.weight.replace(group_size=64))
-    if name == "w4a8_fp8_g64":
-        s = PRESETS["w4a8_fp8"]
-        return s.replace(name=name, weight=s.weight.replace(group_size=64))
-    return format_scheme(name)
+TARGET = DEPLOY_TARGET
+# a row's scheme: `common.format_scheme` names every format above (the name stays for the tests)
+deployed_scheme = format_scheme
 
 
 @dataclass
@@ -78,52 +67,25 @@ class DeployedSettings:
     lr: float = 1e-2
     scale_update: str = "log"
     loss_type: str = "kl"
-    tied: bool = True  # also the tied run, where the library supports it
+    tied: bool = True  # also the tied run (`qatlib.runtime.tying.tie_for`)
     base_model: str | None = None  # --base-model DIR (default: the workflow's results/base/<base_name>)
     base_name: str = "smollm2-135m"  # the project's default model (config/experiments/smollm2-135m.yaml)
     capability: str | None = None  # the GPU the deployment runs on (FP4 W4A4: weight-only below "10.0")
 
 
-# --quick: the micro model of `benchmarks.quality`'s quick path, one fp8 and one FP4 row, tied too
+# --quick: the micro model of the quality benchmark's quick path (`lab_inputs.QUICK`), one fp8 and
+# one FP4 row, tied too
 QUICK = DeployedSettings(formats=("fp8_static", "nvfp4_w4a16"), qat_steps=3, eval_windows=8, tied=True)
 
 
-def tying_available() -> str | None:
-    """None when `PrepareOptions` has ``deploy_target`` (h-tying), else why the tied column is null."""
-    from qatlib.quant.linear import PrepareOptions
-
-    if any(f.name == "deploy_target" for f in fields(PrepareOptions)):
-        return None
-    return "tied scales (PrepareOptions.deploy_target, h-tying) are not in this tree"
-
-
-def deployed_ppl(model, scheme, ev, work: Path, target: str, capability=None) -> dict[str, Any]:
-    """Export ``model`` (real) and evaluate the emulated runtime model; or the refusal."""
-    from qatlib.export import export
-    from qatlib.runtime.emulate import RuntimeRefusal, emulate_export
-
-    d = Path(tempfile.mkdtemp(dir=work))
-    export(model, scheme, d, "real", ignore=list(IGNORE))
-    try:
-        dep = emulate_export(d, target, capability=capability)
-    except RuntimeRefusal as e:
-        return {"refused": str(e)}
-    rec = ev(dep.model, mc=False)
-    return {"ppl": rec["ppl"], "applied": dep.applied}
-
-
-def _row(name: str, lab, s: DeployedSettings, work: Path, options=None) -> dict[str, Any]:
-    scheme = deployed_scheme(name)
+def _row(name: str, lab: Lab, s: DeployedSettings, deploy_target: str = "none") -> dict[str, Any]:
+    """PTQ and QAT, each as trained and as deployed; ``deploy_target``: the runtime's merged scales
+    calibrated and trained as one (`qatlib.runtime.tying`)."""
+    scheme = format_scheme(name)
     ev = lab.eval
-    if options is None:
-        ptq = lab.rtn(scheme)
-    else:  # tied: calibrated with the runtime's merged scales as one
-        from qatlib.ptq import calibrate
-
-        ptq = lab.fresh()
-        calibrate(ptq, scheme, lab.calib, ignore=IGNORE, options=options)
+    ptq = lab.rtn(scheme, deploy_target=deploy_target)
     ptq_t = ev(ptq, mc=False)["ppl"]
-    ptq_d = deployed_ppl(ptq, scheme, ev, work, s.target, s.capability)
+    ptq_d = lab.deployed(ptq, scheme, s.target, s.capability)
     if "refused" in ptq_d:  # nothing deployed to compare: no QAT run
         return {"format": name, "ptq_trained": ptq_t, "qat_trained": None, "refused": ptq_d["refused"]} | {
             "ptq_deployed": None,
@@ -132,10 +94,10 @@ def _row(name: str, lab, s: DeployedSettings, work: Path, options=None) -> dict[
         }
     qat, _ = lab.qat(scheme, steps=s.qat_steps, start=ptq)
     qat_t = ev(qat, mc=False)["ppl"]
-    qat_d = deployed_ppl(qat, scheme, ev, work, s.target, s.capability)
+    qat_d = lab.deployed(qat, scheme, s.target, s.capability)
     row: dict[str, Any] = {"format": name, "ptq_trained": ptq_t, "qat_trained": qat_t}
-    if "refused" in ptq_d:
-        row.update(refused=ptq_d["refused"], ptq_deployed=None, qat_deployed=None, survives=None)
+    if "refused" in qat_d:
+        row.update(refused=qat_d["refused"], ptq_deployed=None, qat_deployed=None, survives=None)
         return row
     row.update(ptq_deployed=ptq_d["ppl"], qat_deployed=qat_d["ppl"], applied=qat_d["applied"])
     gain_t, gain_d = ptq_t - qat_t, ptq_d["ppl"] - qat_d["ppl"]
@@ -153,8 +115,6 @@ def run(
 ) -> dict[str, Any]:
     """The rows of every format; ``partial``: rewrite this JSON after each row (a long run that is
     cut short keeps what it measured)."""
-    from .quality import Lab, QualitySettings, resolve_inputs
-
     s = settings or DeployedSettings()
     qs = QualitySettings(
         eval_windows=s.eval_windows,
@@ -170,27 +130,20 @@ def run(
         base_model_path=s.base_model,
     )
     if s.formats == QUICK.formats and s.qat_steps == QUICK.qat_steps and not s.base_model:
-        from .quality import QUICK as QQ
-
-        qs = replace(QQ, qat_steps=s.qat_steps, eval_windows=s.eval_windows, mc=False, gptq=False)
+        qs = replace(QUALITY_QUICK, qat_steps=s.qat_steps, eval_windows=s.eval_windows, mc=False, gptq=False)
     t0, load0 = time.perf_counter(), load_avg()
     torch.manual_seed(qs.seed)
     rows, tied_rows, errors = [], [], []
-    why_untied = tying_available() if s.tied else "not requested (--no-tied)"
-    with tempfile.TemporaryDirectory(prefix="bench-deployed-") as tmp:
-        work = Path(tmp)
-        inputs = resolve_inputs(qs, results, work)
-        lab = Lab(qs, inputs["base"], inputs["corpus_snapshot"], None, work)
+    why_untied = None if s.tied else "not requested (--no-tied)"
+    with opened(qs, results, "bench-deployed-") as (lab, inputs):
         bf16 = lab.eval(lab.base, mc=False)["ppl"]
         for name in s.formats:
             try:
                 log(f"deployed: {name} (untied)")
-                rows.append(_row(name, lab, s, work))
+                rows.append(_row(name, lab, s))
                 if why_untied is None:
-                    from qatlib.quant.linear import PrepareOptions
-
                     log(f"deployed: {name} (tied)")
-                    tied_rows.append(_row(name, lab, s, work, PrepareOptions(deploy_target=s.target)))
+                    tied_rows.append(_row(name, lab, s, deploy_target=s.target))
             except Exception as e:  # recorded; the other formats still run
                 traceback.print_exc()
                 errors.append({"format": name, "error": f"{type(e).__name__}: {e}"})

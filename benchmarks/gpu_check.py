@@ -61,23 +61,24 @@ from typing import Any
 
 import torch
 
-from .common import DEFAULT_OUT, REPO, interleaved, log, machine, paired_ratio, target, write_result
+from .common import (
+    DEFAULT_OUT,
+    QWEN3_30B_A3B_WIDTH,
+    REPO,
+    format_scheme,
+    interleaved,
+    log,
+    machine,
+    paired_ratio,
+    target,
+    write_result,
+)
 
 NEEDED = ("transformers", "deepspeed", "compressed_tensors", "safetensors")
 CARRY_HINT = (
     "carry the wheels (see `python -m benchmarks.gpu_check --help` / benchmarks/README.md, GPU check)"
 )
-WIDTH = dict(  # Qwen3-30B-A3B
-    hidden_size=2048,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    num_experts=128,
-    num_experts_per_tok=8,
-    moe_intermediate_size=768,
-    intermediate_size=6144,
-    vocab_size=151936,
-)
+WIDTH = dict(QWEN3_30B_A3B_WIDTH, num_experts=128)  # Qwen3-30B-A3B
 TINY = dict(
     hidden_size=64,
     num_attention_heads=4,
@@ -98,13 +99,7 @@ def formats(tiny: bool) -> tuple[str, ...]:
     return tuple(f.replace("g128", "g16") for f in FORMATS) if tiny else FORMATS
 
 
-def scheme_of(name: str):
-    from qatlib.quant import PRESETS
-
-    if name == "fp8_static":
-        return PRESETS["fp8_static"]
-    base = PRESETS["w4a8_fp8" if name.startswith("w4a8") else "int4_weight_only"]
-    return base.replace(name=name, weight=base.weight.replace(group_size=int(name.rsplit("g", 1)[1])))
+scheme_of = format_scheme  # every checked format is one of `common.FORMATS`
 
 
 def missing_modules() -> list[str]:
@@ -191,6 +186,7 @@ def run_pipeline(work: Path, dev: torch.device, *, tiny: bool, layers: int, toke
 
     from qatlib import zero3_io as z
     from qatlib import zero3_load as zl
+    from qatlib import zero3_save as zs
     from qatlib.export import export
     from qatlib.ptq import calibrate, save_ptq_checkpoint
     from qatlib.quant import prepare, quantization_disabled
@@ -242,7 +238,7 @@ def run_pipeline(work: Path, dev: torch.device, *, tiny: bool, layers: int, toke
     res.update(qat_losses=losses, qat_step_s=step_s, qat_peak_gib=peak_gib(dev))
     meta = z.run_metadata(model)
     res["plan_param_gib"] = round(meta["param_bytes_total"] / 2**30, 3)
-    z.save_consolidated(model, work / "qat", scheme=scheme)
+    zs.save_consolidated(model, work / "qat", scheme=scheme)
     del engine, model, opt
     ctx.close()
     del ctx  # drops the HfDeepSpeedConfig: the reloads below are plain models, not zero.Init ones

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .common import REPO, _meminfo, log
+from .common import REPO, RssSampler, _meminfo, log, rss_now
 
 if TYPE_CHECKING:
     import torch
@@ -122,38 +122,6 @@ def kd_memory_probe(
 
 
 # --------------------------------------------------------------------------- RSS worker
-class _RssSampler:
-    """Peak of the process's current resident set, sampled from ``/proc/self/statm`` by a thread
-    (torch ops release the GIL) every ``interval`` seconds."""
-
-    def __init__(self, interval: float = 0.0005) -> None:
-        import threading
-
-        self.interval = interval
-        self.peak = self.current()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    @staticmethod
-    def current() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.current())
-            self._stop.wait(self.interval)
-
-    def __enter__(self) -> _RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.current())
-
-
 def _worker(
     vocab: int, tokens: int, loss_type: str, chunk_size: int | None, dtype: str, chunked: bool
 ) -> dict:
@@ -178,8 +146,8 @@ def _worker(
         t[:, :4],
         chunked=chunked,
     ).loss.backward()
-    before = _RssSampler.current()
-    with _RssSampler() as rs:
+    before = rss_now()
+    with RssSampler() as rs:
         qat_loss(s, labels, cfg, t, chunked=chunked).loss.backward()
     return {
         "rss_growth": rs.peak - before,

@@ -28,19 +28,13 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.common import QWEN3_30B_A3B_WIDTH, RssSampler, rss_now, tensor_bytes
+
 ROOT = Path(__file__).resolve().parents[1]
+# Qwen3-30B-A3B cut to one decoder layer (the expert count is a row's); run as a file, the workers
+# import `benchmarks` from the repository root that `run_variant` puts on PYTHONPATH
 WIDTH = dict(
-    hidden_size=2048,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    num_experts_per_tok=8,
-    moe_intermediate_size=768,
-    intermediate_size=6144,
-    vocab_size=151936,
-    num_hidden_layers=1,
-    tie_word_embeddings=False,
-    max_position_embeddings=4096,
+    QWEN3_30B_A3B_WIDTH, num_hidden_layers=1, tie_word_embeddings=False, max_position_embeddings=4096
 )
 
 
@@ -63,37 +57,15 @@ def make_model(model_dir: Path, experts: int) -> int:
 
         (ptq / "quant_scheme.json").write_text(json.dumps(PRESETS["fp8_static"].to_dict()))
         save_file({"lm_head.weight_scale": torch.ones(1)}, str(ptq / "scales.safetensors"))
-    from safetensors import safe_open
-
-    total = 0
-    for f in model_dir.glob("*.safetensors"):
-        with safe_open(str(f), "pt") as fh:
-            for k in fh.keys():
-                shape = fh.get_slice(k).get_shape()
-                n = 1
-                for d in shape:
-                    n *= d
-                total += 2 * n
-    return total
-
-
-class _Peak(threading.Thread):
-    """Max resident set size of this process, sampled every 10 ms while running."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.peak, self.stop = 0, threading.Event()
-
-    def run(self) -> None:
-        page = os.sysconf("SC_PAGE_SIZE")
-        while not self.stop.is_set():
-            with open("/proc/self/statm") as f:
-                self.peak = max(self.peak, int(f.read().split()[1]) * page)
-            time.sleep(0.01)
+    return sum(tensor_bytes(model_dir).values())
 
 
 def worker(args) -> None:
-    """One variant in this process (``single``) or on this rank (``zero3``, under torchrun)."""
+    """One variant in this process (``single``) or on this rank (``zero3``, under torchrun).
+
+    One step written out on purpose, not `qatlib.trainers.end2end`: ``before`` runs this same code
+    against an older qatlib, so the step uses only what every version has (`prepare`,
+    `role_parameters`, `zero3_load.build_qat_model`, a plain AdamW) and times exactly one step."""
     import torch
 
     import qatlib
@@ -133,21 +105,18 @@ def worker(args) -> None:
     ids = torch.randint(
         0, WIDTH["vocab_size"], (1, args.tokens), generator=torch.Generator().manual_seed(rank)
     )
-    before = _rss_now()
-    peak = _Peak()
-    peak.start()
-    t0, c0 = time.perf_counter(), time.process_time()
-    if engine is not None:
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-    else:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-    peak.stop.set()
-    peak.join()
+    before = rss_now()
+    with RssSampler(interval=0.01) as peak:
+        t0, c0 = time.perf_counter(), time.process_time()
+        if engine is not None:
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     rec = {
         "rank": rank,
         "qatlib": qatlib.__file__,
@@ -156,6 +125,7 @@ def worker(args) -> None:
         "step_cpu_seconds": round(cpu, 2),
         "rss_before_step": before,
         "rss_step_peak": max(peak.peak, before),
+        # not `qatlib.zero3_io.peak_rss_bytes`: "before" runs a qatlib that may not have it
         "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     if engine is not None:
@@ -165,11 +135,6 @@ def worker(args) -> None:
         everyone = [rec]
     if rank == 0:
         Path(args.worker_out).write_text(json.dumps(everyone))
-
-
-def _rss_now() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def expert_layer(experts: int = 16, tokens: int = 32, rounds: int = 3) -> dict:

@@ -4,11 +4,11 @@ RTN PTQ -> end-to-end QAT with a budget of 100 optimizer steps x 256 tokens, rec
 
 Two rows at the same budget, data and test windows:
 
-- ``qatlib``: qatlib's trainer (`qatlib.trainers.end2end.QATTrainer`, through `benchmarks.quality.Lab`)
+- ``qatlib``: qatlib's trainer (`qatlib.trainers.end2end.QATTrainer`, through `benchmarks.lab.Lab`)
   with the default experiment's recipe (`RECIPE`, the same keys as config/experiments/smollm2-135m.yaml);
 - ``plain``: `plain_scale_qat`, the issue's comparison: a plain scale-only QAT loop (KL to the
-  unquantized model, AdamW lr 1e-4, nothing else), written out here so that what qatlib is
-  compared with is visible.
+  unquantized model, AdamW lr 1e-4, nothing else), written out here on purpose: what qatlib is
+  compared with must be visible, and must not change when qatlib's trainer does.
 
 ``python -m benchmarks.quality --default-model [--variants qatlib,plain]`` -> ``quality_default.json``.
 The base model is the workflow's (``results/base/smollm2-135m``, the ``gguf_model`` rule); it is
@@ -17,7 +17,7 @@ never pre-trained or downloaded here.
 
 from __future__ import annotations
 
-import tempfile
+import copy
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from .common import find_base_model, format_scheme, log
+from .lab import DEPLOY_TARGET, opened, recovery_record
+from .lab_inputs import FP4_ROWS, QUICK, QualitySettings
 
 # The default experiment's recipe (config/experiments/smollm2-135m.yaml: loss_type, lr, learnable).
 RECIPE: dict[str, Any] = {
@@ -89,8 +91,6 @@ def default_base(results: str, name: str) -> Path:
 
 
 def run(d: DefaultModelSettings, *, results: str = "results") -> dict[str, Any]:
-    from .quality import Lab, QualitySettings, recovery_record, resolve_inputs
-
     base = default_base(results, d.base_model)
     r = d.recipe
     s = QualitySettings(
@@ -110,9 +110,7 @@ def run(d: DefaultModelSettings, *, results: str = "results") -> dict[str, Any]:
     torch.manual_seed(d.seed)
     t0 = time.perf_counter()
     scheme = format_scheme(d.format)
-    with tempfile.TemporaryDirectory(prefix="bench-quality-default-") as tmp:
-        inputs = resolve_inputs(s, results, Path(tmp))
-        lab = Lab(s, inputs["base"], inputs["corpus_snapshot"], None, Path(tmp))
+    with opened(s, results, "bench-quality-default-") as (lab, inputs):
         bf16 = lab.eval(lab.base, mc=False)
         rtn = lab.eval(lab.rtn(scheme), mc=False)
         log(f"quality_default: bf16 {bf16['ppl']:.3f} rtn {rtn['ppl']:.3f} ({d.eval_windows} windows)")
@@ -179,10 +177,6 @@ def two_phase(fmt: str = "int2_g32", *, results: str = "results", seed: int = 0)
     Phase 2 runs at the main lr (2e-4, the old behaviour: it lost blockwise's gain) and at
     ``QualitySettings.two_phase_lr``, each with the student itself (quantizers off) and the
     untouched base model as the KD teacher. All rows see the same test windows (every window)."""
-    import copy
-
-    from .quality import QUICK, Lab, recovery_record, resolve_inputs
-
     s = replace(
         QUICK, formats=(), mc=False, seq_len=64, eval_windows=None, qat_steps=40, qat_batch=2,
         warmup_steps=2, loss_type="kl", bw_epochs=4, bw_train_size=16, bw_val_size=4, calib_windows=8,
@@ -190,9 +184,7 @@ def two_phase(fmt: str = "int2_g32", *, results: str = "results", seed: int = 0)
     )  # fmt: skip
     scheme = format_scheme(fmt)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-two-phase-") as tmp:
-        inputs = resolve_inputs(s, results, Path(tmp))
-        lab = Lab(s, inputs["base"], inputs["corpus_snapshot"], None, Path(tmp))
+    with opened(s, results, "bench-two-phase-") as (lab, _):
         bf16, rtn = lab.eval(lab.base, mc=False), lab.eval(lab.rtn(scheme), mc=False)
 
         def row(name: str, m, train_s: float, **extra) -> None:
@@ -251,21 +243,21 @@ class BlockwiseRows:
     # row blockwise's own ">= 0.90 at equal wall time" compares with
     e2e_at_blockwise_wall: bool = True
     # each row also as deployed: the real export run through `qatlib.runtime.emulate` for vLLM
-    # (`benchmarks.deployed.deployed_ppl`; a format vLLM refuses records the refusal)
+    # (`benchmarks.lab.Lab.deployed`; a format vLLM refuses records the refusal)
     deployed: bool = True
     # "vllm": the scales vLLM merges (fp8 q/k/v, gate/up) train tied, so that the deployment is
-    # the model as trained (`qatlib.quant.tying`); "none": each quantizer its own scale
+    # the model as trained (`qatlib.runtime.tying`); "none": each quantizer its own scale
     deploy_target: str = "none"
     # "vllm": phase 1 trains untied (its better start, RTN 23.339 vs 23.551 tied for fp8_static), then
     # phase 2 starts from phase 1's model with those scales tied at their max, as vLLM would merge
-    # them (`qatlib.quant.tying.apply_target`), and trains tied: the end result deploys as trained.
+    # them (`qatlib.runtime.tying.apply_target`), and trains tied: the end result deploys as trained.
     # Measured for fp8_static: 23.010 deployed, worse than untied two-phase's 22.920 deployed
     phase2_deploy_target: str = "none"
     eval_windows: int = 32
     seed: int = 0
 
     def __post_init__(self) -> None:
-        # before any training: `qatlib.quant.tying` treats an unknown target as "none" (untied)
+        # before any training: `qatlib.runtime.tying.apply_target` treats an unknown target as "none"
         from qatlib.runtime.facts import TARGETS
 
         for name in ("deploy_target", "phase2_deploy_target"):
@@ -279,11 +271,6 @@ class BlockwiseRows:
 
 
 def blockwise_rows(b: BlockwiseRows, *, results: str = "results") -> dict[str, Any]:
-    import copy
-
-    from .deployed import TARGET, deployed_ppl
-    from .quality import FP4_ROWS, Lab, recovery_record, resolve_inputs
-
     base = default_base(results, DefaultModelSettings.base_model)
     s = replace(
         FP4_ROWS,
@@ -302,9 +289,7 @@ def blockwise_rows(b: BlockwiseRows, *, results: str = "results") -> dict[str, A
     torch.manual_seed(b.seed)
     scheme = format_scheme(b.format)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-quality-blockwise-") as tmp:
-        inputs = resolve_inputs(s, results, Path(tmp))
-        lab = Lab(s, inputs["base"], inputs["corpus_snapshot"], None, Path(tmp))
+    with opened(s, results, "bench-quality-blockwise-") as (lab, inputs):
         bf16 = lab.eval(lab.base, mc=False)
         rtn = lab.eval(lab.rtn(scheme, deploy_target=b.deploy_target), mc=False)
         log(f"blockwise_rows: bf16 {bf16['ppl']:.3f} rtn {rtn['ppl']:.3f}")
@@ -313,7 +298,7 @@ def blockwise_rows(b: BlockwiseRows, *, results: str = "results") -> dict[str, A
             q = lab.eval(m, mc=False)
             rv = recovery_record(bf16, rtn, q)
             if b.deployed:  # {"ppl", "applied"} or {"refused"}
-                dep = deployed_ppl(m, scheme, lab.eval, Path(tmp), TARGET)
+                dep = lab.deployed(m, scheme, DEPLOY_TARGET)
                 extra = {**extra, "deployed_ppl": round(dep.pop("ppl"), 4) if "ppl" in dep else None, **dep}
             rows.append(
                 {"variant": name, "ppl": round(q["ppl"], 4), **rv, "train_s": round(train_s, 1), **extra}
@@ -327,7 +312,7 @@ def blockwise_rows(b: BlockwiseRows, *, results: str = "results") -> dict[str, A
         row("blockwise (weights + scales)", bm, brec["train_s"], windows=b.epochs * b.train_size)
         start2 = copy.deepcopy(bm)
         if b.phase2_deploy_target != "none":  # tied at the max of phase 1's scales, as vLLM merges them
-            from qatlib.quant.tying import apply_target
+            from qatlib.runtime.tying import apply_target
 
             apply_target(start2, scheme, b.phase2_deploy_target)
         pm, prec = lab.qat(

@@ -71,7 +71,11 @@ def run_one(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="example: python -m benchmarks.run --only speed,memory --quick",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the example stays one line
+    )
     ap.add_argument(
         "--only",
         default=",".join(BENCHMARKS),

@@ -16,27 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from .common import rss_now, tensor_bytes, warmup_qwen3_config
+
 MODES = ("ptq_whole", "ptq_stream", "export_whole", "export_stream")
 SHARD = 300 << 20  # the streamed export's max_shard_size (the input checkpoint's shard size)
-
-
-def _rss() -> int:
-    """Peak resident set so far (bytes)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _rss_now() -> int:
-    """Current resident set (bytes): the baseline (imports may have peaked higher and freed)."""
-    import os
-
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _batches():
@@ -62,8 +50,6 @@ def _warm_up(scheme) -> None:
     from qatlib.quant import prepare
     from qatlib.zero3_load import stream_load_scales
 
-    from .common import warmup_qwen3_config
-
     cfg = warmup_qwen3_config()
     batches = [torch.randint(0, 128, (1, 8))]
     with tempfile.TemporaryDirectory() as d:
@@ -88,13 +74,14 @@ def worker(mode: str, model_dir: Path, work: Path, out: Path) -> None:
     from qatlib.onload import Onloader, load_skeleton, realize_quantizers
     from qatlib.ptq import calibrate, calibrate_from_checkpoint, save_ptq_checkpoint
     from qatlib.quant import prepare, preset
+    from qatlib.zero3_io import peak_rss_bytes
     from qatlib.zero3_load import stream_load_scales
 
     torch.set_num_threads(2)
     scheme = preset("fp8_static")
-    cold = _rss_now()
+    cold = rss_now()
     _warm_up(scheme)
-    before = _rss_now()
+    before = rss_now()
     t0 = time.perf_counter()
     ptq_dir = work / "ptq"
     if mode == "ptq_whole":
@@ -120,7 +107,7 @@ def worker(mode: str, model_dir: Path, work: Path, out: Path) -> None:
             {
                 "rss_before_warmup": cold,
                 "rss_before": before,
-                "rss_peak": _rss(),
+                "rss_peak": peak_rss_bytes(),
                 "seconds": time.perf_counter() - t0,
             }
         )
@@ -128,15 +115,11 @@ def worker(mode: str, model_dir: Path, work: Path, out: Path) -> None:
 
 
 def _sizes(model_dir: Path) -> dict[str, int]:
-    from qatlib.checkpoint import safetensors as st
-    from qatlib.checkpoint.layout import weight_files
-
-    infos = [i for f in weight_files(model_dir) for i in st.read_header(f)]
-    layer0 = sum(i.end - i.start for i in infos if i.key.startswith("model.layers.0."))
+    sizes = tensor_bytes(model_dir)
     return {
-        "model_bytes": sum(i.end - i.start for i in infos),
-        "layer_bytes": layer0,
-        "embedding_bytes": sum(i.end - i.start for i in infos if "embed_tokens" in i.key),
+        "model_bytes": sum(sizes.values()),
+        "layer_bytes": sum(b for k, b in sizes.items() if k.startswith("model.layers.0.")),
+        "embedding_bytes": sum(b for k, b in sizes.items() if "embed_tokens" in k),
     }
 
 
@@ -152,7 +135,7 @@ def main() -> None:
     if args.worker:
         worker(args.worker, model_dir, args.workdir, args.record)
         return
-    from benchmarks.zero3_load import make_checkpoint
+    from .zero3_load import make_checkpoint
 
     model_dir.mkdir(parents=True, exist_ok=True)
     make_checkpoint(model_dir, args.size_gb)

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -27,10 +26,6 @@ DS_CONFIG = ROOT / "config" / "deepspeed" / "zero3_cpu_test.json"
 # qatlib: zero3_load.load_model; qatlib_glibc_default: the same without init_zero3's mmap threshold;
 # hf: AutoModelForCausalLM.from_pretrained under the registered ZeRO-3 config.
 MODES = ("qatlib", "qatlib_glibc_default", "hf")
-
-
-def _rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def qwen3_config(size_gb: float):
@@ -69,6 +64,7 @@ def make_checkpoint(model_dir: Path, size_gb: float) -> None:
 def worker(mode: str, model_dir: Path, out: Path) -> None:
     import torch
 
+    from benchmarks.common import warmup_qwen3_config  # the parent puts the repo on PYTHONPATH
     from qatlib import zero3_io as z
     from qatlib import zero3_load as zl
 
@@ -78,20 +74,9 @@ def worker(mode: str, model_dir: Path, out: Path) -> None:
     rank = z.get_rank()
     # Warm-up: build a tiny model of the same class, so the baseline holds the modules both loaders
     # import on first use (~0.13 GiB) and the increment is the weights' cost alone.
-    from transformers import Qwen3Config
-
-    tiny = Qwen3Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
-    zl.build_empty_model(tiny, ctx)
+    zl.build_empty_model(warmup_qwen3_config(), ctx)
     torch.distributed.barrier()
-    before = _rss()
+    before = z.peak_rss_bytes()
     t0 = time.perf_counter()
     if mode.startswith("qatlib"):
         model = zl.load_model(model_dir, ctx)
@@ -100,7 +85,7 @@ def worker(mode: str, model_dir: Path, out: Path) -> None:
 
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
     seconds = time.perf_counter() - t0
-    after = _rss()
+    after = z.peak_rss_bytes()
     held = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in model.parameters())
     # a spot check that both loaders produced the same (full) weights
     w = model.model.layers[0].mlp.down_proj.weight
@@ -140,21 +125,16 @@ def main() -> None:
     import deepspeed
     import torch
     import transformers
-    from safetensors import safe_open
+
+    from qatlib.checkpoint import safetensors as st
+    from qatlib.checkpoint.layout import weight_files
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     make_checkpoint(model_dir, args.size_gb)
     build_s = time.perf_counter() - t0
-    sizes, model_bytes = [], 0
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as fh:
-            for k in fh.keys():
-                sl = fh.get_slice(k)
-                n = 1
-                for d in sl.get_shape():
-                    n *= d
-                sizes.append(n * 2)  # bf16
+    # run as a file, this process cannot import `benchmarks` (its workers can): `common.tensor_bytes`'s lines
+    sizes = [i.end - i.start for f in weight_files(model_dir) for i in st.read_header(f)]
     model_bytes, largest = sum(sizes), max(sizes)
     world = 2
     target = 1.2 * model_bytes / world + largest

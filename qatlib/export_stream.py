@@ -4,7 +4,7 @@ host memory.
 The model is a skeleton (`qatlib.onload.load_skeleton`, prepared, every scale real and loaded,
 every weight on the meta device); each decoder layer is onloaded from the checkpoint in turn
 (`qatlib.onload.iter_onloaded_modules`), its tensors exported one at a time
-(`qatlib.export.iter_export_tensors`) and appended to the current output shard, which is written
+(`qatlib.compress.iter_export_tensors`) and appended to the current output shard, which is written
 as soon as it is full, each tensor spilled to disk as it comes. Host memory: one output tensor +
 one onloaded layer and one linear's compression temporaries (``benchmarks/stream_memory.py`` and
 ``benchmarks/plan_rehearsal.py`` measure it). Same tensors as the in-memory export (and, for a
@@ -22,7 +22,7 @@ import torch
 
 from .checkpoint.layout import WEIGHTS_FILE, name_weight_shards
 from .checkpoint.st_write import ShardWriter
-from .export import ExportJob, iter_export_tensors, write_side_files
+from .compress import ExportJob, iter_export_tensors, write_side_files
 
 if TYPE_CHECKING:
     from .onload import Onloader

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .models import decoder_layers
+from .modeling import decoder_layers
 from .onload import Onloader, capture_layer_inputs, carry, run_layer
 from .quant import QuantLinear, QuantScheme, QuantSpec, quant_linears
 from .quant import functional as F

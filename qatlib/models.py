@@ -16,32 +16,12 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from .modeling import resolve_dtype
+
 if TYPE_CHECKING:
     from .zero3_io import Zero3Context
 
 log = logging.getLogger(__name__)
-
-DTYPES = {
-    "auto": "auto",
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-}
-# Where a model keeps its decoder blocks, for models without ``get_decoder().layers``.
-_LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "layers")
-
-
-def resolve_dtype(name: str | torch.dtype | None):
-    """A torch dtype for ``name`` (``bf16``, ``bfloat16``, ``fp32`` ...), or ``"auto"``."""
-    if name is None or isinstance(name, torch.dtype):
-        return name or "auto"
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"model.torch_dtype must be one of {', '.join(DTYPES)}; got {name!r}") from None
 
 
 def resolve_model_dir(path: str, *, cache_dir: str | None = None) -> str:
@@ -182,25 +162,3 @@ def load_prepared(
 
         load_whole(model, path, read_onto)
     return model, report
-
-
-def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """``(path, blocks)``: the model's own list of decoder blocks (``get_decoder().layers``, else the
-    first non-empty `ModuleList` at a known path: ``model.layers`` for the Llama / Qwen families)."""
-    dec = model.get_decoder() if hasattr(model, "get_decoder") else None
-    layers = getattr(dec, "layers", None)
-    if isinstance(layers, nn.ModuleList) and len(layers):
-        for name, mod in model.named_modules():
-            if mod is layers:
-                return name, layers
-    for path in _LAYER_PATHS:
-        try:
-            m = model.get_submodule(path)
-        except AttributeError:
-            continue
-        if isinstance(m, nn.ModuleList) and len(m):
-            return path, m
-    raise ValueError(
-        f"cannot find the decoder layers of {type(model).__name__} (looked for get_decoder().layers, "
-        f"{', '.join(_LAYER_PATHS)})"
-    )

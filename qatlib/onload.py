@@ -38,7 +38,7 @@ from torch import nn
 
 from .checkpoint import safetensors as st
 from .checkpoint.layout import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, CheckpointError, weight_files
-from .models import decoder_layers, resolve_dtype
+from .modeling import decoder_layers, resolve_dtype
 from .moe import linearize_moe_experts
 from .quant.calibration import batch_inputs
 from .quant.linear import PrepareOptions, QuantLinear

@@ -117,7 +117,7 @@ def calibrate_layerwise(
     quantizer nothing runs forward and no batch is read. A static activation quantizer outside the
     decoder layers (an unignored ``lm_head`` with static inputs) is refused: the head is never run.
     """
-    from .models import decoder_layers
+    from .modeling import decoder_layers
     from .onload import capture_layer_inputs, carry, layer_prefix, realize_quantizers
 
     scheme = prepare_for_calibration(model, scheme, ignore=ignore, kv=kv, options=options)

@@ -7,7 +7,7 @@ Two kinds of directory are accepted:
   parameters), optimizer, scheduler, RNG and data position, so an interrupted run ends with the
   same scales as an uninterrupted one;
 - a saved model with a scales file beside it: plain HF safetensors weights (a ``fake`` export, i.e.
-  ``dequantize(quantize(W))``, or a `qatlib.zero3_io.save_consolidated` directory) plus
+  ``dequantize(quantize(W))``, or a `qatlib.zero3_save.save_consolidated` directory) plus
   ``quant_scheme.json`` and a safetensors file with the quantizer keys of `qatlib.checkpoint.keys`
   (``scales.safetensors``; LWC clip factors under their module path). Weights are copied
   into the prepared model, scales loaded with `qatlib.zero3_load.stream_load_scales`, and training

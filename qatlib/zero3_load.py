@@ -33,10 +33,11 @@ from .checkpoint.layout import (
     weight_files,
     write_json,
 )
+from .checkpoint.tied import checkpoint_max, tied_checkpoint_keys
 from .device import collective_device
 from .moe import linearize_moe_experts
 from .quant import PrepareOptions, Quantizer, QuantScheme, prepare
-from .quant.tying import checkpoint_max, param_aliases, tied_checkpoint_keys
+from .quant.tying import param_aliases
 from .zero3_io import (
     Zero3Context,
     Zero3Error,
@@ -401,7 +402,7 @@ def stream_load_scales(
 
 def _tied_max(model: nn.Module, ptq_dir: str | os.PathLike, scheme: QuantScheme, comm: _Comm) -> list[str]:
     """Tied scales (`qatlib.quant.tying`) whose checkpoint keys disagree (an untied checkpoint) take
-    the runtime's value, the max over the keys (`tying.checkpoint_max`); rank 0 reads the few tied
+    the runtime's value, the max over the keys (`qatlib.checkpoint.tied.checkpoint_max`); rank 0 reads the few tied
     keys. Returns the disagreeing groups (logged)."""
     keys = tied_checkpoint_keys(model)
     if not keys:

@@ -21,11 +21,23 @@ log = logging.getLogger("qatlib.scripts")
 _SET_HELP = "override a config key (dotted path, value read as YAML); repeatable"
 
 
+def example(doc: str) -> str:
+    """The script's example command: its docstring's first indented line (a ``\\`` line break in
+    a docstring joins the lines), spaces collapsed."""
+    return " ".join(next(ln for ln in doc.splitlines() if ln.startswith("    ") and ln.strip()).split())
+
+
 def parser(
-    description: str, *, config: bool = True, model: bool = True, save: bool = True
+    doc: str, *, config: bool = True, model: bool = True, save: bool = True
 ) -> argparse.ArgumentParser:
-    """An argument parser with the shared flags (run flags always; config flags on request)."""
-    ap = argparse.ArgumentParser(description=description)
+    """An argument parser with the shared flags (run flags always; config flags on request):
+    ``doc`` is the script's docstring, whose first line describes it and whose first indented
+    block is the example ``--help`` shows."""
+    ap = argparse.ArgumentParser(
+        description=doc.splitlines()[0],
+        epilog=f"example: {example(doc)}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the example stays one line
+    )
     if config:
         ap.add_argument("-c", "--config", required=True, help="experiment YAML (upstream AngelSlim layout)")
         ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V", help=_SET_HELP)

@@ -14,7 +14,7 @@ import _common
 
 
 def main(argv=None) -> int:
-    ap = _common.parser(__doc__.splitlines()[0], config=False, model=False)
+    ap = _common.parser(__doc__, config=False, model=False)
     ap.add_argument("--name", required=True, help="base model name (a key of --base-models)")
     ap.add_argument("--corpus", required=True, help="corpus folder (train.txt, test.txt)")
     ap.add_argument("--spec-json", default=None, help="the model's definition as JSON (model / train)")

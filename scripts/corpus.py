@@ -1,6 +1,8 @@
 """Stage `corpus`: the offline English corpus (train / calib / test splits, manifest).
 
-python scripts/corpus.py --out-dir results/corpus --config-json '{"packages": ["numpy", ...]}'
+    python scripts/corpus.py --out-dir results/corpus --config-json '{"packages": ["numpy"]}'
+
+The corpus is docstrings and docs of installed packages (`qatlib.offline.corpus`): no download.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import _common
 
 
 def main(argv=None) -> int:
-    ap = _common.parser(__doc__.splitlines()[0], config=False, model=False, save=False)
+    ap = _common.parser(__doc__, config=False, model=False, save=False)
     ap.add_argument("--out-dir", required=True, help="corpus folder (train.txt, calib.txt, test.txt, ...)")
     ap.add_argument("--config-json", default="{}", help="the `corpus` section of config/config.yaml, as JSON")
     ap.add_argument("--workers", type=int, default=None, help="processes parsing source files")

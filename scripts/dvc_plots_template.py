@@ -76,7 +76,9 @@ def build(out: Path, npm: str = "npm") -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], epilog="example: python scripts/dvc_plots_template.py"
+    )
     ap.add_argument("--out", default=".dvc/plots_template.html", help="template to write")
     ap.add_argument(
         "--no-config", action="store_true", help="do not set plots.html_template in .dvc/config.local"

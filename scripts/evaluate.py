@@ -30,26 +30,8 @@ def ppl_label(source: str) -> str:
     return source if not p.suffix else f"{p.parent.name}/{p.stem}"
 
 
-def split_tasks(tasks: list[str]) -> tuple[list[str], list[str], list[str]]:
-    """(task names, include paths, hub task names) from ``evaluation.tasks``."""
-    names, include, hub = [], [], []
-    for t in tasks:
-        p = Path(t)
-        if p.is_dir():
-            if not (p / f"{p.name}.yaml").is_file():
-                raise SystemExit(
-                    f"error: evaluation.tasks: {p} has no {p.name}.yaml (a local task folder is named after its task)"
-                )
-            names.append(p.name)
-            include.append(str(p))
-        else:
-            names.append(t)
-            hub.append(t)
-    return names, include, hub
-
-
 def main(argv=None) -> int:
-    ap = _common.parser(__doc__.splitlines()[0], save=False)
+    ap = _common.parser(__doc__, save=False)
     ap.add_argument("--variant", required=True, choices=VARIANTS)
     ap.add_argument("--scales", default=None, help="PTQ / QAT checkpoint whose scales to load (ptq, qat)")
     ap.add_argument("--out", required=True, help="result JSON")
@@ -68,6 +50,12 @@ def main(argv=None) -> int:
 
     if args.layerwise and (why := layerwise_problem(args.variant, ev.tasks)):
         ap.error(why)
+    from qatlib.eval.harness import split_tasks
+
+    try:  # before any model is loaded
+        names, include, hub = split_tasks(ev.tasks)
+    except ValueError as e:
+        ap.error(str(e))
 
     with _common.stage(f"evaluate-{args.variant}", args) as record:
         from qatlib.checkpoint.layout import write_json
@@ -105,7 +93,6 @@ def main(argv=None) -> int:
                 f"{args.variant} ppl {ppl_label(src)}: {r['ppl']:.4f}, top-1 {r['top1']:.4f} ({r['windows']} windows)"
             )
         if ev.tasks:
-            names, include, hub = split_tasks(list(ev.tasks))
             kw = dict(include_path=include or None, include_defaults=bool(hub), hf_home=args.hf_home)
             kw.update(num_fewshot=ev.num_fewshot, max_length=ev.max_seq_length, seed=cfg.global_.seed)
             result["tasks"].update(evaluate_tasks(model, tok, names, **run, **kw))

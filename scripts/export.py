@@ -19,7 +19,7 @@ import _common
 
 
 def main(argv=None) -> int:
-    ap = _common.parser(__doc__.splitlines()[0])
+    ap = _common.parser(__doc__)
     ap.add_argument(
         "--save-format", default=None, help="overrides compression.QAT.save_format (default real)"
     )

@@ -16,7 +16,7 @@ import _common
 
 
 def main(argv=None) -> int:
-    ap = _common.parser(__doc__.splitlines()[0], config=False, model=False, save=False)
+    ap = _common.parser(__doc__, config=False, model=False, save=False)
     ap.add_argument("--test", required=True, help="held-out text file")
     ap.add_argument("--task-dir", required=True, help="output folder; its name is the task name")
     ap.add_argument(

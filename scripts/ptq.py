@@ -20,7 +20,7 @@ import _common
 
 
 def main(argv=None) -> int:
-    ap = _common.parser(__doc__.splitlines()[0])
+    ap = _common.parser(__doc__)
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --save-path")
     ap.add_argument(
         "--whole-model",

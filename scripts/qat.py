@@ -28,7 +28,7 @@ import _common
 
 
 def main(argv=None) -> int:
-    ap = _common.parser(__doc__.splitlines()[0])
+    ap = _common.parser(__doc__)
     ap.add_argument(
         "--from-ptq-ckpt", default=None, help="PTQ checkpoint (overrides compression.QAT.from_ptq_ckpt)"
     )
@@ -53,10 +53,11 @@ def main(argv=None) -> int:
         ap.error(str(e))
 
     with _common.stage("zero3_qat", args) as record:
-        from qatlib import zero3_io
+        from qatlib import zero3_io, zero3_save
         from qatlib.checkpoint.layout import SCALE_LOAD_FILE, TRAIN_LOG_FILE
         from qatlib.data import training_data_from_config
-        from qatlib.models import load_prepared, load_tokenizer, resolve_dtype, resolve_model_dir
+        from qatlib.modeling import resolve_dtype
+        from qatlib.models import load_prepared, load_tokenizer, resolve_model_dir
         from qatlib.trainers.blockwise import train_blockwise
         from qatlib.trainers.end2end import train_end2end
 
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
                     if (run_dir / name).is_file():
                         shutil.copyfile(run_dir / name, tmp / name)
 
-            zero3_io.save_consolidated(model, save, scheme=scheme, add_files=add_files)
+            zero3_save.save_consolidated(model, save, scheme=scheme, add_files=add_files)
             if zero3_io.get_rank() == 0:
                 record.update(done, samples=len(data), scheme=scheme.name, zero3=cfg.zero3_enabled)
                 what = ", ".join(f"{v} {k}" for k, v in done.items())

@@ -29,7 +29,7 @@ def _products(cfg) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = _common.parser(__doc__.splitlines()[0], save=False, model=False)
+    ap = _common.parser(__doc__, save=False, model=False)
     ap.add_argument("--exp-dir", required=True, help="results/<exp>")
     ap.add_argument("--out", default=None, help="report HTML (default <exp-dir>/report.html)")
     ap.add_argument(

@@ -19,7 +19,7 @@ import _common
 
 
 def main(argv=None) -> int:
-    ap = _common.parser(__doc__.splitlines()[0], config=False, model=False, save=False)
+    ap = _common.parser(__doc__, config=False, model=False, save=False)
     ap.add_argument("--ptq-ckpt", required=True)
     ap.add_argument("--qat-ckpt", required=True)
     ap.add_argument("--base-weights", default=None, help="the weights PTQ calibrated on (model folder)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,6 +146,12 @@ def test_formats_are_what_they_say():
     assert common.format_scheme("nvfp4").input.dynamic and common.format_scheme("mxfp4_w4a16").input is None
     with pytest.raises(KeyError):
         common.format_scheme("int5_g7")
+    # the deployment rows' fp8_dynamic and the GPU check's groups of 128 are qatlib's presets
+    from qatlib.quant import PRESETS
+
+    assert common.format_scheme("fp8_dynamic") == PRESETS["fp8_dynamic"]
+    w4a8 = common.format_scheme("w4a8_fp8_g128")
+    assert w4a8.weight == PRESETS["w4a8_fp8"].weight.replace(group_size=128) and w4a8.input.is_fp8
 
 
 def test_recovery_and_noise_flag():
@@ -272,3 +279,77 @@ def test_blockwise_rows_refuse_an_unknown_deploy_target():
     # phase 2's tying starts from an untied phase 1; both set would tie twice under two labels
     with pytest.raises(ValueError, match="phase2_deploy_target ties phase 1's untied model"):
         BlockwiseRows(deploy_target="vllm", phase2_deploy_target="vllm")
+
+
+def test_evaluator_keeps_each_windows_nll_sum_exactly(tmp_path):
+    """`benchmarks.lab.Evaluator` scores with `qatlib.eval.perplexity` and rebuilds each window's
+    summed NLL from qatlib's per-token mean: bit for bit the fp32 sums of a direct loop over the
+    same batches, so the perplexity and the paired statistics are the numbers they were."""
+    from dataclasses import replace
+
+    import torch.nn.functional as F
+    from conftest import VOCAB, build_model, tiny_qwen3_config
+
+    from benchmarks.lab import Evaluator
+
+    model = build_model(tiny_qwen3_config(), seed=0)
+    s = replace(quality.QUICK, seq_len=16, eval_windows=6, eval_batch=4)
+    text = "".join(chr(97 + (i * 7919) % 26) for i in range(16 * 9))
+
+    def tok(t, **_):
+        return {"input_ids": [ord(c) % VOCAB for c in t]}
+
+    ev = Evaluator(tok, text, s, None, tmp_path)
+    rec = ev(model, mc=False)
+    direct = []
+    with torch.no_grad():
+        for i in range(0, ev.windows.shape[0], s.eval_batch):
+            b = ev.windows[i : i + s.eval_batch]
+            logits = model(input_ids=b, use_cache=False).logits
+            direct += [
+                F.cross_entropy(logits[r, :-1].float(), b[r, 1:], reduction="sum").item()
+                for r in range(len(b))
+            ]
+    direct = torch.tensor(direct, dtype=torch.float64)
+    tokens = ev.windows.shape[0] * (s.seq_len - 1)
+    assert torch.equal(rec["_nll"], direct) and rec["tokens"] == tokens
+    assert rec["ppl"] == math.exp(direct.sum().item() / tokens) == rec["_qatlib_ppl"]
+    # the rebuild is exact for any fp32 sum: x / t * t is within 2^-52 of x, fp32's spacing 2^-24
+    x = (torch.rand(10_000, generator=torch.Generator().manual_seed(0)) * 4000).double()
+    assert torch.equal(
+        (torch.tensor([v / 255 for v in x.tolist()], dtype=torch.float64) * 255).float().double(), x
+    )
+
+
+def test_tensor_bytes_reads_the_headers(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file(
+        {"a": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)},
+        str(tmp_path / "model.safetensors"),
+    )
+    assert common.tensor_bytes(tmp_path) == {"a": 48, "b": 10}
+
+
+def test_no_import_cycle_and_no_long_module_in_benchmarks(monkeypatch):
+    """The benchmarks import one way (grimp reads every import statement, function-local ones
+    included): common <- lab_inputs <- lab <- quality_default <- quality, deployed; each question's
+    module at most 600 lines."""
+    import grimp
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(repo))
+    g = grimp.build_graph("benchmarks", cache_dir=None)
+    mods = sorted(g.modules)
+    both_ways = [
+        (a, b)
+        for i, a in enumerate(mods)
+        for b in mods[i + 1 :]
+        if g.chain_exists(a, b) and g.chain_exists(b, a)
+    ]
+    assert both_ways == []
+    assert g.chain_exists("benchmarks.quality", "benchmarks.lab")  # the graph is the real one
+    long = {
+        p.name: n for p in (repo / "benchmarks").glob("*.py") if (n := len(p.read_text().splitlines())) > 600
+    }
+    assert long == {}

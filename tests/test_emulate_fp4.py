@@ -24,6 +24,7 @@ from qatlib.quant import functional as F
 from qatlib.runtime import emulate as E
 from qatlib.runtime import emulate_fp4 as E4
 from qatlib.runtime.fusion import FusedGroup, GroupKind
+from qatlib.runtime.tying import tie_for
 
 EQUAL, MISMATCH = 1e-5, 5e-3
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -96,7 +97,7 @@ def test_mxfp4_scales_read_as_powers_of_two():
 # --------------------------------------------------------------------------- real tiny exports
 def _export(tmp_path, name, *, tied, moe=False):
     model = build_model(tiny_qwen3_moe_config() if moe else tiny_qwen3_config())
-    opts = PrepareOptions(deploy_target="vllm" if tied else "none")
+    opts = PrepareOptions(deploy=tie_for("vllm" if tied else "none"))
     rep = calibrate(model, preset(name), _batches(), options=opts)
     d = tmp_path / f"{name}-{'t' if tied else 'u'}"
     export(model, rep.scheme, d, "real")
@@ -111,7 +112,7 @@ def test_tied_nvfp4_export_has_one_global_scale_per_fused_group(tmp_path):
     attn = model.model.layers[0].self_attn
     amax = max(getattr(attn, p).weight.detach().abs().max().item() for p in ("q_proj", "k_proj", "v_proj"))
     rep = calibrate(
-        model, preset("nvfp4_weight_only"), _batches(), options=PrepareOptions(deploy_target="vllm")
+        model, preset("nvfp4_weight_only"), _batches(), options=PrepareOptions(deploy=tie_for("vllm"))
     )
     qs = [getattr(attn, p).weight_quantizer for p in ("q_proj", "k_proj", "v_proj")]
     assert all(q.global_scale is qs[0].global_scale for q in qs)

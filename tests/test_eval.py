@@ -279,3 +279,17 @@ def test_the_evaluations_reader_loads_what_from_pretrained_loads(tmp_path, tiny_
     same(whole, read)
     with pytest.raises(ValueError, match="read_onto"):
         load_prepared(cfg, base, scales=tmp_path / "ptq", read_onto="cpu", device_map="auto")
+
+
+def test_split_tasks_tells_local_folders_from_hub_names(tmp_path):
+    """``evaluation.tasks``: a folder holding ``<name>.yaml`` is a local task (its name + the folder
+    to include), a name is an lm-eval task from the hub; a folder without its YAML is refused
+    naming the folder (scripts/evaluate.py checks this before loading any model)."""
+    from qatlib.eval.harness import split_tasks
+
+    (tmp_path / "mc").mkdir()
+    (tmp_path / "mc/mc.yaml").write_text("task: mc\n")
+    assert split_tasks([str(tmp_path / "mc"), "piqa"]) == (["mc", "piqa"], [str(tmp_path / "mc")], ["piqa"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"empty has no empty.yaml"):
+        split_tasks([str(tmp_path / "empty")])

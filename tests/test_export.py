@@ -15,8 +15,10 @@ from conftest import build_model, tiny_qwen3_config, tiny_qwen3_moe_config
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
+from qatlib import compress as compress_mod
 from qatlib import export as export_mod
 from qatlib.export import ExportError, compressed_tensors_format, export
+from qatlib.export_format import CTFormat
 from qatlib.ptq import calibrate, save_ptq_checkpoint
 from qatlib.quant import (
     Granularity,
@@ -311,7 +313,7 @@ def test_ptq_checkpoint_to_export_roundtrip(tmp_path, moe):
     torch.testing.assert_close(_logits(_reload(out)), _logits(model), rtol=0, atol=0)
     if not moe:
         # the ZeRO-3 path hands the modules over one gathered unit at a time; only rank 0 writes
-        from qatlib.zero3_io import iter_gathered_modules
+        from qatlib.zero3_save import iter_gathered_modules
 
         assert (
             export(
@@ -401,7 +403,7 @@ def test_export_refuses_destroyed_weights(tmp_path, monkeypatch):
     def wrong_format(s, **kw):
         f = real(s, **kw)
         bad = f.scheme.model_copy(update={"weights": f.scheme.weights.model_copy(update={"num_bits": 3})})
-        return export_mod.CTFormat(bad, f.format, None)
+        return CTFormat(bad, f.format, None)
 
     monkeypatch.setattr(export_mod, "compressed_tensors_format", wrong_format)
     with pytest.raises(ExportError, match="round trip changed the weight"):
@@ -588,8 +590,8 @@ def test_streaming_export_failure_writes_nothing(tmp_path, monkeypatch):
             raise ExportError("boom")
         return real(*a, **k)
 
-    real = export_mod.compress_linear
-    monkeypatch.setattr(export_mod, "compress_linear", boom)
+    real = compress_mod.compress_linear
+    monkeypatch.setattr(compress_mod, "compress_linear", boom)
     with pytest.raises(ExportError, match="boom"):
         export(skel, scheme, tmp_path / "out", "real", onload=loader)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))

@@ -23,6 +23,7 @@ import torch
 from conftest import REPO_ROOT, VOCAB, build_model, one_thread, tiny_qwen3_config
 
 from qatlib import zero3_io as z
+from qatlib import zero3_save as zs
 from qatlib.quant import Granularity, QuantScheme, QuantSpec, prepare
 
 WORKERS = Path(__file__).parent / "fault_workers"
@@ -88,7 +89,7 @@ def ckpt(tmp_path_factory):
     model.save_pretrained(tmp / "base")
     with one_thread():
         prepare(model, SCHEME)
-        z.save_consolidated(model, tmp / "ptq", scheme=SCHEME)
+        zs.save_consolidated(model, tmp / "ptq", scheme=SCHEME)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (8, 16), generator=g).tolist()
     data = [{"input_ids": x, "labels": x} for x in ids]
@@ -476,7 +477,7 @@ def test_resume_with_another_world_size_names_the_checkpoint(tmp_path):
     with pytest.raises(ResumeError, match=rf"{ckpt}: written by 1 rank\(s\), this run has 2"):
         check_resume_world_size(tmp_path / "trainer", 2)
     saved = tmp_path / "saved"
-    z.save_consolidated(_prepared(), saved, scheme=SCHEME)
+    zs.save_consolidated(_prepared(), saved, scheme=SCHEME)
     check_resume_world_size(saved, 8)
 
 
@@ -511,7 +512,7 @@ def test_qat_save_writes_tokenizer_and_logs_in_the_one_commit(tmp_path, tiny_tok
     from qatlib.checkpoint.layout import TRAIN_LOG_FILE
 
     out = tmp_path / "qat"
-    z.save_consolidated(_prepared(), out, scheme=SCHEME)
+    zs.save_consolidated(_prepared(), out, scheme=SCHEME)
     before = _digest(out)
 
     def failing(tmp: Path) -> None:
@@ -519,7 +520,7 @@ def test_qat_save_writes_tokenizer_and_logs_in_the_one_commit(tmp_path, tiny_tok
         raise OSError("disk full")
 
     with pytest.raises(z.Zero3Error, match="OSError: disk full"):  # raised on every rank
-        z.save_consolidated(_prepared(), out, scheme=SCHEME, add_files=failing)
+        zs.save_consolidated(_prepared(), out, scheme=SCHEME, add_files=failing)
     assert _digest(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["qat"]
 
     def add(tmp: Path) -> None:
@@ -527,7 +528,7 @@ def test_qat_save_writes_tokenizer_and_logs_in_the_one_commit(tmp_path, tiny_tok
         tiny_tokenizer.save_pretrained(str(tmp))
         (tmp / TRAIN_LOG_FILE).write_text('{"step": 1}\n')
 
-    z.save_consolidated(_prepared(), out, scheme=SCHEME, add_files=add)
+    zs.save_consolidated(_prepared(), out, scheme=SCHEME, add_files=add)
     assert (out / "tokenizer.json").is_file() and (out / TRAIN_LOG_FILE).read_text() == '{"step": 1}\n'
     assert (out / "model.safetensors").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["qat"]
 

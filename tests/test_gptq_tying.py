@@ -18,6 +18,7 @@ from qatlib.gptq import gptq
 from qatlib.quant import PrepareOptions, preset
 from qatlib.runtime import emulate as E
 from qatlib.runtime.fusion import GroupKind, fused_groups
+from qatlib.runtime.tying import tie_for
 
 EQUAL = 1e-5
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -38,7 +39,7 @@ def test_gptq_uses_the_tied_scale_and_deploys_as_trained(tmp_path, moe):
         g.members: max(mods[m].weight.detach().abs().max().item() for m in g.members) / 448.0 for g in pairs
     }
     scheme = preset("fp8_static")
-    report = gptq(model, scheme, _batches(), options=PrepareOptions(deploy_target="vllm"))
+    report = gptq(model, scheme, _batches(), options=PrepareOptions(deploy=tie_for("vllm")))
     mods = dict(model.named_modules())
     for members, scale in want.items():
         qs = [mods[m].weight_quantizer for m in members]

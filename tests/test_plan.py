@@ -317,7 +317,7 @@ def test_a_config_that_does_not_fit_is_flagged(capsys):
 
 def test_constants_agree_with_the_modules_they_mirror():
     from qatlib.losses import CHUNK_ELEMENTS
-    from qatlib.zero3_io import save_consolidated
+    from qatlib.zero3_save import save_consolidated
 
     assert qp.CHUNK_ELEMENTS == CHUNK_ELEMENTS
     assert qp.SAVE_SHARD_BYTES == inspect.signature(save_consolidated).parameters["max_shard_bytes"].default

@@ -225,7 +225,7 @@ def test_ptq_checkpoint_target_dir_rules(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ptq, "save_file", boom)
+    monkeypatch.setattr(ptq, "save_tensors", boom)
     with pytest.raises(OSError, match="disk full"):
         save_ptq_checkpoint(model, scheme, tmp_path / "b")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["busy"]  # no partial or temporary directory
@@ -432,8 +432,9 @@ def test_layerwise_calibration_keeps_the_deploy_ties(tmp_path):
     from qatlib.checkpoint.keys import scale_state_dict
     from qatlib.ptq import calibrate_from_checkpoint
     from qatlib.quant.linear import PrepareOptions
+    from qatlib.runtime.tying import tie_for
 
-    scheme, opts = preset("fp8_static"), PrepareOptions(deploy_target="vllm")
+    scheme, opts = preset("fp8_static"), PrepareOptions(deploy=tie_for("vllm"))
     d, model = _saved(tmp_path, tiny_qwen3_moe_config())
     ref_report = calibrate(model, scheme, _batches(), options=opts)
     ref = scale_state_dict(model)

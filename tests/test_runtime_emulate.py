@@ -4,7 +4,7 @@ compared with the trained (fake-quant) model.
 
 Bounds (max |logit difference|, tiny models, logits ~0.6 in magnitude):
 - EQUAL_FP32 = EQUAL_BF16 = 1e-5: where the runtime changes nothing, or where the trained model was
-  given exactly what the runtime does (by hand here; by ``deploy_target`` in the tied test, W4A8
+  given exactly what the runtime does (by hand here; by ``PrepareOptions.deploy`` in the tied test, W4A8
   included). Measured: 0 in every such case (the emulator's GEMM runs in the kernel's dtype, vLLM's
   fp16 dequantization in its fp8 requantization moves a code only in fp16's subnormal range);
 - MISMATCH_FP32 = 5e-3, MISMATCH_BF16 = 1e-3: an untied model differs from its deployed self by at
@@ -34,6 +34,7 @@ from qatlib.quant import (
 )
 from qatlib.runtime import emulate as E
 from qatlib.runtime.fusion import GroupKind, fused_groups
+from qatlib.runtime.tying import tie_for
 
 EQUAL_FP32, EQUAL_BF16 = 1e-5, 1e-5
 MISMATCH_FP32, MISMATCH_BF16 = 5e-3, 1e-3
@@ -221,7 +222,7 @@ UNCHANGED = [
     ("int8", True, None),
 ]
 # the runtime changes the untied model: (preset, moe, dtype, how the trained model is made to
-# compute what the runtime does by hand, or None where only h-tying's deploy_target can)
+# compute what the runtime does by hand, or None where only h-tying's PrepareOptions.deploy can)
 CHANGED = [
     ("fp8_static", False, None, (tie_by_hand, None)),
     ("fp8_static", True, None, (tie_by_hand, None)),
@@ -277,7 +278,7 @@ TIED_CASES = CHANGED
 def test_emulated_equals_trained_when_tied(tmp_path, case):
     """Under ``deploy.target: vllm`` the trained model IS the deployed one (h-tying's API)."""
     name, moe, dtype, _ = case
-    model, scheme = _trained(name, moe=moe, dtype=dtype, options=PrepareOptions(deploy_target="vllm"))
+    model, scheme = _trained(name, moe=moe, dtype=dtype, options=PrepareOptions(deploy=tie_for("vllm")))
     tied = _diff(_deployed(model, scheme, tmp_path / "t").model, model)
     assert tied <= (EQUAL_BF16 if dtype is torch.bfloat16 else EQUAL_FP32), tied
 
@@ -379,6 +380,31 @@ def test_expert_input_scale_collapse_end_to_end(tmp_path):
     assert _diff(dep.model, model) <= EQUAL_FP32
 
 
+def test_expert_gate_up_input_scales_apart_are_refused(tmp_path):
+    """vLLM's fused-MoE weight loader keeps one w13 input scale per expert and raises when an
+    expert's gate and up input scales differ by more than 1e-5 (RoutedExperts.weight_loader, found
+    by the vLLM oracle, tests/test_runtime_oracle.py): the emulator refuses such an export and the
+    export records it; within 1e-5 it loads."""
+    import json
+
+    model, scheme = _trained("fp8_static", moe=True)
+    up = model.model.layers[1].mlp.experts[2].up_proj.input_quantizer.scale
+    with torch.no_grad():
+        up.add_(5e-6)  # within vLLM's tolerance
+    _deployed(model, scheme, tmp_path / "near")
+    with torch.no_grad():
+        up.mul_(1.5)
+    export(model, scheme, tmp_path / "apart", "real")
+    with pytest.raises(
+        E.RuntimeRefusal, match=r"input_scales of w1 and w3.*apart in model.layers.1.mlp.experts.2"
+    ):
+        E.emulate_export(tmp_path / "apart", "vllm")
+    deployment = json.loads((tmp_path / "apart" / "qatlib_export.json").read_text())["deployment"]
+    assert deployment["vllm 0.33.0"]["loads"] is False
+    assert "input_scales of w1 and w3" in deployment["vllm 0.33.0"]["refusal"]
+    assert deployment["sglang 0.5.23"]["loads"] is True
+
+
 def test_default_model_w4a8_row_is_refused_for_its_shapes():
     """benchmarks.deployed's w4a8_fp8_g64 row on SmolLM2-135M (hidden 576, k/v 192, MLP 1536): vLLM's
     CUTLASS W4A8 kernel refuses it even in bf16 at group 128, since 576 is not a multiple of 128; the
@@ -416,6 +442,6 @@ def test_every_preset_deploys_as_trained_or_is_refused_at_parse_time(tmp_path, n
         with pytest.raises(E.RuntimeRefusal):
             _deployed(model, scheme, tmp_path / "r")
         return
-    model, scheme = _trained(name, moe=moe, dtype=dtype, options=PrepareOptions(deploy_target="vllm"))
+    model, scheme = _trained(name, moe=moe, dtype=dtype, options=PrepareOptions(deploy=tie_for("vllm")))
     diff = _diff(_deployed(model, scheme, tmp_path / "t").model, model)
     assert diff <= (EQUAL_BF16 if dtype is torch.bfloat16 else EQUAL_FP32), diff

@@ -445,7 +445,7 @@ def test_resume_from_checkpoint_reaches_the_same_scales(tmp_path):
 
 def test_resume_from_saved_model_with_scales(tmp_path):
     from qatlib.resume import classify_resume_dir, load_saved_model
-    from qatlib.zero3_io import save_consolidated
+    from qatlib.zero3_save import save_consolidated
 
     src = prepared_model(seed=1)
     with torch.no_grad():
@@ -504,7 +504,7 @@ def _experiment(tmp_path, tokenizer_dir, *, raw: bool = False, **qat):
 def test_train_end2end_from_config_with_lazy_init_and_saved_resume(tmp_path, tiny_tokenizer):
     from qatlib.data import training_data_from_config
     from qatlib.trainers.end2end import train_end2end
-    from qatlib.zero3_io import save_consolidated
+    from qatlib.zero3_save import save_consolidated
 
     tok_dir = tmp_path / "tok"
     tiny_tokenizer.save_pretrained(tok_dir)
@@ -570,7 +570,7 @@ def test_resume_from_trained_weights_distils_toward_the_original_model(tmp_path,
     (those were fitted to be good after quantization; distilling toward them lost phase 1's gain)."""
     from qatlib.data import training_data_from_config
     from qatlib.trainers.end2end import train_end2end
-    from qatlib.zero3_io import save_consolidated
+    from qatlib.zero3_save import save_consolidated
 
     base_dir = tmp_path / "base"
     tiny_tokenizer.save_pretrained(base_dir)
@@ -887,8 +887,8 @@ def _z3_reference(tmp_path: Path, spec: dict, data: list) -> list[dict[str, torc
     ``tmp_path/ref/out``."""
     from transformers import AutoModelForCausalLM
 
-    from qatlib import zero3_io as z
     from qatlib import zero3_load as zl
+    from qatlib import zero3_save as zs
 
     z3_steps, after = Path(spec["out"]) / "steps", []
 
@@ -899,7 +899,7 @@ def _z3_reference(tmp_path: Path, spec: dict, data: list) -> list[dict[str, torc
 
         def on_step_end(self, args, state, control, model=None, **kw):
             d = tmp_path / "ref_steps" / str(state.global_step)
-            z.save_consolidated(model, d, scheme=Z3_SCHEME)
+            zs.save_consolidated(model, d, scheme=Z3_SCHEME)
             after.append(_saved_scales(d))
 
     with one_thread():
@@ -1223,7 +1223,7 @@ def test_resume_from_own_fake_export_keeps_the_original_weights(tmp_path):
     original model, not the fake-quantized one. A consolidated save (original weights) likewise."""
     from conftest import build_model, tiny_qwen3_config
 
-    from qatlib import zero3_io as z
+    from qatlib import zero3_save as zs
     from qatlib.export import export
     from qatlib.quant import PRESETS, QuantSpec, prepare, quantization_disabled
     from qatlib.resume import load_saved_model
@@ -1240,7 +1240,7 @@ def test_resume_from_own_fake_export_keeps_the_original_weights(tmp_path):
                 p.mul_(1.1)
         quant_logits = model(ids).logits
     export(model, scheme, tmp_path / "fake", "fake")
-    z.save_consolidated(model, tmp_path / "saved", scheme=scheme)
+    zs.save_consolidated(model, tmp_path / "saved", scheme=scheme)
     for d in ("fake", "saved"):
         resumed = prepare(copy.deepcopy(base), scheme)
         report = load_saved_model(resumed, tmp_path / d)

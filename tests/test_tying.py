@@ -1,4 +1,4 @@
-"""Scale tying under ``deploy.target`` (qatlib.quant.tying): the quantizers vLLM / SGLang merge at
+"""Scale tying under ``deploy.target`` (qatlib.runtime.tying, qatlib.quant.tying): the quantizers vLLM / SGLang merge at
 load share one Parameter, train as one, calibrate to the max, export one equal value per key, and
 reload with the runtime's max rule; plus the runtime's forward arithmetic (per-token dynamic
 inputs, model-dtype scales, the W4A8 kernel's scale path). ``deploy.target: none`` is untouched."""
@@ -26,11 +26,13 @@ from qatlib.quant import (
 )
 from qatlib.quant import functional as F
 from qatlib.quant.quantizer import role_parameters
+from qatlib.runtime import tying as rt_tying
+from qatlib.runtime.tying import tie_for
 from qatlib.zero3_load import stream_load_scales
 
 pytestmark = pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")
 FP8 = preset("fp8_static")
-VLLM = PrepareOptions(deploy_target="vllm")
+VLLM = PrepareOptions(deploy=tie_for("vllm"))
 
 
 def _batches(n=2, b=2, t=16, seed=0):
@@ -44,7 +46,7 @@ def _q(model, name):
 
 def _prepared(moe=False, target="vllm", scheme=FP8, seed=0):
     model = build_model(tiny_qwen3_moe_config() if moe else tiny_qwen3_config(), seed=seed)
-    return prepare(model, scheme, options=PrepareOptions(deploy_target=target))
+    return prepare(model, scheme, options=PrepareOptions(deploy=tie_for(target)))
 
 
 # --------------------------------------------------------------------------- sharing
@@ -59,7 +61,7 @@ def test_prepare_under_vllm_shares_one_parameter_dense():
         assert gu[0] is gu[1] and gu[0] is not qkv[0]
         assert _q(model, f"{a}o_proj.{role}").scale is not qkv[0]  # o_proj / down_proj are not fused
         assert _q(model, f"{m}down_proj.{role}").scale is not gu[0]
-    assert tying.is_tied(model) and tying.untied_groups(model, "vllm") == []
+    assert tying.is_tied(model) and rt_tying.untied_groups(model, "vllm") == []
     # the tied weight scale is the max of the members' own absmax / 448 (the runtime's collapse rule)
     ws = [_q(model, f"{a}{p}").weight.detach().abs().amax() / 448 for p in ("q_proj", "k_proj", "v_proj")]
     assert torch.equal(
@@ -178,10 +180,10 @@ def _collapse_to_max(tensors: dict, key_groups) -> dict:
 @pytest.mark.parametrize("target", ["vllm", "none"])
 def test_export_writes_equal_values_and_collapse_changes_only_untied(tmp_path, target):
     model = build_model(tiny_qwen3_moe_config())
-    calibrate(model, FP8, _batches(), options=PrepareOptions(deploy_target=target))
+    calibrate(model, FP8, _batches(), options=PrepareOptions(deploy=tie_for(target)))
     out = export(model, FP8, tmp_path / target, "real")
     sd = load_file(str(out / "model.safetensors"))
-    groups = tying.key_groups(model, "vllm")
+    groups = rt_tying.key_groups(model, "vllm")
     assert len(groups) == 16 and all(k in sd for ks in groups for k in ks)
     collapsed = _collapse_to_max(sd, groups)
     changed = [ks[0] for ks in groups if any(not torch.equal(collapsed[k], sd[k]) for k in ks)]
@@ -192,13 +194,13 @@ def test_export_writes_equal_values_and_collapse_changes_only_untied(tmp_path, t
         "every expert's static input",
     )
     if target == "vllm":
-        assert changed == [] and tying.scales_agree(sd, groups)
-        assert tying.export_is_tied(out) is True and info["scales_tied"]
+        assert changed == [] and rt_tying.scales_agree(sd, groups)
+        assert rt_tying.export_is_tied(out) is True and info["scales_tied"]
         assert not any(d.startswith(collapses) for d in info["differences"])  # tying removed them
         assert sum(d.startswith(collapses) for d in info["trained_as_deployed"]) == 3
     else:
-        assert len(changed) >= 8 and not tying.scales_agree(sd, groups)
-        assert tying.export_is_tied(out) is False and info["trained_as_deployed"] == []
+        assert len(changed) >= 8 and not rt_tying.scales_agree(sd, groups)
+        assert rt_tying.export_is_tied(out) is False and info["trained_as_deployed"] == []
         assert sum(d.startswith(collapses) for d in info["differences"]) == 3
 
 
@@ -210,7 +212,7 @@ def test_untied_checkpoint_loads_with_the_max_rule(tmp_path):
     fresh = prepare(
         build_model(tiny_qwen3_config()),
         FP8,
-        options=PrepareOptions(init_from_weight=False, deploy_target="vllm"),
+        options=PrepareOptions(init_from_weight=False, deploy=tie_for("vllm")),
     )
     report = stream_load_scales(fresh, ptq_dir, FP8)
     assert report["misses"] == 0 and report["unused_keys"] == 0
@@ -223,7 +225,7 @@ def test_untied_checkpoint_loads_with_the_max_rule(tmp_path):
     again = prepare(
         build_model(tiny_qwen3_config()),
         FP8,
-        options=PrepareOptions(init_from_weight=False, deploy_target="vllm"),
+        options=PrepareOptions(init_from_weight=False, deploy=tie_for("vllm")),
     )
     report = stream_load_scales(again, tied_dir, FP8)
     assert report["tied_disagreeing"] == [] and report["misses"] == 0
@@ -320,5 +322,5 @@ def test_config_deploy_target_reaches_prepare(tmp_path, target):
         "compression": {"name": "PTQ", "quantization": {"name": "fp8_static"}},
     }
     cfg = parse_config(data | {"deploy": {"target": target}})
-    assert cfg.prepare_options().deploy_target == target
-    assert parse_config(data).prepare_options().deploy_target == "vllm"  # the default target
+    assert cfg.prepare_options().deploy == tie_for(target)
+    assert parse_config(data).prepare_options().deploy == tie_for("vllm")  # the default target

@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from qatlib import ptq as qptq
 from qatlib import zero3_io as z
 from qatlib import zero3_load as zl
+from qatlib import zero3_save as zs
 from qatlib.checkpoint.keys import key_of, scale_keys
 from qatlib.checkpoint.layout import RUN_METADATA_FILE, SCALES_FILE, WEIGHTS_INDEX_FILE
 from qatlib.ptq import calibrate as ptq_calibrate
@@ -45,6 +46,7 @@ from qatlib.quant import (
     quantizers,
     tying,
 )
+from qatlib.runtime.tying import tie_for
 from qatlib.trainers.log_scale import install_log_space_steps
 from qatlib.trainers.params import Learnable, param_groups, select_trainable
 
@@ -154,7 +156,7 @@ def quant_params(model) -> dict[str, torch.Tensor]:
 
 def prepared_from(model_dir: Path, ptq_dir: Path, scheme: QuantScheme = SCHEME, target: str = "none"):
     model = load_plain(model_dir)
-    prepare(model, scheme, options=PrepareOptions(init_from_weight=False, deploy_target=target))
+    prepare(model, scheme, options=PrepareOptions(init_from_weight=False, deploy=tie_for(target)))
     report = zl.stream_load_scales(model, ptq_dir, scheme)
     return model, report
 
@@ -1016,7 +1018,7 @@ def test_plain_save_consolidated_roundtrip(tmp_path, ckpts, lwc):
         calibrate(model, x)
         with torch.no_grad():
             want = model(input_ids=x).logits
-        out = z.save_consolidated(model, tmp_path / "saved", max_shard_bytes=100_000)
+        out = zs.save_consolidated(model, tmp_path / "saved", max_shard_bytes=100_000)
         assert (out / WEIGHTS_INDEX_FILE).is_file() and len(list(out.glob("model-*-of-*.safetensors"))) > 1
         assert not list(tmp_path.glob(".saved.tmp-*"))  # the temporary dir was renamed
         for reload_opts in [opts, PrepareOptions()] if lwc else [opts]:
@@ -1073,7 +1075,7 @@ def test_non_zero_path_is_untouched(ckpts):
     w = model.lm_head.weight
     with z.gathered_param_if_zero3(w, modifier_rank=0):
         assert w.shape == (VOCAB, 64)
-    assert z.consolidated_state_dict(model).keys() == model.state_dict().keys()
+    assert zs.consolidated_state_dict(model).keys() == model.state_dict().keys()
     meta = z.run_metadata(model)
     assert meta["world_size"] == 1 and meta["zero_stage"] == 0 and meta["ranks"][0]["share_max"] == 1.0
 

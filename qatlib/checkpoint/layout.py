@@ -41,6 +41,7 @@ NON_WEIGHT_FILES = (SCALES_FILE, KV_SCALES_FILE)
 # so qatlib's own side files of an export (a `fake` export's resume scales, the KV scales of a
 # `real_and_kvcache` export) live in this subfolder, which no runtime globs.
 EXPORT_SIDE_DIR = "qatlib"
+EXPORT_INFO_FILE = "qatlib_export.json"  # what an export changed of the trained arithmetic, and why
 FAKE_EXPORT_SCALES_FILE = f"{EXPORT_SIDE_DIR}/{SCALES_FILE}"
 EXPORT_KV_SCALES_FILE = f"{EXPORT_SIDE_DIR}/{KV_SCALES_FILE}"
 

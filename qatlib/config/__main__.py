@@ -16,7 +16,12 @@ from . import ConfigError, config_json_schema, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m qatlib.config", description="check an experiment config")
+    ap = argparse.ArgumentParser(
+        prog="python -m qatlib.config",
+        description="check an experiment config",
+        epilog="example: python -m qatlib.config config/experiments/smollm2-135m.yaml --set dataset.num_samples=64",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the example stays one line
+    )
     ap.add_argument("config", nargs="?", help="experiment YAML to validate")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--schema", metavar="OUT.json", help="write the JSON schema of the config layout")

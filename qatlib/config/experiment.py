@@ -22,6 +22,7 @@ from qatlib.ds_config import with_defaults, zero_stage
 from qatlib.losses import LossConfig
 from qatlib.quant.linear import PrepareOptions
 from qatlib.quant.spec import QuantScheme
+from qatlib.runtime.tying import tie_for
 from qatlib.trainers.blockwise import BlockwiseSettings
 from qatlib.trainers.params import Learnable
 from qatlib.yamlio import ConfigError, config_file_candidates, format_issues
@@ -349,7 +350,8 @@ class ExperimentConfig(Section):
 
     def prepare_options(self) -> PrepareOptions:
         """`PrepareOptions` from ``compression.QAT.plugin_config.quant_config`` (init values, LWC,
-        compiled fake quantization), shared by PTQ, QAT, export and evaluation."""
+        compiled fake quantization) and ``deploy.target`` (the scales that runtime merges are tied:
+        `qatlib.runtime.tying.tie_for`), shared by PTQ, QAT, export and evaluation."""
         qc = self.qat.plugin_config.quant_config
         return PrepareOptions(
             weight_init_value=qc.weight_scale_init_value,
@@ -357,7 +359,7 @@ class ExperimentConfig(Section):
             lwc_init=qc.lwc.lwc_init_value if qc.lwc.enable_lwc else None,
             compile_fake_quant=qc.compile_fake_quant,
             strict_ignore=self.quantization.strict_ignore_layers,
-            deploy_target=self.deploy.target,
+            deploy=tie_for(self.deploy.target),
         )
 
     def loss_config(self) -> LossConfig:

@@ -17,7 +17,28 @@ from ..scores import is_score
 
 UPSTREAM_TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande")
 
-__all__ = ["UPSTREAM_TASKS", "evaluate_tasks", "flatten_results"]
+__all__ = ["UPSTREAM_TASKS", "evaluate_tasks", "flatten_results", "split_tasks"]
+
+
+def split_tasks(tasks: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
+    """``(task names, include paths, hub task names)`` of ``evaluation.tasks``: a local task folder
+    (``<dir>/<name>.yaml``, e.g. the corpus rule's multiple-choice task) gives its name and its
+    folder to include; anything else is an lm-eval task name. A folder without its YAML is a
+    ValueError naming it."""
+    names, include, hub = [], [], []
+    for t in tasks:
+        p = Path(t)
+        if p.is_dir():
+            if not (p / f"{p.name}.yaml").is_file():
+                raise ValueError(
+                    f"evaluation.tasks: {p} has no {p.name}.yaml (a local task folder is named after its task)"
+                )
+            names.append(p.name)
+            include.append(str(p))
+        else:
+            names.append(t)
+            hub.append(t)
+    return names, include, hub
 
 
 def set_hf_home(hf_home: str | Path) -> None:

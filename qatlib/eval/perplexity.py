@@ -169,7 +169,7 @@ def layerwise_logits(model, loader, batches: list[torch.Tensor]):
     ``loader`` (`qatlib.onload`): the model's own forward up to the first layer, each layer over
     all batches, then the decoder's final ``norm`` and the output head (the Llama / Qwen / Mistral
     layout: ``logits = lm_head(norm(h))``; other heads are refused)."""
-    from qatlib.models import decoder_layers
+    from qatlib.modeling import decoder_layers
     from qatlib.onload import capture_layer_inputs, carry
 
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None

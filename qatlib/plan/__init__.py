@@ -35,7 +35,7 @@ default exactly there (``--whole-model`` opts out), so the plan sizes what a use
                    quantization disabled (``end2end.py``): no second copy of the weights, unless
                    weights (``quant_config.weight_lr``, + their optimizer state) or norms train:
                    then the original model, a second partitioned copy (``base_model_teacher``).
-                   Rank 0's host also holds ``zero3_io.save_consolidated``'s buffer (one shard +
+                   Rank 0's host also holds ``zero3_save.save_consolidated``'s buffer (one shard +
                    one gathered unit + every scale).
 ``convert_export`` ``export_stream.py`` (``scripts/export.py``, always; host only): one
                    output tensor (each is spilled to disk as it comes and the shards assembled

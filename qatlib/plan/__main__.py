@@ -77,7 +77,12 @@ def render(shape: ModelShape, stages: list) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m qatlib.plan", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m qatlib.plan",
+        description=__doc__.splitlines()[0],
+        epilog="example: python -m qatlib.plan config/experiments/qwen3-30b.yaml --gpus 8 --nodes 2",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the example stays one line
+    )
     ap.add_argument("config", help="experiment YAML")
     ap.add_argument("--gpus", type=int, default=0, help="GPUs (= ranks) per node; 0: a CPU run")
     ap.add_argument("--nodes", type=int, default=1)

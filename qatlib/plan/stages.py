@@ -11,7 +11,7 @@ from .model import ModelShape, PlanInputs, StagePlan, Term, WeightFormat
 GIB = 1 << 30
 CHUNK_ELEMENTS = 1 << 25  # qatlib.losses.CHUNK_ELEMENTS: logits elements per KD chunk
 CHUNK_COPIES = 6  # fp32 copies of a chunk alive at once: s, t, log p_s, log p_t, p_t, grad
-SAVE_SHARD_BYTES = 512 << 20  # qatlib.zero3_io.save_consolidated's max_shard_bytes
+SAVE_SHARD_BYTES = 512 << 20  # qatlib.zero3_save.save_consolidated's max_shard_bytes
 PARTITION_BYTES = 64 << 20  # qatlib.zero3_io.PARTITION_BYTES: above it, assembled from partitions
 COPY_BYTES = 64 << 20  # qatlib.checkpoint.st_write.COPY_BYTES: a shard is assembled this much at a time
 # Per process, beyond the terms: interpreter + torch + transformers (+ DeepSpeed) resident set; on

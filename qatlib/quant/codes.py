@@ -16,11 +16,27 @@ prepared model whose weights round to exactly those codes at the trained scales.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager as ContextManager
+
 import torch
 from torch import nn
 
 from .fq_linear import _fake_quant_parts
 from .linear import quant_linears
+
+# ``gather(params, modifier_rank=None)``: a context in which ``params`` are whole on every rank (ZeRO-3:
+# `qatlib.zero3_io.gathered_param_if_zero3`, passed down by the trainer; quant knows nothing of ZeRO-3)
+Gather = Callable[..., ContextManager]
+
+
+def _no_gather(params: Sequence[torch.Tensor | None], modifier_rank: int | None = None) -> ContextManager:
+    if any(hasattr(p, "ds_id") for p in params if p is not None):  # a partitioned DeepSpeed parameter
+        raise ValueError(
+            "frozen codes on ZeRO-3 parameters: pass gather=qatlib.zero3_io.gathered_param_if_zero3"
+        )
+    return contextlib.nullcontext()
 
 
 def _frozen_candidates(model: nn.Module):
@@ -36,14 +52,13 @@ def _frozen_candidates(model: nn.Module):
 
 
 @torch.no_grad()
-def freeze_codes(model: nn.Module) -> int:
+def freeze_codes(model: nn.Module, gather: Gather = _no_gather) -> int:
     """Hold the codes of every static weight quantizer of ``model`` at their current values while
-    the scales train; returns how many. Undo with `release_codes` before saving or exporting."""
-    from ..zero3_io import gathered_param_if_zero3  # ZeRO-3: every rank records the whole scale
-
+    the scales train; returns how many. Undo with `release_codes` before saving or exporting.
+    ``gather``: under ZeRO-3 the gathering context (every rank records the whole scale)."""
     n = 0
     for _, _, wq in _frozen_candidates(model):
-        with gathered_param_if_zero3([wq.scale, wq.zero_point]):
+        with gather([wq.scale, wq.zero_point]):
             z = None if wq.zero_point is None else wq.zero_point.detach().clone()
             wq.frozen_at = (wq.scale.detach().clone(), z)
         n += 1
@@ -51,12 +66,11 @@ def freeze_codes(model: nn.Module) -> int:
 
 
 @torch.no_grad()
-def release_codes(model: nn.Module) -> int:
+def release_codes(model: nn.Module, gather: Gather = _no_gather) -> int:
     """Write ``codes * scale`` (the quantized weight the training ended with) into each frozen
     linear's weight and unfreeze it; returns how many. The weight then lies on the grid of its
-    trained scale, so round-to-nearest there gives back the frozen codes."""
-    from ..zero3_io import gathered_param_if_zero3
-
+    trained scale, so round-to-nearest there gives back the frozen codes. ``gather``: as in
+    `freeze_codes`."""
     n = 0
     for name, ql, wq in _frozen_candidates(model):
         if wq.frozen_at is None:
@@ -65,7 +79,7 @@ def release_codes(model: nn.Module) -> int:
         # at every forward (re-rounding recast values at the scale could move a code at a tie)
         spec = wq.spec.replace(fp8_recast=False) if wq.spec.fp8_recast else wq.spec
         # ZeRO-3: every rank gathers and computes the same; rank 0's weight is re-partitioned
-        with gathered_param_if_zero3([ql.weight, wq.scale, wq.zero_point], modifier_rank=0):
+        with gather([ql.weight, wq.scale, wq.zero_point], modifier_rank=0):
             wqv, *_ = _fake_quant_parts(
                 ql.weight, wq.scale, wq.zero_point, spec, None, with_grad_terms=False, frozen_at=wq.frozen_at
             )

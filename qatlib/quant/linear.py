@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as TF
@@ -292,6 +293,15 @@ def _output_spec(
     return spec.replace(num_heads=linear.out_features // head_dim)
 
 
+class Deploy(Protocol):
+    """What ``PrepareOptions.deploy`` holds (`qatlib.runtime.tying.TieFor`): the runtime it
+    prepares for, and the call that ties the quantizers that runtime merges."""
+
+    target: str
+
+    def __call__(self, model: nn.Module, scheme: QuantScheme) -> Any: ...
+
+
 @dataclass(frozen=True)
 class PrepareOptions:
     """How new quantizers are initialised (from `compression.QAT.plugin_config.quant_config`)."""
@@ -303,9 +313,10 @@ class PrepareOptions:
     init_from_weight: bool = True
     compile_fake_quant: bool = False  # torch.compile the fake-quant ops (F.compiled)
     strict_ignore: bool = False  # an ignore pattern that matches no module is an error, not a warning
-    # deploy.target: quantizers the runtime merges share one scale, and compute as it does
-    # (`qatlib.quant.tying.apply_target`); "none" keeps every quantizer independent
-    deploy_target: str = "none"
+    # deploy.target: quantizers the runtime merges share one scale, and compute as it does; a
+    # callable passed down from above (`qatlib.runtime.tying.tie_for(target)`: this package knows
+    # no runtime), run at the end of `prepare`; None keeps every quantizer independent
+    deploy: Deploy | None = None
 
 
 def prepare(
@@ -323,8 +334,8 @@ def prepare(
     ``options.strict_ignore``) before anything is swapped. ``init_context`` wraps
     the creation of new parameters (the ZeRO-3 path passes ``deepspeed.zero.Init`` so scales are
     partitioned like everything else). Raises ValueError naming the layers whose in_features a
-    per-group size does not divide, before anything is swapped. ``options.deploy_target`` ties the
-    scales that runtime merges (`qatlib.quant.tying`).
+    per-group size does not divide, before anything is swapped. ``options.deploy`` (a
+    ``deploy.target``'s `qatlib.runtime.tying.tie_for`) then ties the scales that runtime merges.
     """
     linearize_moe_experts(model, init_context=init_context)
     report_unmatched_ignores(model, ignore, strict=options.strict_ignore)
@@ -374,10 +385,8 @@ def prepare(
         from .attention import enable_qkv_quantization
 
         enable_qkv_quantization(model)
-    if options.deploy_target != "none":
-        from .tying import apply_target
-
-        apply_target(model, scheme, options.deploy_target)
+    if options.deploy is not None:
+        options.deploy(model, scheme)
     return model
 
 

@@ -83,7 +83,7 @@ class QuantSpec:
     fp8_recast: after dequantization, recast the tensor to FP8 with a per-tensor scale, as the
         W4A8-FP8 deployment kernels do (int4 weights are expanded to FP8 before the FP8 GEMM).
 
-    The deployment fields below are set by `qatlib.quant.tying.deploy_spec` for a ``deploy.target``;
+    The deployment fields below are set by `qatlib.runtime.tying.deploy_spec` for a ``deploy.target``;
     they change what the forward computes to what that runtime computes, not the export layout, so
     they take no part in equality (a checkpoint trained for one target loads for another):
 

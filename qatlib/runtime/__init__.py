@@ -5,6 +5,10 @@
 - `fusion`: the linears a runtime fuses into one kernel (q/k/v, gate/up, a layer's experts);
 - `differences`: the trained-vs-deployed differences of one model's export, measured;
 - `ignore`: whether an ignore set reads the same in the runtimes (no split fused group);
+- `tying`: under ``deploy.target``, the quantizers a runtime merges share one scale
+  (`tying.tie_for(target)` reaches `qatlib.quant.prepare` as ``PrepareOptions.deploy``);
 - `emulate`: the model a runtime computes from an export, in plain PyTorch (the ``deployed``
-  evaluation variant).
+  evaluation variant);
+- `oracle` / `check`: the installed vLLM's own load path, run on CPU, against the emulator, fact by
+  fact (``python -m qatlib.runtime.check``; docs/runtime-oracle.md). Nothing in qatlib imports them.
 """

@@ -7,7 +7,7 @@ is reported with a zero count), plus the KV-cache facts. A user reads there whet
 runtime serves is the model that was trained.
 
 A transformation the model was trained with (``deploy.target``: tied scales, the runtime's dynamic
-granularity, scale dtype and W4A8 scale path; `qatlib.quant.tying`) is no difference: it is listed
+granularity, scale dtype and W4A8 scale path; `qatlib.runtime.tying`) is no difference: it is listed
 under ``trained_as_deployed`` instead, and ``scales_tied`` says whether every group that runtime
 merges shares one trained scale.
 """
@@ -19,10 +19,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..quant import tying
 from ..quant.linear import QuantLinear
 from ..quant.spec import Granularity, QuantScheme
-from .facts import DENSE_ONLY, TARGETS, Transform, kv_facts, layout_of, load_refusal, transforms
+from ..quant.tying import shared_groups
+from . import tying
+from .facts import (
+    DENSE_ONLY,
+    TARGETS,
+    Transform,
+    expert_input_scale_refusal,
+    kv_facts,
+    layout_of,
+    load_refusal,
+    transforms,
+)
 from .fusion import GroupKind, fused_groups, has_experts
 
 
@@ -119,7 +129,7 @@ def trained_as_deployed(model: nn.Module, target: str, t: Transform, dtype: torc
     from the model's structure and specs alone (shared Parameters, `QuantSpec` deployment fields),
     so it holds for a ZeRO-3 model whose scales are partitioned."""
     if t in _COLLAPSES:
-        return bool(tying.shared_groups(model)) and not tying.untied_groups(model, target)
+        return bool(shared_groups(model)) and not tying.untied_groups(model, target)
     if t is Transform.DYNAMIC_PER_TOKEN:
         qs = [q for q in _quantizers(model, "input_quantizer", dense_only=True) if q.spec.dynamic]
         return bool(qs) and all(q.spec.dynamic_granularity is Granularity.TOKEN for q in qs)
@@ -145,6 +155,8 @@ def deployment_differences(
     out: dict[str, Any] = {}
     for target, rt in TARGETS.items():
         refusal = load_refusal(target, layout, moe=moe)
+        if refusal is None and moe and measure:
+            refusal = expert_input_scale_refusal(target, layout, _expert_input_pairs(model))
         entry: dict[str, Any] = {"layout": layout.value, "loads": refusal is None}
         if refusal is not None:
             entry["refusal"] = f"{refusal.what} ({refusal.source})"
@@ -171,6 +183,22 @@ def deployment_differences(
             ]
         entry["differences"] = diffs
         out[str(rt)] = entry
+    return out
+
+
+def _expert_input_pairs(model: nn.Module) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``(expert, gate input scale, up input scale)`` of every expert with static scalar ones."""
+    mods = dict(model.named_modules())
+    experts = _expert_names(model)
+    out = []
+    for g in fused_groups(model):
+        if g.kind is GroupKind.GATE_UP and g.members[0] in experts:
+            s = [
+                _static_scale(mods.get(m) if isinstance(mods.get(m), QuantLinear) else None, "input")
+                for m in g.members
+            ]
+            if all(x is not None and x.numel() == 1 for x in s):
+                out.append((g.parent, s[0], s[1]))
     return out
 
 

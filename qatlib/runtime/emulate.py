@@ -37,6 +37,7 @@ from .facts import (
     TARGETS,
     Layout,
     Transform,
+    expert_input_scale_refusal,
     kv_facts,
     layout_of,
     load_refusal,
@@ -176,9 +177,20 @@ class DeployedLinear(nn.Module):
     kernels (exact products of codes, fp32 accumulation and scaling), the model dtype for WNA16
     (Marlin / Machete: a bf16 MMA with fp32 accumulation, as torch's bf16 CPU GEMM)."""
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, act, out_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        w: torch.Tensor,
+        bias: torch.Tensor | None,
+        act,
+        out_dtype: torch.dtype,
+        *,
+        weight_scale: torch.Tensor | None = None,
+        input_scale: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.register_buffer("weight", w)
+        # the deployed scales the weight and ``act`` were built from (read by `qatlib.runtime.check`)
+        self.weight_scale, self.input_scale = weight_scale, input_scale
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.act = act
         self.out_dtype = out_dtype
@@ -338,7 +350,7 @@ def _skeleton(d: Path) -> nn.Module:
 
 
 def _export_layout(d: Path, qc: dict) -> tuple[Layout, QuantScheme]:
-    from ..export import EXPORT_INFO_FILE
+    from ..checkpoint.layout import EXPORT_INFO_FILE
 
     info_path = d / EXPORT_INFO_FILE
     if not info_path.is_file():
@@ -347,6 +359,9 @@ def _export_layout(d: Path, qc: dict) -> tuple[Layout, QuantScheme]:
     _, act = _config_args(qc)
     runtime_act = act is not None and act.get("dynamic") is True and act.get("strategy") == "token"
     return layout_of(scheme, w4a8_activation="runtime" if runtime_act else "trained"), scheme
+
+
+_STATIC_INPUT = (Layout.FP8_STATIC_TENSOR, Layout.FP8_STATIC_CHANNEL, Layout.INT8_STATIC)
 
 
 def _activation(layout: Layout, s: Stored, per_token: bool):
@@ -401,10 +416,18 @@ def emulate_export(
     mods = dict(model.named_modules())
     groups = fused_groups(model)
     experts = {m for g in groups if g.kind is GroupKind.MOE_LAYER for m in g.members}
-    if fp4:
-        from .emulate_fp4 import emulate_fp4
+    if fp4:  # emulate_fp4 (it imports nothing from here)
+        from .emulate_fp4 import NOT_EMULATED, replace_fp4_linears
 
-        return emulate_fp4(d, model, tensors, scheme, layout, target, groups, experts, capability, dtype)
+        out = DeployedModel(model, target, layout, not_emulated=list(NOT_EMULATED))
+        try:
+            out.applied = replace_fp4_linears(
+                model, tensors, scheme.weight.qtype, layout, transforms(target, layout), groups, experts,
+                capability, dtype,
+            )  # fmt: skip
+        except ValueError as e:  # SGLang W4A16: the shards' global scales differ
+            raise RuntimeRefusal(f"{TARGETS[target]} cannot load {d} ({layout.value}): {e}") from None
+        return out
     stored = {
         n: _read_stored(tensors, n, wargs)
         for n, m in mods.items()
@@ -419,6 +442,18 @@ def emulate_export(
             raise RuntimeRefusal(
                 f"{TARGETS[target]} cannot run {d} ({layout.value}): {refusal.what} [{refusal.source}]"
             )
+    pairs = [
+        (g.parent, stored[g.members[0]].input_scale, stored[g.members[1]].input_scale)
+        for g in groups
+        if g.kind is GroupKind.GATE_UP
+        and g.members[0] in experts
+        and all(m in stored and stored[m].input_scale is not None for m in g.members)
+    ]
+    refusal = expert_input_scale_refusal(target, layout, pairs)
+    if refusal is not None:
+        raise RuntimeRefusal(
+            f"{TARGETS[target]} cannot load {d} ({layout.value}): {refusal.what} [{refusal.source}]"
+        )
     out = DeployedModel(model, target, layout)
     per_token = False
     for t, fact in transforms(target, layout):
@@ -442,7 +477,11 @@ def emulate_export(
         # vLLM / SGLang: dynamic per-token on dense layers only; SGLang's fused MoE keeps per-tensor
         act = _activation(layout, s, per_token and name not in experts)
         parent, _, child = name.rpartition(".")
-        setattr(mods[parent], child, DeployedLinear(deployed_weight(s), lin.bias, act, dtype))
+        static = s.input_scale if layout in _STATIC_INPUT else None
+        deployed = DeployedLinear(
+            deployed_weight(s), lin.bias, act, dtype, weight_scale=s.scale, input_scale=static
+        )
+        setattr(mods[parent], child, deployed)
     out.applied += _kv_cache(model, cfg, qc, tensors, target, moe, fa3)
     if any(getattr(m, "output_in_attention", False) for m in model.modules()):
         enable_qkv_quantization(model)
@@ -451,6 +490,8 @@ def emulate_export(
         "the CUTLASS W4A8 kernel's in-register int4 x fp8-scale product (exact here)",
         "SGLang fused-MoE dynamic per-tensor scales over the whole layer input (per expert call here)",
         "int8 asymmetric static zero point truncated by the runtime (runtime-contract D9)",
+        "an expert's gate / up input scales within vLLM's 1e-5 tolerance: vLLM keeps the last loaded (up) "
+        "before the max over experts (the max of both here)",
     ]
     return out
 

@@ -127,6 +127,7 @@ class DeployedFP4Linear(nn.Module):
         self.register_buffer("weight", w)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.qtype, self.act_quant, self.out_dtype = qtype, act_quant, out_dtype
+        self.global_scale = s.global_scale  # the deployed weight global scale (after the collapse)
         alpha = torch.ones(())
         if s.global_scale is not None:
             alpha = alpha / s.global_scale
@@ -197,7 +198,14 @@ def replace_fp4_linears(
                 raise ValueError(f"{fact.what}: {', '.join(bad[:3])} [{fact.source}]")
             n = 0
         elif t in (Transform.FP4_GLOBAL_SCALE_MAX, Transform.EXPERT_W13_GLOBAL_SCALE):
-            n = collapse_global_scales(stored, groups, experts)
+            # where the runtime has its own expert rule, each transform collapses its own groups
+            # (dense q/k/v, gate/up: FP4_GLOBAL_SCALE_MAX; experts' gate/up: EXPERT_W13_GLOBAL_SCALE)
+            if Transform.EXPERT_W13_GLOBAL_SCALE in kept:
+                mine = t is Transform.EXPERT_W13_GLOBAL_SCALE
+                sel = [g for g in groups if (g.members[0] in experts) == mine]
+            else:
+                sel = groups
+            n = collapse_global_scales(stored, sel, experts)
         else:  # FP4_ACTIVATIONS_UNQUANTIZED (below SM100)
             n = len(stored)
         applied.append(f"{t.value}: {n} [{fact.source}]")
@@ -207,24 +215,11 @@ def replace_fp4_linears(
     return applied
 
 
-def emulate_fp4(d, model, tensors, scheme, layout, target, groups, experts, capability, dtype):
-    """`emulate.emulate_export`'s FP4 branch: the `DeployedModel` of an FP4 export."""
-    from .emulate import DeployedModel, RuntimeRefusal
-    from .facts import TARGETS, transforms
-
-    out = DeployedModel(model, target, layout)
-    try:
-        out.applied = replace_fp4_linears(
-            model, tensors, scheme.weight.qtype, layout, transforms(target, layout), groups, experts,
-            capability, dtype,
-        )  # fmt: skip
-    except ValueError as e:
-        raise RuntimeRefusal(f"{TARGETS[target]} cannot load {d} ({layout.value}): {e}") from None
-    out.not_emulated = [
-        "GEMM accumulation order (fp32 here)",
-        "FlashInfer's MXFP4 activation scale rounding (compressed-tensors' rule here)",
-        "NVFP4 W4A4 MoE: the input global scale per expert (max of its gate/up, FlashInfer CUTLASS, "
-        "flashinfer_fp4_moe.py:397); the TRT-LLM and emulation backends take one max over all experts "
-        "(fused_moe/oracle/nvfp4.py:491-507)",
-    ]
-    return out
+# what `emulate.emulate_export` records as not emulated for an FP4 export
+NOT_EMULATED = (
+    "GEMM accumulation order (fp32 here)",
+    "FlashInfer's MXFP4 activation scale rounding (compressed-tensors' rule here)",
+    "NVFP4 W4A4 MoE: the input global scale per expert (max of its gate/up, FlashInfer CUTLASS, "
+    "flashinfer_fp4_moe.py:397); the TRT-LLM and emulation backends take one max over all experts "
+    "(fused_moe/oracle/nvfp4.py:491-507)",
+)

@@ -86,10 +86,22 @@ def layout_of(scheme: QuantScheme, *, w4a8_activation: str = "runtime") -> Layou
 
 @dataclass(frozen=True)
 class Fact:
-    """One runtime behaviour: ``what`` it does, ``source`` the release file:line it is read from."""
+    """One runtime behaviour: ``what`` it does, ``source`` the release file:line it is read from,
+    ``checked_by`` the runtime function `qatlib.runtime.check` runs to check it (with the oracle
+    path), or ``"read only: <why>"``."""
 
     what: str
     source: str
+    checked_by: str = ""
+
+    @property
+    def read_only(self) -> bool:
+        return self.checked_by.startswith("read only")
+
+
+# why the facts of a kind remain a reading
+_NO_SGLANG = "read only: no SGLang oracle (SGLang 0.5.23 is not installed by requirements/runtime-oracle.txt)"
+_GPU_SELECT = "read only: decided by which GPU kernels / backends exist (capability, compiled ops); the CPU oracle cannot see it"
 
 
 # --------------------------------------------------------------------------- load refusals
@@ -99,62 +111,80 @@ _REFUSALS: dict[tuple[str, Layout, bool | None], Fact] = {
         "fused MoE fp8 takes (tensor weight, tensor input) or (channel weight, token-dynamic input) only: "
         "AssertionError at load",
         "vLLM CT compressed_tensors_moe/compressed_tensors_moe_w8a8_fp8.py:66-76",
+        checked_by="CompressedTensorsW8A8Fp8MoEMethod.__init__ through initialize_model; "
+        "oracle refuses_fp8_static_channel_moe",
     ),
     ("sglang", Layout.FP8_STATIC_CHANNEL, True): Fact(
         "fused MoE fp8 asserts (tensor, tensor) or (channel, token): AssertionError at load",
         "SG CT schemes/w8a8_fp8_moe.py:56-70",
+        checked_by=_NO_SGLANG,
     ),
     ("vllm", Layout.FP8_DYNAMIC_TENSOR, True): Fact(
         "fused MoE maps a dynamic per-tensor fp8 input to kFp8Dynamic128Sym, which no default MoE backend "
         "(Triton) implements; use per-token dynamic activations (granularity per-token)",
         "vLLM CT compressed_tensors_moe/compressed_tensors_moe_w8a8_fp8.py:94-98, experts/triton_moe.py:159-179",
+        checked_by=_GPU_SELECT,
     ),
     ("vllm", Layout.FP8_WEIGHT_ONLY, True): Fact(
         "fp8 weight-only experts: AttributeError reading input_quant None (per-tensor) or 'only pack-quantized' "
         "ValueError (per-channel)",
         "vLLM CT compressed_tensors_moe/compressed_tensors_moe.py:90-103,173",
+        checked_by="read only: on CPU the dense W8A16-FP8 layers find no kernel before the experts are built",
     ),
     ("sglang", Layout.FP8_WEIGHT_ONLY, True): Fact(
         "fp8 weight-only experts: AttributeError in _is_dynamic_token_w4a8(w, None)",
         "SG CT compressed_tensors.py:431-436,994",
+        checked_by=_NO_SGLANG,
     ),
     ("vllm", Layout.INT8_STATIC, True): Fact(
         "int8 static-input experts: 'Unsupported FusedMoe scheme'",
         "vLLM CT compressed_tensors_moe.py:198-201",
+        checked_by="CompressedTensorsMoEMethod.get_moe_method through initialize_model; oracle refuses_int8_static_moe",
     ),
     ("sglang", Layout.INT8_STATIC, True): Fact(
-        "int8 static-input experts: no fused-MoE scheme", "SG CT compressed_tensors.py:980-996"
+        "int8 static-input experts: no fused-MoE scheme",
+        "SG CT compressed_tensors.py:980-996",
+        checked_by=_NO_SGLANG,
     ),
     ("sglang", Layout.INT8_DYNAMIC, True): Fact(
-        "int8 W8A8 fused MoE is implemented only for NPU", "SG CT compressed_tensors.py:980-986"
+        "int8 W8A8 fused MoE is implemented only for NPU",
+        "SG CT compressed_tensors.py:980-986",
+        checked_by=_NO_SGLANG,
     ),
     ("sglang", Layout.WNA16_ASYM, True): Fact(
         "asymmetric WNA16 experts: zero points are allocated (E, G, 2I/8) in AWQ layout, the export's "
         "[N/8, G] compressed-tensors zero points hit a shape mismatch",
         "SG CT schemes/wNa16_moe.py:193-216, moe/fused_moe_triton/layer.py:788-879",
+        checked_by=_NO_SGLANG,
     ),
     ("sglang", Layout.WNA16_ODD_BITS, None): Fact(
         "WNA16 with 2/3/5/6/7 bits: ImportError / ValueError (Marlin is 4/8-bit only)",
         "SG CT compressed_tensors.py:737-751, schemes/wNa16_moe.py:83-91",
+        checked_by=_NO_SGLANG,
     ),
     ("vllm", Layout.W4A8_STATIC, None): Fact(
         "no compressed-tensors scheme matches int4 weights with a static fp8 input",
         "vLLM CT compressed_tensors.py:783-950",
+        checked_by="CompressedTensorsConfig._get_scheme_from_parts through initialize_model; "
+        "oracle refuses_w4a8_static",
     ),
     ("sglang", Layout.W4A8_STATIC, None): Fact(
         "no compressed-tensors scheme matches int4 weights with a static fp8 input",
         "SG CT compressed_tensors.py:721-862",
+        checked_by=_NO_SGLANG,
     ),
     # MXFP4 W4A4: the dense linears (attention at least) find no scheme, MoE or not
     ("sglang", Layout.MXFP4, None): Fact(
         "activation-quantized float4 only in the NVFP4 layout (tensor_group, group 16): NotImplementedError "
         "for MXFP4 W4A4 dense linears (MXFP4 experts alone would take Mxfp4MoEMethod)",
         "SG CT compressed_tensors.py:786-799 (experts :231-242)",
+        checked_by=_NO_SGLANG,
     ),
     ("sglang", Layout.W4A8, None): Fact(
         "no dense compressed-tensors W4A8-FP8 scheme (the attention linears fail: 'No compressed-tensors "
         "compatible scheme')",
         "SG CT compressed_tensors.py:721-862",
+        checked_by=_NO_SGLANG,
     ),
 }
 
@@ -165,6 +195,7 @@ _CAPABILITY: dict[tuple[str, Layout], tuple[tuple[str, ...], Fact]] = {
         Fact(
             "the W4A8-FP8 CUTLASS kernel is selected on exactly SM90; elsewhere NotImplementedError",
             "vLLM CT compressed_tensors.py:648-654,817,947",
+            checked_by="read only: the capability predicate needs a GPU; the oracle reports 9.0 to reach the scheme",
         ),
     ),
 }
@@ -184,7 +215,7 @@ def load_refusal(
     need = _CAPABILITY.get((target, layout))
     if need is not None and capability is not None and capability not in need[0]:
         fact = need[1]
-        return Fact(f"{fact.what} (deploy.capability is {capability})", fact.source)
+        return Fact(f"{fact.what} (deploy.capability is {capability})", fact.source, fact.checked_by)
     return None
 
 
@@ -195,6 +226,8 @@ W4A8_KERNEL = Fact(
     "CUTLASS W4A8 needs group_size 128, K and N divisible by 128 and a bfloat16 model "
     "(MoE: hidden and intermediate divisible by 256)",
     "kernels/linear/mixed_precision/cutlass.py:29-55, compressed_tensors_moe_w4a8_fp8.py:69-73",
+    checked_by="read only: CutlassW4A8LinearKernel.can_implement also requires CUDA SM90; the oracle's W4A8 "
+    "path only meets the limits",
 )
 
 
@@ -217,7 +250,35 @@ def w4a8_kernel_refusal(target: str, shapes, group_size: int, dtype, expert_shap
         bad.append(f"experts shaped {', '.join(map(str, odd[:3]))}")
     if not bad:
         return None
-    return Fact(f"{W4A8_KERNEL.what}; this export has {'; '.join(bad)}", W4A8_KERNEL.source)
+    return Fact(
+        f"{W4A8_KERNEL.what}; this export has {'; '.join(bad)}", W4A8_KERNEL.source, W4A8_KERNEL.checked_by
+    )
+
+
+# vLLM's fused-MoE weight loader keeps ONE w13 input scale per expert and refuses a checkpoint whose
+# gate (w1) and up (w3) input scales of one expert differ (found by the oracle, not in the reading:
+# QAT that does not tie them makes an export vLLM cannot load)
+EXPERT_W13_INPUT_TOLERANCE = 1e-5  # absolute, ``(param - loaded).abs() > 1e-5``
+EXPERT_W13_INPUT_SCALES = Fact(
+    "fused-MoE fp8 static: an expert's gate (w1) and up (w3) input_scale must agree within 1e-5 (absolute): "
+    "ValueError 'input_scales of w1 and w3 of a layer must be equal' at load (within it the last loaded wins)",
+    "fused_moe/routed_experts.py:826-862 (RoutedExperts.weight_loader)",
+    checked_by="RoutedExperts.weight_loader through Qwen3MoeForCausalLM.load_weights; oracle "
+    "fp8_static_moe_w13_apart (an export with them apart: vLLM and the emulator both refuse it)",
+)
+
+
+def expert_input_scale_refusal(target: str, layout: Layout, pairs) -> Fact | None:
+    """Why ``target`` refuses a MoE export whose experts' ``(name, gate input scale, up input
+    scale)`` ``pairs`` differ (None: it loads them)."""
+    if target != "vllm" or layout not in (Layout.FP8_STATIC_TENSOR, Layout.FP8_STATIC_CHANNEL):
+        return None
+    apart = [n for n, g, u in pairs if abs(float(g) - float(u)) > EXPERT_W13_INPUT_TOLERANCE]
+    if not apart:
+        return None
+    more = f" and {len(apart) - 3} more" if len(apart) > 3 else ""
+    fact = EXPERT_W13_INPUT_SCALES
+    return Fact(f"{fact.what}; apart in {', '.join(apart[:3])}{more}", fact.source, fact.checked_by)
 
 
 # --------------------------------------------------------------------------- load-time transformations
@@ -257,13 +318,20 @@ _TRANSFORMS: list[tuple[str, Transform, tuple[Layout, ...], Fact]] = [
         Fact(
             "requantize_with_max_scale over q/k/v, gate/up and each expert's w1/w3",
             "fp8_utils.py:1454-1476,1537-1567",
+            checked_by="CompressedTensorsW8A8Fp8.process_weights_after_loading (requantize_with_max_scale), "
+            "CompressedTensorsW8A8Fp8MoEMethod.process_weights_after_loading (process_fp8_weight_tensor_strategy_moe); "
+            "oracle fp8_static_dense, fp8_dynamic_dense, fp8_static_moe",
         ),
     ),
     (
         "vllm",
         Transform.INPUT_SCALE_MAX,
         _FP8_STATIC,
-        Fact("input_scale.max() over shards", "vLLM CT schemes/w8a8_fp8.py:185-186"),
+        Fact(
+            "input_scale.max() over shards",
+            "vLLM CT schemes/w8a8_fp8.py:185-186",
+            checked_by="CompressedTensorsW8A8Fp8.process_weights_after_loading; oracle fp8_static_dense",
+        ),
     ),
     (
         "vllm",
@@ -272,13 +340,20 @@ _TRANSFORMS: list[tuple[str, Transform, tuple[Layout, ...], Fact]] = [
         Fact(
             "input_scale is a BasevLLMParameter(1): each shard overwrites it",
             "vLLM CT schemes/w8a8_int8.py:86-97, parameter.py:91-107",
+            checked_by="BasevLLMParameter.load_qkv_weight / load_merged_column_weight, then "
+            "CutlassInt8ScaledMMLinearKernel.process_weights_after_loading; oracle int8_static_dense",
         ),
     ),
     (
         "vllm",
         Transform.EXPERT_INPUT_SCALE_MAX,
         _FP8_STATIC,
-        Fact("w13/w2 input scales: max over all experts", "fp8_utils.py:1570-1585"),
+        Fact(
+            "w13/w2 input scales: max over all experts",
+            "fp8_utils.py:1570-1585",
+            checked_by="CompressedTensorsW8A8Fp8MoEMethod.process_weights_after_loading "
+            "(process_fp8_input_tensor_strategy_moe); oracle fp8_static_moe",
+        ),
     ),
     (
         "vllm",
@@ -287,6 +362,8 @@ _TRANSFORMS: list[tuple[str, Transform, tuple[Layout, ...], Fact]] = [
         Fact(
             "dynamic fp8 input always uses kFp8DynamicTokenSym (dense layers)",
             "vLLM CT schemes/w8a8_fp8.py:45-49",
+            checked_by="CompressedTensorsW8A8Fp8.activation_quant_key (kFp8DynamicTokenSym) through QuantFP8.forward_native; "
+            "oracle fp8_dynamic_dense",
         ),
     ),
     (
@@ -296,6 +373,8 @@ _TRANSFORMS: list[tuple[str, Transform, tuple[Layout, ...], Fact]] = [
         Fact(
             "weight_scale allocated in params_dtype",
             "vLLM CT schemes/compressed_tensors_wNa16.py:188-196, w4a8_fp8.py:129-136",
+            checked_by="CompressedTensorsWNA16.create_weights + weight loading + apply_weights (batch-invariant dequantization "
+            "in the scale dtype); oracle wna16_int4_group (W4A8: w4a8_fp8_dense)",
         ),
     ),
     (
@@ -305,6 +384,8 @@ _TRANSFORMS: list[tuple[str, Transform, tuple[Layout, ...], Fact]] = [
         Fact(
             "convert_packed_uint4b8_to_signed_int4 + group scales to fp8 per row",
             "quant_utils.py:931-973, kernels/linear/mixed_precision/cutlass.py:66-85",
+            checked_by="CutlassW4A8LinearKernel.process_weights_after_loading (convert_bf16_scales_to_fp8, "
+            "convert_packed_uint4b8_to_signed_int4_inplace) and its QuantFP8 per-token input; oracle w4a8_fp8_dense",
         ),
     ),
     # FP4 (vLLM 0.33; schemes/compressed_tensors_w4a4_nvfp4.py serves both NVFP4 W4A4 and W4A16)
@@ -315,6 +396,8 @@ _TRANSFORMS: list[tuple[str, Transform, tuple[Layout, ...], Fact]] = [
         Fact(
             "weight_global_scale.max() / input_global_scale.max() over the fused shards (warns when they differ)",
             "vLLM CT schemes/compressed_tensors_w4a4_nvfp4.py:100-135",
+            checked_by="CompressedTensorsW4A4Fp4.process_weights_after_loading, dequantize_to_dtype, ref_nvfp4_quant_dequant; "
+            "oracle nvfp4_dense",
         ),
     ),
     (
@@ -324,6 +407,8 @@ _TRANSFORMS: list[tuple[str, Transform, tuple[Layout, ...], Fact]] = [
         Fact(
             "a single w13 gscale: w13_weight_global_scale[:, 0] (warns unless w1's == w3's)",
             "vLLM CT compressed_tensors_moe/compressed_tensors_moe_w4a4_nvfp4.py:223-231",
+            checked_by="CompressedTensorsW4A4Nvfp4MoEMethod.process_weights_after_loading, dequantize_to_dtype; "
+            "oracle nvfp4_moe",
         ),
     ),
     (
@@ -335,6 +420,7 @@ _TRANSFORMS: list[tuple[str, Transform, tuple[Layout, ...], Fact]] = [
             "picked; MXFP4: FlashInfer needs SM100+, else Marlin (warns, activations unquantized) or emulation",
             "kernels/linear/__init__.py:592-608,625-632, kernels/linear/mxfp4/flashinfer.py:26-30, "
             "kernels/linear/mxfp4/marlin.py:16-30, quantization/utils/marlin_utils_fp4.py:34-35",
+            checked_by=_GPU_SELECT,
         ),
     ),
     (
@@ -344,6 +430,7 @@ _TRANSFORMS: list[tuple[str, Transform, tuple[Layout, ...], Fact]] = [
         Fact(
             "input_global_scale.max() / weight_global_scale.max() over fused shards (SM100 W4A4 path)",
             "SG CT schemes/compressed_tensors_w4a4_nvfp4.py:95-99",
+            checked_by=_NO_SGLANG,
         ),
     ),
     (
@@ -354,6 +441,7 @@ _TRANSFORMS: list[tuple[str, Transform, tuple[Layout, ...], Fact]] = [
             "CompressedTensorsW4A16Fp4 (weight-only, and W4A4 below SM100) raises unless torch.unique(global_scale) "
             "has one value",
             "SG CT schemes/compressed_tensors_w4a16_nvfp4.py:205-214",
+            checked_by=_NO_SGLANG,
         ),
     ),
     (
@@ -365,25 +453,34 @@ _TRANSFORMS: list[tuple[str, Transform, tuple[Layout, ...], Fact]] = [
             "linears are served by CompressedTensorsW4A16Fp4 (FP4 Marlin, SM80+), input_global_scale dropped",
             "SG CT compressed_tensors.py:757-782, schemes/compressed_tensors_w4a4_nvfp4.py:37-38, "
             "schemes/compressed_tensors_w4a16_nvfp4.py:135-137",
+            checked_by=_NO_SGLANG,
         ),
     ),
     (
         "sglang",
         Transform.WEIGHT_SCALE_MAX,
         (Layout.FP8_STATIC_TENSOR, Layout.FP8_DYNAMIC_TENSOR),
-        Fact("requantize_with_max_scale over fused shards", "SG CT schemes/w8a8_fp8.py:149"),
+        Fact(
+            "requantize_with_max_scale over fused shards",
+            "SG CT schemes/w8a8_fp8.py:149",
+            checked_by=_NO_SGLANG,
+        ),
     ),
     (
         "sglang",
         Transform.INPUT_SCALE_MAX,
         (*_FP8_STATIC, Layout.INT8_STATIC),
-        Fact("PerTensorScaleParameter then max", "SG CT schemes/w8a8_fp8.py:234-235, w8a8_int8.py"),
+        Fact(
+            "PerTensorScaleParameter then max",
+            "SG CT schemes/w8a8_fp8.py:234-235, w8a8_int8.py",
+            checked_by=_NO_SGLANG,
+        ),
     ),
     (
         "sglang",
         Transform.EXPERT_INPUT_SCALE_MAX,
         _FP8_STATIC,
-        Fact("input max over experts", "SG CT schemes/w8a8_fp8_moe.py:242-260"),
+        Fact("input max over experts", "SG CT schemes/w8a8_fp8_moe.py:242-260", checked_by=_NO_SGLANG),
     ),
     (
         "sglang",
@@ -392,13 +489,14 @@ _TRANSFORMS: list[tuple[str, Transform, tuple[Layout, ...], Fact]] = [
         Fact(
             "use_per_token_if_dynamic=True (dense layers; MoE keeps per-tensor)",
             "SG CT schemes/w8a8_fp8.py:258",
+            checked_by=_NO_SGLANG,
         ),
     ),
     (
         "sglang",
         Transform.SCALE_MODEL_DTYPE,
         (Layout.WNA16, Layout.WNA16_ASYM),
-        Fact("weight_scale allocated in params_dtype", "SG CT schemes/wNa16.py:55-58"),
+        Fact("weight_scale allocated in params_dtype", "SG CT schemes/wNa16.py:55-58", checked_by=_NO_SGLANG),
     ),
 ]
 
@@ -413,28 +511,53 @@ def transforms(target: str, layout: Layout) -> list[tuple[Transform, Fact]]:
 
 
 # --------------------------------------------------------------------------- KV cache
+# What vLLM's attention holds after loading a per-tensor fp8 kv_cache_scheme (checked, not a difference)
+KV_SCALES = Fact(
+    "per-tensor <attn>.k_scale / v_scale load as exported (remapped to <attn>.attn.*); q_scale stays 1.0",
+    "vLLM CT compressed_tensors.py:1093-1166, layers/quantization/kv_cache.py (BaseKVCacheMethod)",
+    checked_by="Qwen3ForCausalLM.load_weights + CompressedTensorsKVCacheMethod.process_weights_after_loading "
+    "(_k_scale_float / _v_scale_float / _q_scale_float); oracle fp8_static_dense",
+)
+KV_QUERY_FA3 = Fact(
+    "queries are quantized to fp8 with q_scale 1.0 under FlashAttention 3 (training does not model it)",
+    "layers/attention/attention.py:470-526",
+    checked_by="read only: FlashAttention 3 is a GPU backend (the oracle checks that q_scale loads as 1.0)",
+)
+KV_PER_HEAD = Fact(
+    "per-head k/v scales need FlashAttention >= 3; other backends use the max over heads",
+    "v1/attention/backends/flash_attn.py:411-414, compressed_tensors.py:1257-1267",
+    checked_by=_GPU_SELECT,
+)
+SGLANG_KV_PER_HEAD = Fact(
+    "a per-head kv_cache_scheme is ignored with a warning: the KV cache stays bf16, scales dropped",
+    "SG CT compressed_tensors.py:212-224",
+    checked_by=_NO_SGLANG,
+)
+
+
 def kv_facts(target: str, *, per_head: bool, moe: bool) -> list[Fact]:
     """What ``target`` does with exported fp8 KV scales (empty: used as trained)."""
-    out = []
     if target == "vllm":
-        out.append(
-            Fact(
-                "queries are quantized to fp8 with q_scale 1.0 under FlashAttention 3 (training does not model it)",
-                "layers/attention/attention.py:470-526",
-            )
-        )
-        if per_head:
-            out.append(
-                Fact(
-                    "per-head k/v scales need FlashAttention >= 3; other backends use the max over heads",
-                    "v1/attention/backends/flash_attn.py:411-414, compressed_tensors.py:1257-1267",
-                )
-            )
-    elif target == "sglang" and per_head:
-        out.append(
-            Fact(
-                "a per-head kv_cache_scheme is ignored with a warning: the KV cache stays bf16, scales dropped",
-                "SG CT compressed_tensors.py:212-224",
-            )
-        )
-    return out
+        return [KV_QUERY_FA3, KV_PER_HEAD] if per_head else [KV_QUERY_FA3]
+    if target == "sglang" and per_head:
+        return [SGLANG_KV_PER_HEAD]
+    return []
+
+
+# --------------------------------------------------------------------------- every fact
+def all_facts():
+    """Every fact of this module as ``(key, Fact)``, keys ``"<runtime>:<name>"`` (the transforms'
+    ``Transform`` names; refusals ``REFUSES_<layout>[_MOE|_DENSE]``): the rows of
+    docs/runtime-oracle.md and of ``python -m qatlib.runtime.check``."""
+    for (target, layout, moe), fact in _REFUSALS.items():
+        yield f"{target}:REFUSES_{layout.name}{'' if moe is None else '_MOE' if moe else '_DENSE'}", fact
+    for (target, layout), (_, fact) in _CAPABILITY.items():
+        yield f"{target}:CAPABILITY_{layout.name}", fact
+    yield "vllm:W4A8_KERNEL_LIMITS", W4A8_KERNEL
+    yield "vllm:EXPERT_W13_INPUT_SCALES_EQUAL", EXPERT_W13_INPUT_SCALES
+    for target, t, _, fact in _TRANSFORMS:
+        yield f"{target}:{t.name}", fact
+    yield "vllm:KV_SCALES", KV_SCALES
+    yield "vllm:KV_QUERY_FA3", KV_QUERY_FA3
+    yield "vllm:KV_PER_HEAD", KV_PER_HEAD
+    yield "sglang:KV_PER_HEAD_IGNORED", SGLANG_KV_PER_HEAD

@@ -523,9 +523,10 @@ def train_end2end(
             log.info("heap during training: %s", heap.configure_training(model, args.device.type))
         if qc.frozen_codes:  # before train(): a resumed run's codes are the start's, not the checkpoint's
             from ..quant.codes import freeze_codes, release_codes
+            from ..zero3_io import gathered_param_if_zero3 as gather
 
-            log.info("frozen codes: %d weight quantizers", freeze_codes(model))
+            log.info("frozen codes: %d weight quantizers", freeze_codes(model, gather))
         trainer.train(resume_from_checkpoint=resume_from)
         if qc.frozen_codes:
-            release_codes(model)  # the weights become codes * trained scale: what save / export see
+            release_codes(model, gather)  # the weights become codes * trained scale: what save / export see
     return trainer

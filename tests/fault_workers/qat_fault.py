@@ -43,6 +43,7 @@ def run(spec, z, ctx) -> None:
     import torch
     from transformers import TrainerCallback, TrainingArguments
 
+    from qatlib import zero3_save as zs
     from qatlib.data import PadCollator
     from qatlib.losses import LossConfig
     from qatlib.quant import QuantScheme
@@ -115,7 +116,7 @@ def run(spec, z, ctx) -> None:
         callbacks=[Hooks()],
     )
     trainer.train()
-    z.save_consolidated(model, out / "saved", scheme=scheme)
+    zs.save_consolidated(model, out / "saved", scheme=scheme)
     print(f"[rank{rank}] WORKER OK", flush=True)
 
 

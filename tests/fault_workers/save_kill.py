@@ -11,7 +11,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from qatlib import zero3_io as z
+from qatlib import zero3_save as zs
 from qatlib.export import export
 from qatlib.quant import Granularity, QuantScheme, QuantSpec, prepare
 
@@ -39,7 +39,7 @@ def model(seed: int):
 if __name__ == "__main__":
     mode, out, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     if mode == "consolidated":
-        z.save_consolidated(model(seed), out, scheme=SCHEME)
+        zs.save_consolidated(model(seed), out, scheme=SCHEME)
     else:
         export(model(seed), SCHEME, out, "real", overwrite=True)
     print("SAVED")

@@ -32,6 +32,7 @@ def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     from qatlib import zero3_io as z
     from qatlib import zero3_load as zl
+    from qatlib import zero3_save as zs
 
     ds_config = json.loads(Path(spec["ds_config"]).read_text())
     ctx = z.init_zero3(ds_config, timeout_s=120)  # before TrainingArguments (NOTES-platform)
@@ -130,9 +131,9 @@ def main() -> None:
         def on_step_end(self, args, state, control, **kw):
             training[0] = False
             if spec.get("save_every_step"):
-                z.save_consolidated(model, out / "steps" / str(state.global_step), scheme=scheme)
+                zs.save_consolidated(model, out / "steps" / str(state.global_step), scheme=scheme)
             if state.global_step == spec.get("crash_at"):
-                z.save_consolidated(model, out / "at_kill", scheme=scheme)
+                zs.save_consolidated(model, out / "at_kill", scheme=scheme)
                 raise SystemExit(f"killed at step {state.global_step}")
 
     learnable = Learnable(weight_scale=True, act_scale=True)
@@ -163,7 +164,7 @@ def main() -> None:
         callbacks=[Crash()],
     )
     trainer.train(resume_from_checkpoint=spec.get("resume_from"))
-    saved = z.save_consolidated(model, out / "saved", scheme=scheme)
+    saved = zs.save_consolidated(model, out / "saved", scheme=scheme)
     rank = z.get_rank()
     if spec.get("weight_lr"):  # the teacher after training, on the first sample (a collective forward)
         import torch

@@ -41,6 +41,8 @@ def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def load_checks(model, ckpt: dict[str, torch.Tensor], chunk_bytes: int, z) -> dict:
+    from qatlib import zero3_save as zs
+
     """Every rank: gathered parameters vs the checkpoint (cast to the model's dtype), and the zero
     padding of the last rank's partition of every tensor loaded partition-wise (above
     ``chunk_bytes`` in the file) whose size the world does not divide. (Not of the gathered ones:
@@ -55,7 +57,7 @@ def load_checks(model, ckpt: dict[str, torch.Tensor], chunk_bytes: int, z) -> di
             valid = max(0, min(n, numel - rank * n))
             if not bool((p.ds_tensor[valid:] == 0).all()):
                 bad_padding.append(name)
-    for name, m in z.iter_gathered_modules(model, unit_types=()):
+    for name, m in zs.iter_gathered_modules(model, unit_types=()):
         for pname, p in m.named_parameters(recurse=False):
             full = f"{name}.{pname}" if name else pname
             ref = ckpt.get(full)
@@ -69,6 +71,7 @@ def load_checks(model, ckpt: dict[str, torch.Tensor], chunk_bytes: int, z) -> di
 def run_phase(ph: dict, spec: dict) -> None:
     from qatlib import zero3_io as z
     from qatlib import zero3_load as zl
+    from qatlib import zero3_save as zs
 
     ds_config = json.loads(Path(spec["ds_config"]).read_text())
     ds_config["bf16"] = {"enabled": bool(ph.get("bf16"))}
@@ -76,8 +79,8 @@ def run_phase(ph: dict, spec: dict) -> None:
     model = zl.load_model(ph["model"], ctx, chunk_bytes=ph["chunk_bytes"])
     checks = load_checks(model, checkpoint_tensors(Path(ph["model"])), ph["chunk_bytes"], z)
     out = Path(spec["out"])
-    saved = z.save_consolidated(model, out / f"{ph['name']}_saved", partition_bytes=ph["partition_bytes"])
-    sd = z.consolidated_state_dict(model, partition_bytes=ph["partition_bytes"])
+    saved = zs.save_consolidated(model, out / f"{ph['name']}_saved", partition_bytes=ph["partition_bytes"])
+    sd = zs.consolidated_state_dict(model, partition_bytes=ph["partition_bytes"])
     everyone = [None] * z.get_world_size()
     torch.distributed.all_gather_object(everyone, checks)
     if z.get_rank() == 0:
@@ -89,6 +92,7 @@ def run_phase(ph: dict, spec: dict) -> None:
 def run_errors(spec: dict) -> dict:
     from qatlib import zero3_io as z
     from qatlib import zero3_load as zl
+    from qatlib import zero3_save as zs
     from qatlib.checkpoint import safetensors as st
     from qatlib.checkpoint import st_write as stw
     from qatlib.checkpoint.layout import weight_files
@@ -135,7 +139,7 @@ def run_errors(spec: dict) -> dict:
             for attr, fn in patch.items():
                 setattr(stw.TensorFileWriter, attr, fn)
         try:
-            return z.save_consolidated(
+            return zs.save_consolidated(
                 model, Path(spec["out"]) / case, partition_bytes=err["partition_bytes"]
             )
         finally:
@@ -151,7 +155,7 @@ def run_errors(spec: dict) -> dict:
     results = run_cases(cases, z.Zero3Error)
     results["write_calls"] = calls["n"]
     # the model still saves (every collective matched), and the failed saves left no output
-    ok = z.save_consolidated(
+    ok = zs.save_consolidated(
         model, Path(spec["out"]) / "after_errors", partition_bytes=err["partition_bytes"]
     )
     results["saved_after_errors"] = ok is not None

@@ -5,7 +5,7 @@ Usage: torchrun --standalone --nproc_per_node=2 qat_roundtrip.py SPEC.json
 SPEC: {"out": dir, "scheme": QuantScheme dict, "data": file (torch.save'd {"train": [S, 2, B, T],
 "eval": [B, T]}), "lr": float, "phases": [{"name", "ds_config", "model", "ptq", "compare_ckpt",
 "also_load", "leaf": bool, "steps": int, "skewed_routing": bool, "scheme": a phase's own scheme
-(default: the spec's), "deploy_target": tie the scales that runtime merges (qatlib.quant.tying),
+(default: the spec's), "deploy_target": tie the scales that runtime merges (qatlib.runtime.tying),
 "scale_update": "additive" | "log" (qatlib.trainers.log_scale), "lr": a phase's own lr,
 "checkpointing": layer checkpointing with each expert recomputed in its own backward}]}.
 Rank 0 writes ``{out}/{name}.pt`` (losses, quantizer params after the build and after the steps,
@@ -41,10 +41,10 @@ def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def gathered_equals(model, sd, zero3_io) -> list[str]:
+def gathered_equals(model, sd, zero3_save) -> list[str]:
     """Names of non-quantizer parameters whose gathered value differs from ``sd`` (every rank)."""
     bad = []
-    for name, m in zero3_io.iter_gathered_modules(model, unit_types=()):
+    for name, m in zero3_save.iter_gathered_modules(model, unit_types=()):
         for pname, p in m.named_parameters(recurse=False):
             full = f"{name}.{pname}" if name else pname
             if ".weight_quantizer." in full or ".input_quantizer." in full or ".output_quantizer." in full:
@@ -62,10 +62,12 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
 
     from qatlib import zero3_io as z
     from qatlib import zero3_load as zl
+    from qatlib import zero3_save as zs
     from qatlib.device import current as current_device
     from qatlib.models import load_model
     from qatlib.moe import LinearizedMoeExperts
     from qatlib.quant import PrepareOptions, Quantizer, QuantScheme, tying
+    from qatlib.runtime.tying import tie_for
     from qatlib.trainers.log_scale import install_log_space_steps
     from qatlib.trainers.params import Learnable, param_groups, select_trainable
 
@@ -88,7 +90,7 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
         from_ptq_ckpt=ph["ptq"],
         chunk_bytes=ph.get("chunk_bytes", 64 << 20),
         scales_report_path=out / f"{ph['name']}_scales.json",
-        options=PrepareOptions(deploy_target=ph.get("deploy_target", "none")),
+        options=PrepareOptions(deploy=tie_for(ph.get("deploy_target", "none"))),
     )
     # quantizers sharing one (partitioned) scale Parameter: one list per group
     checks["shared"] = [[n for n, _ in g] for g in tying.shared_groups(model)]
@@ -104,16 +106,16 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
     checks["weight_dtypes"] = sorted(
         {str(p.ds_tensor.dtype) for p in model.parameters() if id(p) not in _quant_ids(model)}
     )
-    checks["gathered_mismatch"] = gathered_equals(model, checkpoint_tensors(Path(ph["compare_ckpt"])), z)
+    checks["gathered_mismatch"] = gathered_equals(model, checkpoint_tensors(Path(ph["compare_ckpt"])), zs)
     for other in ph.get("also_load", []):  # e.g. the fused-key layout of the same weights
         m2 = load_model(other, zero3=ctx)  # through qatlib.models' dispatch
         checks[f"gathered_mismatch[{Path(other).name}]"] = gathered_equals(
-            m2, checkpoint_tensors(Path(ph["compare_ckpt"])), z
+            m2, checkpoint_tensors(Path(ph["compare_ckpt"])), zs
         )
         del m2
     meta_before = z.run_metadata(model)
     # the warm start's values before any step, and quantizers it left uninitialised (every rank)
-    init_quant = {k: v for k, v in z.consolidated_state_dict(model).items() if "_quantizer." in k}
+    init_quant = {k: v for k, v in zs.consolidated_state_dict(model).items() if "_quantizer." in k}
     checks["uninitialized"] = sorted(
         n for n, q in model.named_modules() if isinstance(q, Quantizer) and not bool(q.initialized)
     )
@@ -131,7 +133,7 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
     if ph.get("frozen_codes"):  # quant_config.frozen_codes, as train_end2end runs it
         from qatlib.quant.codes import freeze_codes
 
-        freeze_codes(model)
+        freeze_codes(model, z.gathered_param_if_zero3)  # ZeRO-3: the gather passed down
     if ph.get("checkpointing"):  # as the end-to-end trainer sets it up (non-reentrant)
         from qatlib.moe import recompute_experts_one_by_one
 
@@ -206,10 +208,10 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
     if ph.get("frozen_codes"):
         from qatlib.quant.codes import release_codes
 
-        release_codes(model)
+        release_codes(model, z.gathered_param_if_zero3)
     part = ph.get("save_partition_bytes", z.PARTITION_BYTES)
-    sd = z.consolidated_state_dict(model, partition_bytes=part)
-    saved = z.save_consolidated(model, out / f"{ph['name']}_saved", scheme=scheme, partition_bytes=part)
+    sd = zs.consolidated_state_dict(model, partition_bytes=part)
+    saved = zs.save_consolidated(model, out / f"{ph['name']}_saved", scheme=scheme, partition_bytes=part)
     meta = z.run_metadata(model)
     all_checks = [None] * world
     torch.distributed.all_gather_object(all_checks, checks)
