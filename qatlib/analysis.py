@@ -27,7 +27,8 @@ from safetensors import safe_open
 from .checkpoint import safetensors as st
 from .checkpoint.keys import load_scales, parse_key
 from .checkpoint.layout import read_scheme, weight_files, write_text
-from .quant.functional import fake_quantize
+from .quant.functional import fake_quantize, subgroup_shape
+from .quant.quantizer import SUBGROUP_LOGIT_INIT
 from .quant.spec import QuantScheme, QuantSpec
 
 Row = dict[str, Any]
@@ -212,7 +213,18 @@ def layer_sqnr(
             continue
         zp = scales.get(f"{layer}.weight_zero_point")
         x = w.detach().float()
-        fq = fake_quantize(x, s.float(), None if zp is None else zp.float(), spec)
+        gs = scales.get(f"{layer}.weight_global_scale")  # NVFP4
+        logit = scales.get(f"{layer}.weight_quantizer.subgroup_logit")  # FOCUS (a PTQ start: their init)
+        if spec.subgroups and logit is None:
+            logit = torch.full(subgroup_shape(x.shape, spec), SUBGROUP_LOGIT_INIT)
+        fq = fake_quantize(
+            x,
+            s.float(),
+            None if zp is None else zp.float(),
+            spec,
+            global_scale=None if gs is None else gs.float(),
+            subgroup_scale=None if logit is None else torch.sigmoid(logit.float()),
+        )
         rows.append(
             {"layer": layer, "layer_type": layer_type(layer), "numel": x.numel(), "sqnr_db": sqnr_db(x, fq)}
         )
@@ -293,7 +305,7 @@ class SqnrError(RuntimeError):
 
 def _sqnr_scales(ckpt: Path, what: str) -> tuple[QuantScheme, dict[str, torch.Tensor], list[str]]:
     try:
-        scheme, scales = read_scheme(ckpt), load_scales(ckpt)
+        scheme, scales = read_scheme(ckpt), load_scales(ckpt, own_names=True)
     except (FileNotFoundError, ValueError) as e:
         raise SqnrError(f"{what} checkpoint {ckpt}: {e}") from e
     layers = sorted({p.layer for k in scales if (p := parse_key(k)) and p.role == "weight"})

@@ -8,6 +8,7 @@ the format mapping.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from .quant import QuantLinear, QuantScheme
 from .quant import functional as F
 from .quant.linear import is_router, weight_readable
 from .quant.quantizer import Quantizer
-from .quant.spec import Granularity
+from .quant.spec import CheckpointFormat, Granularity
 
 if TYPE_CHECKING:
     pass
@@ -329,6 +330,18 @@ def quantization_config(model: nn.Module, fmt: CTFormat, *, ignore: Sequence[str
     )
 
 
+def fp8_native_config(model: nn.Module, scheme: QuantScheme, *, ignore: Sequence[str] = ()) -> dict[str, Any]:
+    """``config.json``'s ``quantization_config`` in vLLM's / SGLang's own fp8 format
+    (`CheckpointFormat.FP8`, upstream's ``save_name: fp8``: angelslim/compressor/quant/core/save.py
+    l.292-315): ``quant_method``, ``activation_scheme`` and ``ignored_layers`` (`ignore_list`; vLLM
+    matches them exactly, ``Fp8Config.get_quant_method``)."""
+    return {
+        "quant_method": CheckpointFormat.FP8.value,
+        "activation_scheme": "dynamic" if scheme.input.dynamic else "static",
+        "ignored_layers": ignore_list(model, ignore),
+    }
+
+
 # --------------------------------------------------------------------------- entry point
 def write_side_files(
     tmp: Path,
@@ -340,7 +353,12 @@ def write_side_files(
     tokenizer, the KV-cache and resume scales, ``qatlib_export.json``."""
     model, scheme, fmt, weights = job.model, job.scheme, job.fmt, job.weights
     if weights is not None:
-        if fmt is not None:
+        if fmt is not None and scheme.checkpoint_format is CheckpointFormat.FP8:
+            cfg_file = tmp / "config.json"
+            cfg = json.loads(cfg_file.read_text())
+            cfg["quantization_config"] = fp8_native_config(model, scheme, ignore=job.ignore)
+            write_json(cfg_file, cfg)
+        elif fmt is not None:
             from compressed_tensors.compressors import ModelCompressor
 
             ModelCompressor(

@@ -24,7 +24,14 @@
   mxfp4 weight (+ mxfp4 dynamic input)  mxfp4-pack-quantized  MXFP4A16 / MXFP4 (group 32, uint8
                                                             E8M0 exponents) [Mxfp4 W4A16 / W4A4]
   k / v output (static fp8)             kv_cache_scheme     ``<attn>.k_scale`` / ``v_scale``
+  fp8 tensor weight + fp8 tensor input  float-quantized     the same tensors under vLLM's / SGLang's
+  (``save_name: fp8``)                  tensors             own header, ``quant_method: fp8``
+                                                            [Fp8LinearMethod / Fp8MoEMethod]
   ====================================  ==================  =====================================
+
+  FOCUS's sub-group scales (``QuantSpec.subgroups``) are folded into the FP4 codes
+  (`qatlib.quant.linear.QuantLinear.codes`): the runtime's ``codes x group scale`` is the trained
+  weight.
 
 - ``fake``: a plain HF checkpoint whose linears hold ``dequantize(quantize(W))`` (no quantization
   library needed to load it; activation quantization is not represented).

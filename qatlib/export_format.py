@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .quant import QuantScheme, QuantSpec
-from .quant.spec import Granularity
+from .quant.spec import CheckpointFormat, Granularity, ScaleRule
 
 W4A8_ACTIVATION_MODES = ("runtime", "trained")
 
@@ -136,6 +136,13 @@ def compressed_tensors_format(scheme: QuantScheme, *, w4a8_activation: str = "ru
     aargs = None if a is None else ct_args(a)
     if w.is_fp4 or (a is not None and a.is_fp4):
         fmt = _fp4_format(w, a, notes)
+        if a is not None and a.scale_rule is ScaleRule.CEIL:
+            changes.append(MXFP4_CEIL_ACTIVATIONS)
+        if w.subgroups:
+            notes.append(
+                f"FOCUS sub-group scales ({w.subgroups} per group of {w.group_size}) are folded into the E2M1 codes "
+                "(upstream's export does the same): the runtime computes codes x group scale, the trained weight"
+            )
     elif w.is_fp8:
         fmt = CompressionFormat.float_quantized
         if w.granularity is Granularity.GROUP:
@@ -231,8 +238,21 @@ def compressed_tensors_format(scheme: QuantScheme, *, w4a8_activation: str = "ru
                 "per-head KV scales: vLLM 0.33 uses them with FlashAttention 3 (flash_attn.py:411-414), other "
                 "backends take the max over heads; SGLang 0.5.23 ignores a per-head kv_cache_scheme (KV stays bf16)"
             )
+    if scheme.checkpoint_format is CheckpointFormat.FP8:
+        notes.append(FP8_NATIVE_NOTE)
     ct_scheme = QuantizationScheme(targets=["Linear"], weights=wargs, input_activations=aargs, format=fmt)
     return CTFormat(ct_scheme, fmt.value, kv, tuple(changes), tuple(notes))
+
+
+# `CheckpointFormat.FP8` (upstream's save_name: fp8): compressed-tensors' own tensors, another header
+FP8_NATIVE_NOTE = (
+    "quant_method fp8 (upstream's save_name: fp8): the tensors compressed-tensors writes for fp8 per-tensor "
+    "(weight, weight_scale, input_scale) under vLLM's / SGLang's own Fp8Config header (activation_scheme, "
+    "ignored_layers). vLLM 0.33 quantizes a dynamic input per token on dense layers where CUTLASS fp8 runs "
+    "(SM89+) and per tensor in the fused-MoE experts, which compressed-tensors' dynamic per-tensor layout has "
+    "no MoE kernel for; transformers 5.24 reads quant_method fp8 as its block-wise FineGrainedFP8 and cannot "
+    "reload this checkpoint (the export variant of the evaluation is skipped; the deployed variant emulates it)"
+)
 
 
 # Runtime facts for the FP4 exports (vLLM 0.33 / SGLang 0.5.23; /work/shared/design/runtime-contract.md).
@@ -253,6 +273,18 @@ MXFP4_NOTES = (
     "natively only on Blackwell (SM100, block-scaled FP4 MMA); earlier GPUs use the Marlin MXFP4 W4A16 "
     "kernel (activations 16-bit); MoE through Marlin / FlashInfer MXFP4 MoE; SGLang 0.5.23 loads "
     "compressed-tensors MXFP4 only on Blackwell",
+)
+
+
+# upstream FOCUS's mxfp4_rceil activations: a runtime computes MXFP4 activation scales with its own rule
+MXFP4_CEIL_ACTIVATIONS = (
+    "input activations: trained with ceil-rounded E8M0 group scales, 2**ceil(log2(amax / 6)) (upstream FOCUS's "
+    "mxfp4_rceil); the checkpoint stores no activation scale and vLLM 0.33 quantizes MXFP4 activations at run "
+    "time with its own rule (FlashInfer's mxfp4_quantize on SM100, kernels/linear/mxfp4/flashinfer.py:65; "
+    "quark's qdq_mxfp4 in emulation, emulation.py:124), which the runtime emulator takes as compressed-tensors' "
+    "2**(floor(log2 amax) - 2), one up from mantissa 1.75: the two differ for a group whose max has a "
+    "mantissa in (1.5, 1.75), which the runtime quantizes at half the trained scale (its max clipped from "
+    "6 < |x| / s < 7 to 6); the stored weights and their E8M0 scales deploy exactly as trained"
 )
 
 

@@ -5,7 +5,7 @@ fake-quantization temporaries) several times a step: teacher forward, forward, c
 recompute, backward. glibc keeps freed heap memory for reuse instead of returning it, and its
 arenas fragment, so the resident set climbs with every gather although the live tensors stay at
 one layer. Measured on the real-width rehearsal (Qwen3-30B-A3B cut to 1 layer, M = 2.49 GB bf16,
-2 gloo ranks, one step; `benchmarks/README.md`, Memory plan vs measured): rank 0 peaked at 8.6 GB
+2 gloo ranks, one step; `benchmarks/README.md` at 2faaa77, Memory plan vs measured): rank 0 peaked at 8.6 GB
 with `reuse_training_allocations` (6.5 without); ``malloc_trim(0)`` after the teacher forward
 alone returned 1.15 GB, and only 19 M elements were still gathered then.
 

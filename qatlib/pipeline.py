@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from . import device
-from .plan import streamed
+from .plan import not_streamed, streamed
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,26 @@ def _calibration_batches(cfg, tok, progress: bool) -> Iterable:
     return tqdm(loader, desc="PTQ calibration", disable=not progress, mininterval=2.0)
 
 
+LOW_MEMORY = "compression.quantization.low_memory"
+
+
+def _low_memory_check(cfg, whole_model: bool) -> bool:
+    """Upstream's ``low_memory: true`` asks for layer-by-layer calibration: qatlib's default
+    wherever `qatlib.plan.streamed` says so. Where it is not, the stage refuses before any work,
+    naming why (`qatlib.plan.not_streamed`). Returns whether the key is set."""
+    if not cfg.quantization.low_memory:
+        return False
+    why = not_streamed(cfg.raw, "ptq_calibrate")
+    if why is None and whole_model:
+        why = "--whole-model asks for the whole model"
+    if why is not None:
+        raise StageInputError(
+            f"{cfg.source}: {LOW_MEMORY}: layer-by-layer calibration is not possible here: {why}; "
+            "remove low_memory to load the model whole (placed by model.device_map)"
+        )
+    return True
+
+
 def run_ptq(
     cfg, *, whole_model: bool = False, overwrite: bool = False, progress: bool = True
 ) -> dict[str, Any]:
@@ -61,6 +81,7 @@ def run_ptq(
     from .ptq import calibrate, calibrate_from_checkpoint, save_ptq_checkpoint
 
     scheme, m = cfg.quant_scheme(), cfg.model
+    low_memory = _low_memory_check(cfg, whole_model)
     model_dir = resolve_model_dir(m.model_path, cache_dir=m.cache_dir)
     gptq = cfg.ptq_algorithm == "gptq"
     layerwise = streamed(cfg.raw, "ptq_calibrate") and not whole_model
@@ -69,9 +90,12 @@ def run_ptq(
     device_map = device.device_map(m.device_map)
     model = None if layerwise else load_model(model_dir, device_map=device_map, **common)
     tok = load_tokenizer(model_dir, trust_remote_code=m.trust_remote_code)
-    # weight scales come from the weights: only static activation scales (and GPTQ) read data
+    # weight scales come from the weights: only static activation scales (and GPTQ) read data; an
+    # NVFP4 input's group scales are dynamic, its global scale static (`calibration.static_quantizers`)
     static_act = [
-        r for r in ("input", "q", "k", "v") if (sp := getattr(scheme, r)) is not None and not sp.dynamic
+        r
+        for r in ("input", "q", "k", "v")
+        if (sp := getattr(scheme, r)) is not None and (not sp.dynamic or sp.has_global_scale)
     ]
     needs_data = bool(static_act or gptq)
     batches = _calibration_batches(cfg, tok, progress) if needs_data else []
@@ -93,6 +117,11 @@ def run_ptq(
             # The streamed reader maps the shards' keys one to one onto the model's names; a
             # checkpoint whose keys transformers renames while loading (its conversion mapping,
             # e.g. HunYuan v3's router / shared_mlp) is read whole, as whole_model would.
+            if low_memory:
+                raise StageInputError(
+                    f"{cfg.source}: {LOW_MEMORY}: the streamed calibration cannot read {model_dir} "
+                    f"({str(e).splitlines()[0]}); remove low_memory to load the model whole"
+                ) from None
             log.warning("%s: not streamed (%s); loading the whole model", model_dir, str(e).splitlines()[0])
             layerwise = False
             model = load_model(model_dir, device_map=device_map, **common)

@@ -76,7 +76,8 @@ def main(argv=None) -> int:
         else:
             model, extra = load_variant(cfg, args.variant, model_dir, args.scales)
         result.update(extra)
-        if model is None:  # deployed, not evaluated (deploy.target none, or the runtime refuses)
+        # not evaluated: deploy.target none, the runtime refuses, transformers cannot reload it
+        if model is None:
             print(f"{args.variant}: skipped ({extra['skipped']})")
             write_json(args.out, result, sort_keys=True)
             return 0

@@ -11,7 +11,9 @@ wins over ``dataset.data_path``). Round-to-nearest weight-only and dynamic-activ
 read no data.
 Host memory: one decoder layer at a time, read from the shards, wherever `qatlib.plan.streamed`
 says the streamed calibration gives the same scales (all but GPTQ and a static input scale on the
-head); ``--whole-model`` loads the model instead. The stage is `qatlib.pipeline.run_ptq`.
+head); ``--whole-model`` loads the model instead. Upstream's ``low_memory: true`` asks for that
+streaming: where it is impossible the stage refuses before any work, naming why. The stage is
+`qatlib.pipeline.run_ptq`.
 """
 
 from __future__ import annotations

@@ -122,6 +122,13 @@ def test_fused_prototype_matches_fake_quantize():
     assert r["values_bit_exact"] and r["max_rel_grad_error"] < 1e-4
 
 
+def test_fp4_rows_take_a_subset(capsys):
+    """``--fp4 LIST``: some of the FP4 rows (e.g. upstream FOCUS's beside qatlib's W4A4), same settings."""
+    with pytest.raises(SystemExit) as e:
+        quality.main(["--fp4", "nvfp4,nvfp4_fokus", "--results", "/nonexistent"])
+    assert e.value.code == 2 and "--fp4: unknown nvfp4_fokus" in capsys.readouterr().err
+
+
 def test_formats_are_what_they_say():
     s = common.format_scheme("w4a8_fp8_g32")
     assert s.weight.qtype == "int4" and s.weight.group_size == 32 and s.weight.fp8_recast and s.input.is_fp8
@@ -142,8 +149,17 @@ def test_formats_are_what_they_say():
         "nvfp4": 4.5,
         "mxfp4_w4a16": 4.25,
         "mxfp4": 4.25,
+        "nvfp4_focus": 4.5,  # FOCUS's sub-group scales are folded into the codes: no storage
+        "mxfp4_focus": 4.25,
     }
     assert common.format_scheme("nvfp4").input.dynamic and common.format_scheme("mxfp4_w4a16").input is None
+    # upstream FOCUS (#41): qatlib's W4A4 rows plus sub-group scales (and MXFP4's ceil scale rule)
+    nf, mf = common.format_scheme("nvfp4_focus"), common.format_scheme("mxfp4_focus")
+    assert (
+        nf.weight == common.format_scheme("nvfp4").weight.replace(subgroups=2)
+        and nf.input.scale_rule.value != "ceil"
+    )
+    assert (mf.weight.subgroups, mf.weight.scale_rule.value, mf.input.scale_rule.value) == (4, "ceil", "ceil")
     with pytest.raises(KeyError):
         common.format_scheme("int5_g7")
     # the deployment rows' fp8_dynamic and the GPU check's groups of 128 are qatlib's presets

@@ -345,10 +345,11 @@ def test_upstream_mantissa_roundings_are_qatlibs_e2m1():
 
 
 def test_upstream_focus_configs_with_honoured_keys_load():
-    """Upstream's FOCUS YAMLs (byte-identical copies) with their refused FP4 keys set to what qatlib
-    honours: NVFP4 is qatlib's nvfp4 preset (mantissa_rounding nearest, num_sub and
-    quant_max_scale_lr accepted); MXFP4 (qtype mxfp4 for mxfp4_rceil, over the w4a8_fp8 base
-    upstream names) is the mxfp4 preset's weight and input, fp8_recast dropped."""
+    """Upstream's FOCUS YAMLs (byte-identical copies) without their FOCUS features (sub-group scales
+    off, qtype mxfp4 for mxfp4_rceil: tests/test_focus.py runs them as written) are qatlib's own FP4
+    recipes: NVFP4 the nvfp4 preset (mantissa_rounding nearest, num_sub and quant_max_scale_lr
+    accepted); MXFP4 (over the w4a8_fp8 base upstream names) the mxfp4 preset's weight and input,
+    fp8_recast dropped."""
     import upstream_compat as uc
 
     nv = uc.load(FOCUS.format("nvfp4"), **{f"{QC}.weight.use_subgroup_scale": False}, **ZERO3_FIX)
@@ -380,8 +381,10 @@ def test_upstream_focus_configs_with_honoured_keys_load():
         ("weight.mantissa_rounding", "floor", "upstream AngelSlim feature mantissa_rounding 'floor'"),
         ("activation.mantissa_rounding", "up", "'up' is not one of upstream's values (even, nearest, floor)"),
         ("weight.num_sub", 0, "must be a positive integer (got 0)"),
-        ("activation.use_subgroup_scale", True, "upstream AngelSlim feature use_subgroup_scale"),
-        ("activation.qtype", "mxfp4_rceil", "set qtype: mxfp4"),
+        ("activation.use_subgroup_scale", True, "has no effect: upstream creates FOCUS's sub-group scales"),
+        ("weight.num_sub", 3, "subgroups must be a positive divisor of the group size 16; got 3"),
+        ("weight.qtype", "int4", "sub-group scales (FOCUS) apply to the FP4 formats, not to int4"),
+        ("activation.num_sub", -2, "must be a positive integer (got -2)"),
     ],
 )
 def test_upstream_fp4_keys_refused_by_name(key, value, fragment):
@@ -389,14 +392,17 @@ def test_upstream_fp4_keys_refused_by_name(key, value, fragment):
 
     from qatlib.config import ConfigError
 
+    keep_subgroups = key in ("weight.num_sub", "weight.qtype")
     with pytest.raises(ConfigError) as ei:
         uc.load(
             FOCUS.format("nvfp4"),
-            **{f"{QC}.weight.use_subgroup_scale": False, f"{QC}.{key}": value},
+            **{f"{QC}.weight.use_subgroup_scale": keep_subgroups, f"{QC}.{key}": value},
             **ZERO3_FIX,
         )
     path, msg = ei.value.issues[0]
-    assert path == f"{QC}.{key}" and fragment in msg
+    # a sub-group error names num_sub (the file sets it)
+    want = f"{QC}.weight.num_sub" if key == "weight.qtype" else f"{QC}.{key}"
+    assert path == want and fragment in msg, (path, msg)
     assert "unknown key" not in msg and "did you mean" not in msg
 
 

@@ -1,7 +1,7 @@
 """The host-heap policy of CPU training (`qatlib.heap`): the trim gives freed heap pages back to
 the OS, only above its limit; the layer hooks run it at every decoder-layer boundary; a model
 whose decoder layer passes the limit trains without heap reuse. What it buys at width is measured
-in benchmarks/plan_rehearsal.py (benchmarks/README.md, Memory plan vs measured)."""
+in benchmarks/plan_rehearsal.py (benchmarks/README.md at 2faaa77, Memory plan vs measured)."""
 
 from __future__ import annotations
 

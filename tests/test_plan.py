@@ -472,7 +472,7 @@ def test_rehearsal_one_layer_ptq_zero3_qat_export_reload(tmp_path):
     matches the QAT model within REHEARSAL_REL_ERR, and transformers reloads it.
     Smallest size: 1 layer, 1 step per rank, 2 x 32-token samples (PTQ's
     calibration too). Each stage's process tree is stopped past REHEARSAL_LIMIT (the 2-rank QAT
-    tree is the largest: see benchmarks/README.md for the measured peak and wall time)."""
+    tree is the largest: results/bench/plan_rehearsal.json holds the measured peaks)."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -847,7 +847,7 @@ def test_fake_quant_linear_scale_gradient_of_a_frozen_weight_is_the_exact_sum(sp
     sc = (sc * 0.7).requires_grad_(True)
     FQ.fake_quant_linear(x, w, None, sc, None, spec).backward(gout)
     got = sc.grad.clone()
-    _, _, d, _ = FQ._fake_quant_parts(w[:24], sc, None, spec, None, with_grad_terms=True)  # elementwise
+    _, _, d, _, _ = FQ._fake_quant_parts(w[:24], sc, None, spec, None, with_grad_terms=True)  # elementwise
     d = torch.cat(
         [d]
         + [FQ._fake_quant_parts(b, sc, None, spec, None, with_grad_terms=True)[2] for b in w[24:].split(24)]

@@ -55,6 +55,10 @@ MUST_CHECK = {
     "refuses_fp8_static_channel_moe": ("vllm:REFUSES_FP8_STATIC_CHANNEL_MOE",),
     "refuses_int8_static_moe": ("vllm:REFUSES_INT8_STATIC_MOE",),
     "refuses_w4a8_static": ("vllm:REFUSES_W4A8_STATIC",),
+    "fp8_native_dense": ("vllm:WEIGHT_SCALE_MAX_FP8_FORMAT", "vllm:INPUT_SCALE_MAX_FP8_FORMAT"),
+    "fp8_native_moe": ("vllm:WEIGHT_SCALE_MAX_FP8_FORMAT", "vllm:EXPERT_INPUT_SCALE_MAX_FP8_FORMAT"),
+    "fp8_native_dynamic_moe": ("vllm:WEIGHT_SCALE_MAX_FP8_FORMAT",),
+    "refuses_fp8_native_fp32": ("vllm:FP8_NATIVE_DTYPES",),
 }
 
 
@@ -65,6 +69,8 @@ def _edit(scheme, edit: str):
         return scheme.replace(weight=scheme.weight.replace(symmetric=False))
     if edit == "weight_channel":
         return scheme.replace(weight=scheme.weight.replace(granularity=Granularity.CHANNEL))
+    if edit == "native":  # the fp8 format (quant_method: fp8, upstream's save_name: fp8)
+        return scheme.replace(checkpoint_format="fp8")
     if edit == "int8_static":
         return scheme.replace(
             weight=QuantSpec("int8", Granularity.CHANNEL), input=QuantSpec("int8", Granularity.TENSOR)
@@ -262,6 +268,10 @@ BREAKS = {
     "refuses_fp8_static_channel_moe": (lambda m: _forget(m, Layout.FP8_STATIC_CHANNEL, True), "refusal"),
     "refuses_int8_static_moe": (lambda m: _forget(m, Layout.INT8_STATIC, True), "refusal"),
     "refuses_w4a8_static": (lambda m: _forget(m, Layout.W4A8_STATIC, None), "refusal"),
+    "fp8_native_dense": (lambda m: _drop(m, Transform.INPUT_SCALE_MAX), "input scale"),
+    "fp8_native_moe": (lambda m: _drop(m, Transform.EXPERT_INPUT_SCALE_MAX), "input scale"),
+    "fp8_native_dynamic_moe": (lambda m: _drop(m, Transform.WEIGHT_SCALE_MAX), "effective weight"),
+    "refuses_fp8_native_fp32": (lambda m: m.setattr(FT, "NATIVE_FP8_DTYPES", {}), "refusal"),
 }
 
 

@@ -321,6 +321,10 @@ def test_first_stage_runs_on_local_model(rel, local_models, ptq_script, tmp_path
         with pytest.raises(ConfigError, match="deploy.target: vllm 0.33.0 cannot load"):
             load_config(uc.UPSTREAM / rel, sets)
         sets["deploy.target"] = "none"
+    if rel == FP8_FORMAT:  # the fp8 format serves half precision: the tiny model's float32 is refused
+        with pytest.raises(ConfigError, match="model.torch_dtype: vllm 0.33.0 cannot load .* float32 model"):
+            load_config(uc.UPSTREAM / rel, sets)
+        sets["model.torch_dtype"] = "bfloat16"  # upstream's Qwen3-30B-A3B is bf16 (torch_dtype: auto)
     cfg = load_config(uc.UPSTREAM / rel, sets)
     argv = ["-c", str(uc.UPSTREAM / rel), "--save-path", str(tmp_path / "ptq"), "--no-progress"]
     argv += [f"--set={k}={json.dumps(v)}" if v is not None else f"--set={k}=null" for k, v in sets.items()]
@@ -356,3 +360,131 @@ def _split(argv: list[str]) -> list[str]:
         else:
             out.append(a)
     return out
+
+
+# --------------------------------------------------------------------------- low_memory, save_name: fp8
+LOW_MEM = "configs/qwen3/ptq/fp8_static/qwen3-a22b_fp8_static_low_memroy.yaml"
+FP8_FORMAT = "configs/qwen3/ptq/fp8_dynamic/qwen3-a3b_fp8_dynamic.yaml"
+
+
+def test_low_memory_is_the_streamed_calibration_or_refused_naming_why(local_models, tmp_path):
+    """``low_memory: true`` asks for what qatlib's PTQ does by default (`qatlib.plan.streamed`); where
+    it cannot stream, the stage refuses before any work, naming why (`qatlib.plan.not_streamed`)."""
+    from qatlib.pipeline import StageInputError, run_ptq
+
+    dirs, data = local_models
+    save = tmp_path / "ptq"
+    sets = {**uc.local_overrides(LOW_MEM, dirs["qwen3_moe"], data, "unused"), "dataset.num_samples": 2}
+    sets["global.save_path"] = str(save)
+    cfg = load_config(uc.UPSTREAM / LOW_MEM, sets)
+    assert cfg.quantization.low_memory and cfg.quant_scheme().input.dynamic is False
+    refusals = {
+        "--whole-model asks for the whole model": (cfg, {"whole_model": True}),
+        "a static input scale on lm_head (not in ignore_layers)": (
+            load_config(
+                uc.UPSTREAM / LOW_MEM, {**sets, "compression.quantization.ignore_layers": ["embed_tokens"]}
+            ),
+            {},
+        ),
+        "GPTQ changes the weights": (
+            load_config(uc.UPSTREAM / LOW_MEM, {**sets, "compression.quantization.name": "int4_gptq"}),
+            {},
+        ),
+    }
+    for why, (c, kw) in refusals.items():
+        with pytest.raises(StageInputError, match="compression.quantization.low_memory") as e:
+            run_ptq(c, progress=False, **kw)
+        assert why in str(e.value) and "remove low_memory" in str(e.value)
+        assert not save.exists()  # before any work
+    assert run_ptq(cfg, progress=False)["streamed"] is True
+    assert (save / "scales.safetensors").is_file()
+
+
+def test_save_name_fp8_exports_the_runtimes_fp8_format(tmp_path, tiny_tokenizer):
+    """``save_name: fp8`` (upstream's Qwen3-30B-A3B fp8_dynamic file): vLLM's / SGLang's own format,
+    ``quant_method: fp8``, with the fp8 per-tensor tensors. On an MoE model it is the one vLLM serves:
+    its Fp8MoEMethod quantizes the experts' input per tensor, as trained, while compressed-tensors'
+    dynamic per-tensor layout has no vLLM MoE kernel (refused; the oracle's fp8_native_dynamic_moe
+    path loads this format in vLLM itself)."""
+    from safetensors.torch import load_file
+
+    from qatlib.eval.variants import export_skipped_reason
+    from qatlib.export import export
+    from qatlib.ptq import calibrate
+    from qatlib.quant.spec import CheckpointFormat
+    from qatlib.runtime.emulate import RuntimeRefusal, emulate_export
+    from qatlib.runtime.facts import Layout
+
+    model_dir = tmp_path / "moe"
+    build_model(tiny_qwen3_moe_config(**GROUPABLE, moe_intermediate_size=128)).to(
+        torch.bfloat16
+    ).save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    cfg = load_config(
+        uc.UPSTREAM / FP8_FORMAT, uc.local_overrides(FP8_FORMAT, str(model_dir), "unused", "unused")
+    )
+    scheme = cfg.quant_scheme()
+    assert scheme.checkpoint_format is CheckpointFormat.FP8 and scheme.input.dynamic
+    assert scheme.to_dict()["checkpoint_format"] == "fp8"
+    ct = uc.load(FP8_FORMAT, **{"compression.quantization.save_name": "compressed-tensors"})
+    assert ct.quant_scheme() == scheme  # the same trained arithmetic, another checkpoint format
+    with pytest.raises(ConfigError, match="deploy.target: vllm 0.33.0 cannot load"):  # the CT twin, on MoE
+        load_config(
+            uc.UPSTREAM / FP8_FORMAT,
+            {
+                **uc.local_overrides(FP8_FORMAT, str(model_dir), "unused", "unused"),
+                "compression.quantization.save_name": "compressed-tensors",
+            },
+        )
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    calibrate(model, scheme, [], ignore=cfg.ignore_layers, options=cfg.prepare_options())
+    out = export(model, scheme, tmp_path / "export", "real", ignore=cfg.quantization.ignore_layers)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert (
+        qc["quant_method"] == "fp8"
+        and qc["activation_scheme"] == "dynamic"
+        and set(qc)
+        == {
+            "quant_method",
+            "activation_scheme",
+            "ignored_layers",
+        }
+    )
+    assert {"lm_head", "model.embed_tokens", "model.layers.0.mlp.gate"} <= set(qc["ignored_layers"])
+    t = load_file(out / "model.safetensors")
+    w = "model.layers.0.mlp.experts.1.up_proj"
+    assert t[f"{w}.weight"].dtype == torch.float8_e4m3fn and t[f"{w}.weight_scale"].shape == (1,)
+    assert not any(k.endswith("input_scale") for k in t)
+    info = json.loads((out / "qatlib_export.json").read_text())
+    vllm = info["deployment"]["vllm 0.33.0"]
+    assert vllm["loads"] and vllm["layout"] == Layout.FP8_NATIVE_DYNAMIC.value
+    assert any("quant_method fp8" in n for n in info["compressed_tensors"]["runtime_notes"])
+    dep = emulate_export(out, "vllm")
+    assert dep.layout is Layout.FP8_NATIVE_DYNAMIC
+    lin = dict(dep.model.named_modules())
+    x = torch.randn(3, 128) * torch.logspace(-2, 1, 128)
+    for name, per_token in ((w, False), ("model.layers.0.self_attn.q_proj", True)):
+        act = lin[name].act  # experts: per tensor (Fp8MoEMethod); dense: per token (CUTLASS fp8)
+        assert torch.equal(act(x)[:1], act(x[:1])) == per_token  # one row alone: the same iff per token
+    assert "transformers" in export_skipped_reason(out)
+    # a float32 model: the format's Fp8Config serves half precision only
+    model32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    calibrate(model32, scheme, [], ignore=cfg.ignore_layers, options=cfg.prepare_options())
+    out32 = export(model32, scheme, tmp_path / "export32", "real", ignore=cfg.quantization.ignore_layers)
+    assert not json.loads((out32 / "qatlib_export.json").read_text())["deployment"]["vllm 0.33.0"]["loads"]
+    with pytest.raises(RuntimeRefusal, match="bfloat16 / float16 models only"):
+        emulate_export(out32, "vllm")
+    # the format holds fp8 per-tensor weights and inputs only; other save names are refused by name
+    with pytest.raises(ConfigError) as e:
+        uc.load(
+            "configs/qwen3/ptq/int8_dynamic/qwen3-0_6b_int8_dynamic.yaml",
+            **{"compression.quantization.save_name": "fp8"},
+        )
+    assert (
+        e.value.issues[0][0] == "compression.quantization.save_name" and "per-tensor" in e.value.issues[0][1]
+    )
+    with pytest.raises(ConfigError) as e:
+        uc.load(FP8_FORMAT, **{"compression.quantization.save_name": "trtllm"})
+    assert "upstream AngelSlim feature save_name 'trtllm'" in e.value.issues[0][1]

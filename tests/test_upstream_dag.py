@@ -132,7 +132,7 @@ def dry_runs(tmp_path_factory) -> dict[str, str]:
 @needs_snakemake
 @pytest.mark.parametrize("rel", QAT_FILES, ids=[Path(f).stem for f in QAT_FILES])
 def test_upstream_qat_config_builds_the_full_dag(rel, dry_runs):
-    assert len(QAT_FILES) == 9
+    assert len(QAT_FILES) == 13  # configs/*/qat and FOCUS's configs/qwen3/fp4
     exp, out = exp_name(rel), dry_runs[rel]
     assert job_counts(out) == FULL_DAG
     shell = qat_shell(out)
@@ -143,7 +143,10 @@ def test_upstream_qat_config_builds_the_full_dag(rel, dry_runs):
             r"OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 ", shell
         )
         # upstream's repository-relative JSON path, found as qatlib finds it (above the YAML)
-        ds = HY3_DS if rel == HY3 else (uc.UPSTREAM / rel).parent / "ds_config_zero3.json"
+        name = Path(
+            yaml.safe_load((uc.UPSTREAM / rel).read_text())["compression"]["QAT"]["hf_args"]["deepspeed"]
+        ).name
+        ds = HY3_DS if rel == HY3 else (uc.UPSTREAM / rel).parent / name
         assert f"--set=compression.QAT.hf_args.deepspeed={json.dumps(str(ds))}" in shell
     else:
         assert re.match(r"python \S*scripts/qat\.py ", shell) and "torchrun" not in shell, shell
@@ -156,6 +159,23 @@ def test_upstream_qat_config_builds_the_full_dag(rel, dry_runs):
         # upstream's hub dataset cleared, also for PTQ calibration (whose sections lack hf_dataset)
         ptq_shell = next(line for line in out.splitlines() if "scripts/ptq.py -c" in line)
         assert "--set=compression.QAT.hf_dataset=null" in shell and "hf_dataset=null" in ptq_shell
+
+
+# upstream PTQ files whose keys qatlib now honours: low_memory (the streamed calibration) and
+# save_name: fp8 (the runtimes' own fp8 format); as an experiment each builds the full DAG
+HONOURED_PTQ = (
+    "configs/qwen3/ptq/fp8_static/qwen3-a22b_fp8_static_low_memroy.yaml",
+    "configs/qwen3/ptq/fp8_dynamic/qwen3-a3b_fp8_dynamic.yaml",
+)
+
+
+@needs_snakemake
+@pytest.mark.parametrize("rel", HONOURED_PTQ, ids=[Path(f).stem for f in HONOURED_PTQ])
+def test_upstream_ptq_file_with_honoured_keys_builds_the_full_dag(rel, tmp_path, placeholders):
+    _, out = dry_run(tmp_path, rel, local_paths(rel, *placeholders))
+    assert job_counts(out) == FULL_DAG
+    ptq_shell = next(line for line in out.splitlines() if "scripts/ptq.py -c" in line)
+    assert f"-c {uc.UPSTREAM / rel} " in ptq_shell and "--whole-model" not in ptq_shell  # streamed
 
 
 @needs_snakemake

@@ -23,7 +23,6 @@ AWQ = ("compression.quantization.name", "upstream AngelSlim feature AWQ")
 SMOOTH = ("compression.quantization.quant_helpers", "upstream AngelSlim feature quant_helpers (SmoothQuant")
 SPIN = ("transform", "upstream AngelSlim feature transform (SpinQuant")
 LEPTO = ("compression.quantization.name", "upstream AngelSlim feature LeptoQuant (fp8_lepto)")
-LOW_MEM = ("compression.quantization.low_memory", "upstream AngelSlim feature low_memory")
 HY3_DS = (
     "compression.QAT.hf_args.deepspeed",
     "configs/hunyuan/qat/fp8_static/learn_scale/ds_config_zero3.json",
@@ -32,16 +31,10 @@ HY3_DS = (
 # Refused files -> (dotted key, message fragment). Everything else loads.
 REFUSED: dict[str, tuple[str, str]] = {
     "configs/Hy3/qat/fp8_static/learn_scale/Hy3_a20b_fp8_static_end2end_learn_scale_zero3.yaml": HY3_DS,
-    "configs/qwen3/ptq/fp8_dynamic/qwen3-a3b_fp8_dynamic.yaml": (
-        "compression.quantization.save_name",
-        "upstream AngelSlim feature save_name 'fp8'",
-    ),
     "configs/qwen3/ptq/fp8_static/qwen3-0_6b_fp8_static_analyse.yaml": (
         "compression.quant_analyse",
         "upstream AngelSlim feature quant_analyse",
     ),
-    "configs/qwen3/ptq/fp8_static/qwen3-a22b_fp8_static_low_memroy.yaml": LOW_MEM,
-    "configs/qwen3/ptq/fp8_static/qwen3_coder-a35b_fp8_static_low_memory.yaml": LOW_MEM,
     "configs/qwen3/ptq/int4_gptaq/qwen3-4b_int4_gptaq.yaml": (
         "compression.quantization.name",
         "upstream AngelSlim feature GPTAQ",
@@ -59,20 +52,11 @@ for _m in ("0_6b", "14b", "1_7b", "32b", "4b", "8b", "a22b"):
     if _m != "a22b":
         REFUSED[f"configs/qwen3/ptq/smooth_int8/qwen3-{_m}_int8_dynamic_smooth.yaml"] = SMOOTH
 
-# Upstream FOCUS (configs/qwen3/fp4): NVFP4 / MXFP4 W4A4 QAT with FP4 keys qatlib refuses
-# (qatlib.config.upstream.fp4_key_issues); tests/test_fp4.py loads them with those keys set to
-# what qatlib honours.
+# Upstream FOCUS (configs/qwen3/fp4): NVFP4 / MXFP4 W4A4 QAT with learned sub-group scales and (MXFP4)
+# ceil-rounded E8M0 scales; tests/test_focus.py runs each one's PTQ, a few QAT steps and its export on
+# a tiny Qwen3 (one process), tests/test_upstream_dag.py dry-runs their DAG (ZeRO-3 on the ranks).
 _FOCUS = "configs/qwen3/fp4/qwen3-4b_focus_"
-_QC = "compression.QAT.plugin_config.quant_config"
-for _v in ("", "_real"):
-    REFUSED[f"{_FOCUS}nvfp4_w4a4{_v}_zero3.yaml"] = (
-        f"{_QC}.weight.use_subgroup_scale",
-        "upstream AngelSlim feature use_subgroup_scale (FOCUS's learned FP4 sub-group scales",
-    )
-    REFUSED[f"{_FOCUS}mxfp4_w4a4{_v}_zero3.yaml"] = (
-        f"{_QC}.weight.qtype",
-        "upstream AngelSlim feature MXFP4 with ceil-rounded E8M0 scales (qtype mxfp4_rceil",
-    )
+FOCUS_RUNS = tuple(f"{_FOCUS}{f}_w4a4{v}_zero3.yaml" for f in ("nvfp4", "mxfp4") for v in ("", "_real"))
 
 # Files whose first stage (scripts/ptq.py) the tests run: every QAT config, and one PTQ config
 # per algorithm and architecture. Hy3 runs with hf_args.deepspeed pointed at its copied JSON.
@@ -93,6 +77,9 @@ RUNS: list[str] = [
     "configs/qwen3/ptq/int8_dynamic/qwen3-0_6b_int8_dynamic.yaml",
     "configs/qwen3/ptq/int4_gptq/qwen3-0_6b_int4_gptq.yaml",
     "configs/qwen3/ptq/int4_gptq/qwen3-a3b_int4_gptq.yaml",
+    # upstream's low_memory (qatlib's streamed calibration) and save_name: fp8 (vLLM's / SGLang's fp8 format)
+    "configs/qwen3/ptq/fp8_static/qwen3-a22b_fp8_static_low_memroy.yaml",
+    "configs/qwen3/ptq/fp8_dynamic/qwen3-a3b_fp8_dynamic.yaml",
 ]
 
 # Files whose export the default deploy target (vLLM 0.33) cannot load on their MoE model: refused under
@@ -117,8 +104,9 @@ def yaml_files() -> list[str]:
 
 
 def qat_files() -> list[str]:
-    """The upstream QAT configs: the workflow's experiments (the PTQ ones are first stages)."""
-    return [f for f in yaml_files() if "/qat/" in f]
+    """The upstream QAT configs (``configs/*/qat``, and FOCUS's ``configs/qwen3/fp4``): the
+    workflow's experiments (the PTQ ones are first stages)."""
+    return [f for f in yaml_files() if "/qat/" in f or "/fp4/" in f]
 
 
 def architecture(rel: str) -> str:
@@ -131,7 +119,9 @@ def architecture(rel: str) -> str:
 
 def local_overrides(rel: str, model_dir: str, data_path: str, ptq_ckpt: str) -> dict[str, object]:
     """The only keys pointed at local files: model_path, the data (``hf_dataset`` wins over
-    ``data_path`` upstream, so it is cleared where set) and ``from_ptq_ckpt`` where set."""
+    ``data_path`` upstream, so it is cleared where set) and ``from_ptq_ckpt`` where the file has the
+    key (FOCUS's write ``null``: upstream starts its FP4 ZeRO-3 QAT from constant scales; qatlib's
+    ZeRO-3 QAT starts from a PTQ checkpoint, which the workflow makes and puts there)."""
     from qatlib.yamlio import load_yaml
 
     raw = load_yaml(UPSTREAM / rel)
@@ -139,7 +129,7 @@ def local_overrides(rel: str, model_dir: str, data_path: str, ptq_ckpt: str) -> 
     out: dict[str, object] = {"model.model_path": model_dir, "dataset.data_path": data_path}
     if qat.get("hf_dataset"):
         out["compression.QAT.hf_dataset"] = None
-    if qat.get("from_ptq_ckpt"):
+    if "from_ptq_ckpt" in qat:
         out["compression.QAT.from_ptq_ckpt"] = ptq_ckpt
     return out
 
@@ -168,7 +158,7 @@ def outcome(rel: str) -> tuple[str, str]:
         path, msg = e.issues[0]
         return "refused", f"`{path}`: {msg}".replace(f"{REPO}/", "").replace(str(Path.cwd()), ".")
     scheme = cfg.quant_scheme()
-    if "/qat/" in rel:
+    if rel in qat_files():
         mode = cfg.qat.training_mode
         launch = "ZeRO-3, torchrun on the ranks" if cfg.zero3_enabled else "one process"
         detail = f"{scheme.name} ({mode}), {launch}"
@@ -176,8 +166,18 @@ def outcome(rel: str) -> tuple[str, str]:
             detail += (
                 "; with `hf_args.deepspeed` pointed at the JSON beside it (as shipped: refused, see above)"
             )
+        if rel in FOCUS_RUNS:
+            w, a = scheme.weight, scheme.input
+            detail += (
+                f"; weight {w.describe()}, input {a.describe()}, save_format {cfg.qat.save_format}; its PTQ, 2 QAT "
+                "steps (one process) and export run in tests/test_focus.py"
+            )
         return ("DAG runs" if rel in DAG_RUNS else "DAG builds"), detail
     detail = f"{scheme.name} ({cfg.ptq_algorithm})"
+    if cfg.quantization.low_memory:
+        detail += "; low_memory: the streamed (layer-by-layer) calibration"
+    if scheme.checkpoint_format.value != "compressed-tensors":
+        detail += f"; exported as quant_method {scheme.checkpoint_format.value} (vLLM's / SGLang's Fp8Config)"
     if rel in VLLM_CANNOT_LOAD:
         detail += f"; refused under `deploy.target: vllm` ({VLLM_CANNOT_LOAD[rel]}), runs with `deploy.target: none`"
     return ("PTQ runs" if rel in RUNS else "loads"), detail
@@ -191,24 +191,32 @@ def counts() -> dict[str, int]:
     return {k: outcomes.count(k) for k in KINDS}
 
 
-def focus_files() -> list[str]:
-    """Upstream's FOCUS FP4 QAT configs (configs/qwen3/fp4): refused, `REFUSED` says at which key."""
-    return [f for f in yaml_files() if "/fp4/" in f]
-
-
 def totals() -> str:
     """The one-line summary the table ends with and the README quotes (a test checks both)."""
     c = counts()
     qat = c["DAG runs"] + c["DAG builds"]
-    focus = focus_files()
-    n_ptq = len(yaml_files()) - len(qat_files()) - len(focus)
-    refused_ptq = c["refused"] - sum(outcome(f)[0] == "refused" for f in focus)
+    n_ptq = len(yaml_files()) - len(qat_files())
+    refused_qat = sum(outcome(f)[0] == "refused" for f in qat_files())
     return (
         f"{qat} of {len(qat_files())} QAT configs build the full DAG ({c['DAG runs']} run it end to end "
-        f"in the tests); the {len(focus)} FOCUS FP4 QAT configs are refused (sub-group scales, ceil-rounded "
-        f"MXFP4 scales); of {n_ptq} Qwen3 PTQ configs {c['PTQ runs']} run, "
-        f"{c['loads']} load, {refused_ptq} are refused."
+        f"in the tests, the {len(FOCUS_RUNS)} FOCUS FP4 ones PTQ, QAT a few steps and export); of {n_ptq} "
+        f"Qwen3 PTQ configs {c['PTQ runs']} run, {c['loads']} load, {c['refused'] - refused_qat} are refused, "
+        f"each for a feature qatlib lacks ({', '.join(refused_features())})."
     )
+
+
+def refused_features() -> list[str]:
+    """The upstream features the refused files ask for, by file count (most first)."""
+    import re
+    from collections import Counter
+
+    names = Counter()
+    for rel in yaml_files():
+        kind, detail = outcome(rel)
+        if kind == "refused" and rel != HY3:
+            m = re.search(r"upstream AngelSlim feature (\S+)", detail)
+            names[m.group(1) if m else detail] += 1
+    return [f"{n} {k}" for k, n in names.most_common()]
 
 
 def render() -> str:
@@ -237,12 +245,32 @@ def render() -> str:
         "by the workflow at DAG time); with `hf_args.deepspeed` pointed at the JSON beside it, it builds the DAG "
         "and its first stage runs on a tiny `HYV3ForCausalLM`.",
         "",
-        "FOCUS FP4 (`configs/qwen3/fp4`, NVFP4 / MXFP4 W4A4, ZeRO-3): refused at the first FP4 key qatlib cannot "
-        "honour (`use_subgroup_scale: true`, `qtype: mxfp4_rceil`). `mantissa_rounding: even / nearest` (both "
-        "round to nearest, ties to even, as qatlib, compressed-tensors and vLLM do), `num_sub` beside "
-        "`use_subgroup_scale: false`, and `learnable.quant_max_scale_lr` are accepted; with "
-        "`use_subgroup_scale: false`, `qtype: mxfp4` and qatlib's ZeRO-3 rules (`from_ptq_ckpt` set, "
-        "`save_format: real`) the files load as NVFP4 / MXFP4 W4A4 (`tests/test_fp4.py`).",
+        "FOCUS FP4 (`configs/qwen3/fp4`, NVFP4 / MXFP4 W4A4, ZeRO-3): upstream's newest QAT recipes run as written. "
+        "`use_subgroup_scale` / `num_sub` are FOCUS's learned sub-group scales (`QuantSpec.subgroups`: per "
+        "group_size / num_sub weights a factor sigmoid(logit) divides the weight before rounding, not the codes "
+        "after; the logits train with `learnable.weight_scale` at `quant_max_scale_lr`); `qtype: mxfp4_rceil` is "
+        "MXFP4 with E8M0 scales 2**ceil(log2(amax / 6)) (`ScaleRule.CEIL`; qatlib's `qtype: mxfp4` keeps "
+        "compressed-tensors' rule); `mantissa_rounding: even / nearest` are both qatlib's E2M1 rounding (to "
+        "nearest, ties to even). Upstream learns FP4 scales as multipliers of the group max, so an additive "
+        "learning rate there is a relative one: without `scale_update` these files step qatlib's FP4 scales in "
+        "log space (MXFP4's E8M0 scales at qatlib's own multiple of it, `quant_config.e8m0_scale_lr` overrides). "
+        "The export folds the sub-group factors into the E2M1 codes (as upstream's own export does): "
+        "what vLLM computes, codes x group scale, is the trained weight; MXFP4 activations are quantized by the "
+        "runtime with its own scale rule, recorded in `qatlib_export.json` (`changes`). Their `from_ptq_ckpt: "
+        "null` (upstream starts FP4 ZeRO-3 QAT from constant scales) is the workflow's PTQ output, as for every "
+        "QAT file; their `save_format: fake` is the export stage's format, after ZeRO-3 QAT too.",
+        "",
+        "PTQ keys: `low_memory: true` asks for layer-by-layer calibration, qatlib's default wherever "
+        "`qatlib.plan.streamed` says the streamed calibration writes the same scales; where it cannot (GPTQ, a "
+        "static input scale on an unignored `lm_head`) `scripts/ptq.py` refuses before any work, naming why. "
+        "`save_name: fp8` exports vLLM's / SGLang's own fp8 format (`quant_method: fp8`, their `Fp8Config`): the "
+        "tensors compressed-tensors writes for fp8 per-tensor under that header. Why not compressed-tensors with "
+        "a warning: the served arithmetic differs. vLLM 0.33 runs compressed-tensors' dynamic per-tensor fp8 "
+        "on no MoE kernel (refused), while its `Fp8MoEMethod` quantizes the experts' input per tensor, as "
+        "trained; dense layers are quantized per token where CUTLASS fp8 runs in both formats; SGLang keeps "
+        "each shard's weight scale there (`docs/runtime-oracle.md`, the `*_FP8_FORMAT` facts, checked against "
+        "vLLM's own load path). The format needs a bfloat16 / float16 model, and transformers cannot reload it "
+        "(the evaluation's `export` variant is skipped, `deployed` emulates it).",
         "",
         "| file | architecture | result | detail |",
         "|---|---|---|---|",

@@ -13,7 +13,11 @@ key                                          quantizer
 ``<attn>.k_cache.scale`` / ``.zero_point``   ``<attn>.k_proj.output_quantizer`` (same for v)
 ``L.output_scale``, ``L.output_zero_point``  any other static output quantizer (q)
 ``L.weight_quantizer.clip_factor_w_max|min``  the LWC clip factors (under their own name)
+``L.weight_quantizer.subgroup_logit``        FOCUS's sub-group scale logits (own name, raw)
 ===========================================  ==============================================
+
+The sub-group logits train with the scales; an export folds their factors into the FP4 codes
+(`qatlib.quant.linear.QuantLinear.codes`), so no runtime key carries them.
 
 The global scales follow compressed-tensors (``448 * 6 / amax``, the effective group scale is
 ``weight_scale / weight_global_scale``), so a PTQ checkpoint, a QAT save and the export agree.
@@ -35,6 +39,8 @@ from .layout import CheckpointError, resolve_dir, scale_files
 
 SCALE_KINDS = ("scale", "zero_point", "global_scale")
 LWC_PARAMS = ("clip_factor_w_max", "clip_factor_w_min")
+# quantizer parameters stored under their own name (raw, for resuming): LWC's and FOCUS's
+OWN_NAME_PARAMS = (*LWC_PARAMS, "subgroup_logit")
 
 # ``L.weight_scale``, ``L.input_zero_point``, ``L.output_scale`` ...
 _LINEAR_KEY = re.compile(
@@ -89,7 +95,8 @@ def parse_key(key: str) -> ScaleKey | None:
 
 def scale_keys(model: nn.Module) -> dict[str, str]:
     """Quantizer parameter name -> checkpoint key, for every stored quantizer parameter of
-    ``model`` (scales, zero points, LWC clip factors; dynamic quantizers have none)."""
+    ``model`` (scales, zero points, LWC clip factors, sub-group logits; dynamic quantizers have
+    none)."""
     keys: dict[str, str] = {}
     for name, ql in quant_linears(model):
         kv = kv_role(name, model)
@@ -98,7 +105,7 @@ def scale_keys(model: nn.Module) -> dict[str, str]:
             for kind in SCALE_KINDS:
                 if getattr(q, kind) is not None:
                     keys[f"{name}.{attr}.{kind}"] = key_of(name, role, kind, kv)
-            for pname in LWC_PARAMS:
+            for pname in OWN_NAME_PARAMS:
                 if getattr(q, pname) is not None:
                     keys[f"{name}.{attr}.{pname}"] = f"{name}.{attr}.{pname}"
     return keys
@@ -138,14 +145,21 @@ def scale_state_dict(
     return out
 
 
-def load_scales(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+def own_name_key(key: str) -> bool:
+    """A quantizer parameter stored under its own name (`OWN_NAME_PARAMS`: LWC clip factors,
+    FOCUS's sub-group logits), ``L.weight_quantizer.<param>``."""
+    return key.rpartition(".")[2] in OWN_NAME_PARAMS and ".weight_quantizer." in key
+
+
+def load_scales(ckpt_dir: str | os.PathLike, *, own_names: bool = False) -> dict[str, torch.Tensor]:
     """Every scale and zero-point tensor of a PTQ or QAT checkpoint, as fp32 CPU tensors.
 
     Reads all ``*.safetensors`` files of the directory (`resolve_dir`, with the safetensors
     fallback: single file or shards, the PTQ ``scales.safetensors`` as well as the scale file beside
-    a QAT model folder) and keeps the keys `parse_key` understands; weights and LWC clip factors are
-    skipped without being read. A key present in two files must hold the same values there (else
-    the checkpoint is ambiguous: error).
+    a QAT model folder) and keeps the keys `parse_key` understands (with ``own_names``, also the
+    parameters stored under their own name: `own_name_key`); weights (and otherwise LWC clip
+    factors / sub-group logits) are skipped without being read. A key present in two files must
+    hold the same values there (else the checkpoint is ambiguous: error).
     """
     d = resolve_dir(ckpt_dir, safetensors_fallback=True)
     files = scale_files(d)
@@ -156,7 +170,7 @@ def load_scales(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
-                if parse_key(key) is None:
+                if parse_key(key) is None and not (own_names and own_name_key(key)):
                     continue
                 t = f.get_tensor(key).float()
                 if key in out:

@@ -353,7 +353,9 @@ def weight_plan(
     return plan
 
 
-_SCALE_LIKE = re.compile(r".*(_scale|\.scale|_zero_point|\.zero_point|clip_factor_w_max|clip_factor_w_min)$")
+_SCALE_LIKE = re.compile(
+    r".*(_scale|\.scale|_zero_point|\.zero_point|clip_factor_w_max|clip_factor_w_min|subgroup_logit)$"
+)
 _FUSED_SCALE = re.compile(
     r"^(?P<prefix>.+)\.(?P<proj>gate_up_proj|down_proj)"
     r"(?:\.(?P<a>weight_scale|weight_zero_point|input_scale|input_zero_point)"

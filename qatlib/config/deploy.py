@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from qatlib.quant.spec import QuantScheme
-from qatlib.runtime.facts import TARGETS, layout_of, load_refusal
+from qatlib.runtime.facts import TARGETS, dtype_refusal, layout_of, load_refusal
 from qatlib.yamlio import ConfigError
 
 from .sections import DeployConfig
@@ -36,11 +36,33 @@ def local_model_is_moe(model_path: str) -> bool | None:
         return None
 
 
-def deploy_issues(deploy: DeployConfig, scheme: QuantScheme, moe: bool | None) -> list[tuple[str, str]]:
-    """``[(key, message)]``: empty when ``deploy.target`` loads ``scheme`` (``moe`` None: unknown)."""
+def local_model_dtype(model_path: str, torch_dtype: str) -> str | None:
+    """The model's dtype name: ``torch_dtype`` unless ``auto``, then the local folder's config.json
+    (None: not known yet)."""
+    if torch_dtype != "auto":
+        return torch_dtype
+    try:
+        cfg = json.loads((Path(model_path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg.get("dtype") or cfg.get("torch_dtype")
+
+
+def deploy_issues(
+    deploy: DeployConfig, scheme: QuantScheme, moe: bool | None, dtype: str | None = None
+) -> list[tuple[str, str]]:
+    """``[(key, message)]``: empty when ``deploy.target`` loads ``scheme`` (``moe`` None: unknown)
+    for a model of ``dtype`` (a torch dtype name; None: unknown)."""
     if deploy.target == "none" or scheme.weight is None:
         return []
-    refusal = load_refusal(deploy.target, layout_of(scheme), moe=moe, capability=deploy.capability)
+    layout = layout_of(scheme)
+    refusal = load_refusal(deploy.target, layout, moe=moe, capability=deploy.capability)
+    if refusal is None and dtype is not None and (why := dtype_refusal(deploy.target, layout, dtype)):
+        rt = TARGETS[deploy.target]
+        msg = f"{rt} cannot load the {scheme.name!r} export of a {dtype} model: {why.what} ({why.source})"
+        return [
+            ("model.torch_dtype", msg + "; use a bfloat16 / float16 model or save_name: compressed-tensors")
+        ]
     if refusal is None:
         return []
     kind = {True: "an MoE model", False: "a dense model", None: "any model"}[moe]

@@ -28,7 +28,7 @@ from qatlib.trainers.params import Learnable
 from qatlib.yamlio import ConfigError, config_file_candidates, format_issues
 
 from . import upstream
-from .deploy import deploy_issues, local_model_is_moe
+from .deploy import deploy_issues, local_model_dtype, local_model_is_moe
 from .errors import Violation, issues_error
 from .scheme import build_quant_scheme, resolve_name
 from .sections import (
@@ -204,10 +204,6 @@ class ExperimentConfig(Section):
                 )
             if self.model.device_map is not None:
                 issues.append(("model.device_map", f"must be None {why}: DeepSpeed places the shards"))
-            if qat.save_format == "fake":
-                issues.append(
-                    (f"{P}.save_format", f"'fake' saves one process's state_dict; not possible {why}")
-                )
             mixed = qat.hf_args.get("bf16") is True or qat.hf_args.get("fp16") is True
             if not mixed and self.model.torch_dtype_name != "float32":
                 # DeepSpeed's linear wrapper autocasts to fp16 unless told otherwise: bf16 weights then
@@ -243,22 +239,8 @@ class ExperimentConfig(Section):
                     (f"{QC}.lwc.enable_lwc", "weight clipping needs weight quantization (use_weight_quant)")
                 )
 
-            issues += deploy_issues(self.deploy, scheme, local_model_is_moe(self.model.model_path))
-
-        if scheme is not None and self.quantization.low_memory and self.ptq_algorithm == "rtn":
-            static = [r for r in ("input", "q", "k", "v") if (sp := getattr(scheme, r)) and not sp.dynamic]
-            if static:
-                issues.append(
-                    (
-                        "compression.quantization.low_memory",
-                        upstream.unsupported_message(
-                            "low_memory (layer-by-layer calibration) for round-to-nearest PTQ with static "
-                            f"activation scales ({', '.join(static)})",
-                            "qatlib calibrates the whole model, placed by device_map (accelerate offloads what "
-                            "does not fit); remove the key. (Weight-only / dynamic formats and int4_gptq honour it.)",
-                        ),
-                    )
-                )
+            dtype = local_model_dtype(self.model.model_path, self.model.torch_dtype_name)
+            issues += deploy_issues(self.deploy, scheme, local_model_is_moe(self.model.model_path), dtype)
 
         if qat.training_mode == "blockwise" and self.loss_config().kd_enabled:
             issues.append(
@@ -373,6 +355,19 @@ class ExperimentConfig(Section):
             lm_loss_weight=q.lm_loss_weight,
             kd_loss_weight=q.kd_loss_weight,
         )
+
+    @property
+    def scale_update(self) -> str:
+        """How the optimizer moves the scales (`qatlib.trainers.log_scale`): ``quant_config.scale_update``,
+        else upstream's meaning: ``log`` for FP4 weights (upstream learns their scale as a multiplier
+        of the group max, ``max_scale`` at 1: an additive step on it is a relative step on the
+        scale, angelslim/compressor/qat/modules/quantizer.py `_fake_quant_mxfp4` / `_nvfp4`), else
+        ``additive`` (AdamW on the scale itself)."""
+        explicit = self.qat.plugin_config.quant_config.scale_update
+        if explicit is not None:
+            return explicit
+        w = self.quant_scheme().weight
+        return "log" if w is not None and w.is_fp4 else "additive"
 
     def learnable(self) -> Learnable:
         """Which parameter groups train: `Learnable` from ``quant_config.learnable``."""

@@ -2,8 +2,9 @@
 
 Resolution order: ``PRESETS[quantization.name]`` (or int``bits`` without a name) ->
 ``quant_method.weight/activation`` granularity and ``group_size`` -> ``quant_config.weight /
-activation`` overrides -> ``q / k / v`` output specs -> ``fp8_attn`` -> the ``use_weight_quant`` /
-``use_activation_quant`` switches. Each layer remembers which key set which `QuantSpec` field, so
+activation`` overrides (upstream FOCUS's ``mxfp4_rceil`` and sub-group keys included) -> ``q / k /
+v`` output specs -> ``fp8_attn`` -> the ``use_weight_quant`` / ``use_activation_quant`` switches ->
+``quantization.save_name`` (the checkpoint format). Each layer remembers which key set which `QuantSpec` field, so
 an invalid combination (a `SpecError` from spec.py, which names its field) is reported at the
 YAML key that caused it (``...quant_config.weight.dynamic``), not as a bare error from spec.py.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qatlib.quant.spec import FP4_FORMATS, PRESETS, Granularity, QuantScheme, QuantSpec, SpecError
+from qatlib.quant.spec import FP4_FORMATS, PRESETS, Granularity, QuantScheme, QuantSpec, ScaleRule, SpecError
 
 from . import upstream
 from .errors import Violation
@@ -99,6 +100,9 @@ class _SchemeBuilder:
         if qtype == "fp8" or qtype in FP4_FORMATS:
             kw["fp8_recast"] = False  # recasting to fp8 is what an *integer* weight does in W4A8-FP8
             kw.setdefault("symmetric", True)  # fp8 / fp4 are symmetric by construction
+        for key in ("scale_rule", "subgroups"):  # upstream FOCUS (`_override_changes`)
+            if key in changes:
+                kw[key] = changes[key]
         try:
             self.specs[role] = spec.replace(**kw)
         except SpecError as e:
@@ -136,6 +140,17 @@ def _override_changes(block: str, o: TensorQuantOverride) -> tuple[dict[str, Any
             continue  # explicit null = keep the base value
         changes[field] = norm_group_size(value) if key == "group_size" else value
         paths[field] = f"{block}.{key}"
+    # upstream FOCUS: mxfp4_rceil is qtype mxfp4 with the ceil scale rule; any other qtype the
+    # compressed-tensors rule. use_subgroup_scale (with num_sub, upstream's default 4) -> subgroups
+    if "qtype" in changes:
+        qtype, rule = upstream.FP4_QTYPES.get(
+            changes["qtype"], (changes["qtype"], ScaleRule.COMPRESSED_TENSORS)
+        )
+        changes["qtype"], changes["scale_rule"] = qtype, ScaleRule(rule)
+        paths["scale_rule"] = paths["qtype"]
+    if o.use_subgroup_scale:
+        changes["subgroups"] = o.num_sub if o.num_sub is not None else upstream.UPSTREAM_NUM_SUB
+        paths["subgroups"] = f"{block}.{'num_sub' if o.num_sub is not None else 'use_subgroup_scale'}"
     return changes, paths
 
 
@@ -186,7 +201,10 @@ def build_quant_scheme(comp: CompressionConfig) -> QuantScheme:
         values = {k: getattr(o, k) for k in o.model_fields_set}
         base = b.specs[role]
         qtype = values.get("qtype") or (base.qtype if base is not None else None)
-        issues = upstream.fp4_key_issues(f"{QC}.{key}", values, qtype in FP4_FORMATS)
+        qtype = upstream.FP4_QTYPES.get(qtype, (qtype,))[0]
+        issues = upstream.fp4_key_issues(
+            f"{QC}.{key}", values, qtype in FP4_FORMATS, activation=role == "input"
+        )
         if issues:
             raise Violation(*issues[0])
 
@@ -267,6 +285,12 @@ def build_quant_scheme(comp: CompressionConfig) -> QuantScheme:
         except SpecError as e:
             raise b.fault(role, e) from None
 
+    # a plugin block that turns the preset's weights into another format (upstream FOCUS's MXFP4
+    # files name w4a8_fp8) makes a scheme of no preset: named as one without a preset
+    pw, w = PRESETS[resolve_name(q.name).preset].weight if q.name else None, b.specs["weight"]
+    if pw is not None and w is not None and pw.qtype != w.qtype:
+        name = "custom"
+
     # 5) switches: validated formats above, then dropped if disabled
     weight = b.specs["weight"] if qc.use_weight_quant else None
     inp = b.specs["input"] if qc.use_activation_quant else None
@@ -283,4 +307,8 @@ def build_quant_scheme(comp: CompressionConfig) -> QuantScheme:
         raise Violation(
             QC, "nothing is quantized (use_weight_quant and use_activation_quant are false, no q/k/v)"
         )
-    return scheme
+    # 6) the checkpoint format the export writes (upstream's save_name)
+    try:
+        return scheme.replace(checkpoint_format=q.save_name)
+    except SpecError as e:
+        raise Violation(f"{QP}.save_name", str(e)) from None

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from qatlib.losses import LOSS_PATTERN, LossConfig, LossTypeError, parse_loss_type
-from qatlib.quant.spec import QTYPES, Granularity
+from qatlib.quant.spec import QTYPES, CheckpointFormat, Granularity
 from qatlib.trainers.blockwise import BLOCK_LOSSES, BlockwiseSettings
 from qatlib.trainers.params import Learnable
 
@@ -31,6 +31,8 @@ from .errors import issues_error
 # --------------------------------------------------------------------------------------------
 
 QType = Literal[QTYPES]  # int2 .. int8, fp8 (spec.py is the single source)
+# a plugin block's qtype may also be upstream FOCUS's spelling (mxfp4_rceil: upstream.FP4_QTYPES)
+PluginQType = Literal[(*QTYPES, *upstream.FP4_QTYPES)]
 GranularityName = Literal[tuple(g.value for g in Granularity)]
 # upstream's quant_method also names per-block (NVFP4 / block-wise FP8): accepted by the parser so
 # the scheme builder refuses it as an upstream feature, not as a typo
@@ -148,9 +150,11 @@ class QuantizationConfig(Section):
     ignore_layers: list[str] = Field(default_factory=list)
     # qatlib: an ignore_layers entry that matches no module of the model is an error (default: a warning)
     strict_ignore_layers: bool = False
-    # upstream: the checkpoint format of the export (config.json quantization_config.quant_method)
+    # upstream: the checkpoint format of the export (config.json quantization_config.quant_method):
+    # compressed-tensors, or fp8 (vLLM's / SGLang's own Fp8Config format; QuantScheme.checkpoint_format)
     save_name: str = "compressed-tensors"
-    # upstream: calibrate layer by layer; honoured where a sequential path exists (see scripts/ptq.py)
+    # upstream: calibrate layer by layer: qatlib's default wherever `qatlib.plan.streamed` says so; where it
+    # cannot (GPTQ, a static input scale on lm_head) the PTQ stage refuses before any work (qatlib.pipeline)
     low_memory: bool = False
     # upstream feature keys qatlib has no feature for (refused unless at their off value)
     quant_helpers: list[str] = Field(default_factory=list)
@@ -167,10 +171,12 @@ class QuantizationConfig(Section):
     @field_validator("save_name")
     @classmethod
     def _save_name(cls, v: str) -> str:
-        if v != "compressed-tensors":
+        formats = [f.value for f in CheckpointFormat]
+        if v not in formats:
             raise upstream.unsupported(
-                f"save_name {v!r} (a checkpoint format other than compressed-tensors)",
-                "qatlib exports compressed-tensors, which vLLM and SGLang load; set save_name: compressed-tensors",
+                f"save_name {v!r} (a checkpoint format other than {' / '.join(formats)})",
+                "qatlib exports compressed-tensors (and, for fp8 per-tensor schemes, vLLM's / SGLang's own fp8 "
+                "format); set save_name: compressed-tensors",
             )
         return v
 
@@ -182,19 +188,19 @@ class TensorQuantOverride(Section):
     ``QuantSpec.symmetric``; ``group_size: -1`` means no groups.
     """
 
-    qtype: QType | None = None
+    # upstream's mxfp4_rceil: qtype mxfp4 with ScaleRule.CEIL (qatlib.config.upstream.FP4_QTYPES)
+    qtype: PluginQType | None = None
     granularity: GranularityName | None = None
     group_size: int | None = None
     is_sym: bool | None = None
     dynamic: bool | None = None
-    # upstream FOCUS's FP4 keys (qatlib.config.upstream.FP4_KEYS: honoured or refused by the scheme builder)
+    # upstream FOCUS's FP4 keys (qatlib.config.upstream.fp4_key_issues: honoured or refused by the
+    # scheme builder): use_subgroup_scale / num_sub -> QuantSpec.subgroups
     mantissa_rounding: str | None = None
     use_subgroup_scale: bool | None = None
     num_sub: int | None = None
 
     _gs = field_validator("group_size")(_group_size_value)
-    # upstream's FP4 qtype spellings (``mxfp4_rceil``) are refused by name, not as unknown values
-    _fp4_qtype = field_validator("qtype", mode="before")(lambda cls, v: upstream.check_fp4_qtype(v))
 
 
 class OutputQuantConfig(Section):
@@ -222,9 +228,10 @@ class LearnableConfig(Section):
     kv_scale: bool = _LEARN.kv_scale
     norm: bool = _LEARN.norm
     lwc: bool = _LEARN.lwc
-    # upstream FOCUS: the learning rate of its FP4 sub-group scales (quant_max_scale). qatlib has
-    # none (use_subgroup_scale is refused), so, as upstream without them, it sets nothing.
-    quant_max_scale_lr: float | None = Field(None, exclude=True)
+    # upstream FOCUS: the learning rate of its FP4 sub-group scales (quant_max_scale: qatlib's
+    # subgroup_logit, trained with weight_scale); null = learning_rate. Not a switch: excluded from
+    # Learnable, the trainers take it as subgroup_lr
+    quant_max_scale_lr: float | None = Field(None, exclude=True, gt=0)
 
 
 class LwcConfig(Section):
@@ -257,8 +264,11 @@ class QuantConfig(Section):
     # not upstream: how the optimizer moves the scales. "additive" (upstream's): AdamW on the scale
     # itself, so learning_rate is an absolute step (~lr per step, whatever the scale's size);
     # "log": AdamW on log(scale), so learning_rate is a relative step per element (1e-2 ~ 1%) that
-    # suits int, FP8 and FP4 scales alike and never takes a scale to 0 (qatlib.trainers.log_scale)
-    scale_update: Literal["additive", "log"] = "additive"
+    # suits int, FP8 and FP4 scales alike and never takes a scale to 0 (qatlib.trainers.log_scale).
+    # null (default): upstream's meaning, ExperimentConfig.scale_update: "additive", but "log" for FP4
+    # weights, whose scale upstream learns as a multiplier of the group max (max_scale, init 1:
+    # an additive step there is a relative step on the scale)
+    scale_update: Literal["additive", "log"] | None = None
     # not upstream: the lr of E8M0 (power-of-two: MXFP4) scales; null = 5 x learning_rate under
     # scale_update log (their log-space rounding bucket is ln 2 wide: at the relative lr of the other
     # scales MXFP4 QAT changed no scale), learning_rate under additive (qatlib.trainers.log_scale)
@@ -346,6 +356,8 @@ class QATConfig(Section):
     training_mode: Literal["end2end", "blockwise"] = "end2end"
     dist_mode: Literal["hf"] = "hf"
     do_train: bool = True
+    # the export stage's format (default real): it reads the consolidated QAT checkpoint in one
+    # process, after ZeRO-3 QAT too (`qatlib.pipeline.run_export`)
     save_format: Literal["fake", "real", "save_kvcache_only", "real_and_kvcache"] | None = None
     resume_ckpt_dir: str | None = None
     from_ptq_ckpt: str | None = None

@@ -3,7 +3,7 @@
 Why a module of its own: users bring their AngelSlim YAML unchanged. A key that upstream defines
 must never be reported as a typo ("unknown key; did you mean ..."): it either gets its upstream
 meaning (``warmup_ratio``, ``use_qkv_quant``, ``is_sft_data``, ``zero_point``, ``save_name``,
-``low_memory``, the algorithm names below) or, where qatlib has no such feature (AWQ,
+``low_memory``, FOCUS's FP4 keys, the algorithm names below) or, where qatlib has no such feature (AWQ,
 SmoothQuant, SpinQuant, LeptoQuant, ...), a `unsupported` error that names the upstream feature
 and the key. A feature key at its "off" value (``quant_helpers: []``, ``mse_range: false``) is
 accepted: it asks for nothing. The meanings were read from upstream's own code at commit
@@ -69,7 +69,9 @@ def resolve_algorithm(name: str, presets: Any) -> Algorithm | str | None:
     if name in ALGORITHMS:
         return ALGORITHMS[name]
     if name in _REFUSED_ALGORITHMS:
-        return unsupported_message(_REFUSED_ALGORITHMS[name], "choose a format qatlib runs (see the README)")
+        return unsupported_message(
+            _REFUSED_ALGORITHMS[name], "choose a format qatlib runs (docs/reference/formats.md)"
+        )
     return None
 
 
@@ -99,33 +101,30 @@ TOP_LEVEL_FEATURES: dict[str, tuple[Any, str]] = {
 # angelslim/compressor/qat/modules/quantizer.py at 67394ce: `_apply_settings` l.197-218 reads them,
 # `_quant_fp4_element` l.91-118 rounds, `_fake_quant_mxfp4` / `_fake_quant_nvfp4` l.796-891 scale).
 # Upstream parses any qtype containing "mxfp" / "nvfp" as its MXFP4 / NVFP4 (`_parse_bits_and_dtype`).
-FP4_QTYPES: dict[str, str] = {
-    "mxfp4_rceil": "MXFP4 with ceil-rounded E8M0 scales (qtype mxfp4_rceil: 2**ceil(log2(amax / 6)))",
+# upstream qtype spelling -> (qatlib qtype, `qatlib.quant.spec.ScaleRule` value)
+FP4_QTYPES: dict[str, tuple[str, str]] = {
+    # MXFP4 with ceil-rounded E8M0 scales, 2 ** ceil(log2(amax / 6)) (upstream's only MX rule; qatlib's
+    # qtype mxfp4 keeps compressed-tensors' rule, the one vLLM applies to the activations at run time)
+    "mxfp4_rceil": ("mxfp4", "ceil"),
 }
-FP4_QTYPE_HINT = (
-    "qatlib's mxfp4 uses compressed-tensors' E8M0 rule, the one vLLM applies to the activations at run "
-    "time (2**(floor(log2 amax) - 2), one up from mantissa 1.75): set qtype: mxfp4"
-)
+# upstream's default ``num_sub`` (`_apply_settings`): the sub-groups per group with use_subgroup_scale
+UPSTREAM_NUM_SUB = 4
 # "nearest" is torch.round (ties to even) on the scaled mantissa, "even" an explicit ties-to-even:
 # both are qatlib's E2M1 rounding (round to nearest, ties to even, as compressed-tensors and vLLM).
 MANTISSA_ROUNDING_HONOURED = ("even", "nearest")
 MANTISSA_ROUNDING_VALUES = ("even", "nearest", "floor")
 
 
-def check_fp4_qtype(v: Any) -> Any:
-    """A ``quant_config.weight / activation.qtype`` value: upstream's FP4 spellings qatlib does not
-    run are refused by name (before the type check would call them unknown)."""
-    if isinstance(v, str) and v in FP4_QTYPES:
-        raise unsupported(FP4_QTYPES[v], FP4_QTYPE_HINT)
-    return v
-
-
-def fp4_key_issues(block: str, values: dict[str, Any], role_is_fp4: bool) -> list[tuple[str, str]]:
-    """``(key path, message)`` for each upstream FP4 key of one ``quant_config.weight / activation``
-    block (``values``: the keys the YAML set) that qatlib cannot honour (the qtype:
-    `check_fp4_qtype`). Honoured: ``mantissa_rounding`` even / nearest (and any value on a non-FP4 role, where upstream
-    never reads it), ``use_subgroup_scale: false`` and ``num_sub`` beside it (read only with
-    sub-group scales)."""
+def fp4_key_issues(
+    block: str, values: dict[str, Any], role_is_fp4: bool, *, activation: bool = False
+) -> list[tuple[str, str]]:
+    """``(key path, message)`` for each upstream FOCUS key of one ``quant_config.weight /
+    activation`` block (``values``: the keys the YAML set) that qatlib cannot honour. Honoured:
+    ``mantissa_rounding`` even / nearest (and any value on a non-FP4 role, where upstream never
+    reads it), ``use_subgroup_scale`` with ``num_sub`` on FP4 weights (`qatlib.quant.spec.QuantSpec`
+    ``subgroups``), ``num_sub`` without it (read only with sub-group scales). On an activation
+    block ``use_subgroup_scale: true`` is refused: upstream creates sub-group scales for weight
+    quantizers only, so there it changes nothing."""
     out = []
     mr = values.get("mantissa_rounding")
     if mr is not None and role_is_fp4 and mr not in MANTISSA_ROUNDING_HONOURED:
@@ -137,16 +136,12 @@ def fp4_key_issues(block: str, values: dict[str, Any], role_is_fp4: bool) -> lis
         else:
             msg = f"{mr!r} is not one of upstream's values ({', '.join(MANTISSA_ROUNDING_VALUES)})"
         out.append((f"{block}.mantissa_rounding", msg))
-    if values.get("use_subgroup_scale"):
+    if activation and values.get("use_subgroup_scale"):
         out.append(
             (
                 f"{block}.use_subgroup_scale",
-                unsupported_message(
-                    "use_subgroup_scale (FOCUS's learned FP4 sub-group scales: sigmoid(quant_max_scale) per "
-                    "group_size / num_sub elements, folded into the FP4 codes)",
-                    "qatlib's QuantSpec and checkpoint keys have no sub-group scale; set it to false (the group "
-                    "and global scales stay learnable)",
-                ),
+                "has no effect: upstream creates FOCUS's sub-group scales for weight quantizers only "
+                "(an activation quantizer computes its scales from each input); remove it",
             )
         )
     num_sub = values.get("num_sub")

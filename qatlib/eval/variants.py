@@ -28,12 +28,33 @@ def skipped_reason(target: str) -> str | None:
     return None
 
 
+def export_skipped_reason(export_dir: str | Path) -> str | None:
+    """Why the ``export`` variant (a transformers reload) is not evaluated (None: it is): the
+    runtimes' own fp8 format (upstream's ``save_name: fp8``), which transformers 5.24 reads as its
+    block-wise FineGrainedFP8 (``weight_scale_inv``), not as the per-tensor layout it is."""
+    import json
+
+    from ..quant.spec import CheckpointFormat
+
+    try:
+        qc = json.loads((Path(export_dir) / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return None
+    if qc.get("quant_method") == CheckpointFormat.FP8.value:
+        return (
+            "quant_method fp8 (vLLM's / SGLang's Fp8Config, upstream's save_name: fp8): transformers reads it as "
+            "its block-wise FineGrainedFP8 and cannot reload it; the deployed variant evaluates the export"
+        )
+    return None
+
+
 def load_variant(cfg, variant: str, model_path: str, scales: str | None) -> tuple[nn.Module, dict[str, Any]]:
     """``(model, record)`` of ``variant`` from ``model_path`` (the export folder for ``export`` /
     ``deployed``); ``record``: what goes into the result JSON beside the scores. ``deployed`` that
     cannot be evaluated: ``(None, {"skipped": reason, ...})`` (``deploy.target: none``, or a
     runtime refusal only the exported model shows, such as the W4A8 kernel's shape limits: the
-    parse-time check already stopped every format the target cannot load at all)."""
+    parse-time check already stopped every format the target cannot load at all); ``export`` of a
+    checkpoint transformers cannot reload likewise (`export_skipped_reason`)."""
     from .. import device
     from ..checkpoint.layout import weight_files
     from ..models import load_model, load_prepared
@@ -54,6 +75,10 @@ def load_variant(cfg, variant: str, model_path: str, scales: str | None) -> tupl
         return model.to(device.current()), record
     if variant == "export":  # compressed-tensors decompresses and quantizes activations itself
         from transformers import AutoModelForCausalLM
+
+        why = export_skipped_reason(model_path)
+        if why:
+            return None, {"skipped": why}
 
         kw = dict(trust_remote_code=m.trust_remote_code, device_map=device_map)
         return AutoModelForCausalLM.from_pretrained(model_path, **kw).eval(), {}

@@ -69,6 +69,7 @@ from .model import (
     Term,
     WeightFormat,
     from_experiment,
+    not_streamed,
     section,
     streamed,
 )
@@ -102,6 +103,7 @@ __all__ = [
     "find_model_config",
     "from_experiment",
     "plan",
+    "not_streamed",
     "run_warnings",
     "section",
     "streamed",

@@ -133,10 +133,12 @@ class WeightFormat:
     bits: int
     granularity: str = "tensor"  # tensor | channel | group
     group_size: int = 0
+    subgroups: int = 0  # FOCUS's learned sub-group scales per group (QuantSpec.subgroups)
 
     def scales(self, out: int, inp: int) -> int:
+        """The trainable quantizer elements of an ``[out, inp]`` weight (sub-group logits included)."""
         if self.granularity == "group":
-            return out * math.ceil(inp / self.group_size)
+            return out * math.ceil(inp / self.group_size) * (1 + self.subgroups)
         return out if self.granularity == "channel" else 1
 
 
@@ -249,16 +251,21 @@ def section(raw: Any, dotted: str) -> Any:
     return cur
 
 
-def _weight_format(quant: dict[str, Any]) -> WeightFormat:
+def _weight_format(quant: dict[str, Any], plugin_weight: dict[str, Any] | None = None) -> WeightFormat:
     """Code bits and scale granularity of the weights, from ``compression.quantization`` as
     `qatlib.config.scheme` resolves it (a torch-free mirror; tests compare it with
-    ``ExperimentConfig.quant_scheme()`` for every experiment file)."""
+    ``ExperimentConfig.quant_scheme()`` for every experiment file); ``plugin_weight``
+    (``quant_config.weight``): an FP4 qtype there (upstream FOCUS) and its sub-group scales."""
     name = str(quant.get("name") or f"int{quant.get('bits', 8)}").lower()
     method = quant.get("quant_method") or {}
     gran = str(method.get("weight") or "").replace("per-", "")
     gs = method.get("group_size") or quant.get("group_size")
+    pw = plugin_weight or {}
+    if "fp4" in str(pw.get("qtype") or ""):
+        name, gs = str(pw["qtype"]), pw.get("group_size") or gs
     if "fp4" in name:
-        return WeightFormat(4, "group", gs or (16 if "nvfp4" in name else 32))
+        sub = int(pw.get("num_sub") or 4) if pw.get("use_subgroup_scale") else 0  # upstream's default 4
+        return WeightFormat(4, "group", gs or (16 if "nvfp4" in name else 32), sub)
     bits = 8 if "fp8" in name and "w4" not in name else 4 if ("int4" in name or "w4" in name) else 8
     if name.startswith("int") and name[3:4].isdigit():
         bits = int(name[3])
@@ -303,15 +310,31 @@ def streamed(raw: dict[str, Any], stage: str) -> bool:
         in ``ignore_layers``): the streamed calibration runs the decoder layers only and refuses
         it (`qatlib.ptq.calibrate_layerwise`); the whole-model forward calibrates it.
     Other stages: never (``evaluate --layerwise`` is the evaluation's own choice).
+    `not_streamed` says why a stage is not.
     """
+    return not_streamed(raw, stage) is None
+
+
+def not_streamed(raw: dict[str, Any], stage: str) -> str | None:
+    """Why ``stage`` does not run streamed for the experiment ``raw`` (None: it does; `streamed`
+    has the rules). What a stage asked for streaming (upstream's ``low_memory: true``) and cannot
+    have says, before any work (`qatlib.pipeline.run_ptq`)."""
     if stage == "convert_export":
-        return True
+        return None
     if stage != "ptq_calibrate":
-        return False
+        return f"{stage} runs on the whole model"
     if _gptq(raw):
-        return False
+        return (
+            "GPTQ changes the weights, each layer's from the outputs of the layers it already rounded, so it "
+            "runs on the loaded model (one decoder layer on the device at a time), not from the shards"
+        )
     ignore = list(section(raw, "compression.quantization.ignore_layers") or []) or [HEAD]
-    return not (_static_input(raw) and not matches_any(HEAD, ignore))
+    if _static_input(raw) and not matches_any(HEAD, ignore):
+        return (
+            f"a static input scale on {HEAD} (not in ignore_layers): the streamed calibration runs the decoder "
+            "layers only; the head's input is calibrated by the whole model's forward"
+        )
+    return None
 
 
 def from_experiment(
@@ -354,7 +377,7 @@ def from_experiment(
         ptq_streamed=streamed(raw, "ptq_calibrate"),
         eval_seq=int(g("evaluation.max_seq_length", 2048)),
         eval_batch=int(g("evaluation.batch_size", 1)),
-        weight=_weight_format(quant),
+        weight=_weight_format(quant, qc.get("weight")),
         act_quant=use_act,
         train_scales=bool(learn.get("weight_scale", True)) or bool(learn.get("act_scale", False)),
         train_weights=bool(qc.get("weight_lr")),

@@ -5,7 +5,7 @@ default QAT moves the scales of a continuous weight instead (LSQ: ``round(w / s)
 ``s`` moves, and ``dW_q / ds = q - w / s``), which is what an RTN start wants. A start whose
 codes already carry a solution (GPTQ's error compensation, blockwise training's rounding)
 loses it when the scales re-round the weights: GPTQ-initialised QAT ended worse than
-RTN-initialised QAT on SmolLM2 (int4 g64, w4a8; benchmarks/README.md). With the codes frozen the
+RTN-initialised QAT on SmolLM2 (int4 g64, w4a8; benchmarks/README.md at 2faaa77). With the codes frozen the
 quantized weight is ``codes * s`` and ``dW_q / ds = codes``: the scales can only improve on the start.
 
 `freeze_codes` records each weight quantizer's current scale and zero point (the codes are

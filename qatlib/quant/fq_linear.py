@@ -13,6 +13,9 @@ elements where the clamp is inactive (inclusive bounds, as ``torch.clamp``'s gra
 ``dW_q/dw = inside`` (``1`` with ``clamp_grad="pass"``), ``dW_q/ds = (q - zr) - inside * v``,
 ``dW_q/dz = -s * (1 - inside)``; FP4 group scales are rounded straight-through and (NVFP4) divided
 by the global scale, ``ds_eff/dgs = -s_eff / gs``; the W4A8 FP8 recast is straight-through.
+FOCUS's sub-group factors ``c`` (`functional.code_divisor`: ``v = w / (s c)``, ``W_q = q * s``):
+``dW_q/dw = inside / c`` (``1`` where clamped with ``"pass"``), ``dW_q/ds`` as above and
+``dW_q/dc = -inside * v * s / c``.
 These are exactly the gradients autograd derives through `fake_quantize` (tests compare both and
 finite differences); values are those of `fake_quantize` bit for bit.
 
@@ -119,8 +122,9 @@ def _fake_quant_parts(
     frozen_at: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     keep_inside: bool = True,
     scratch: bool = False,
+    subgroup_scale: torch.Tensor | None = None,
 ):
-    """``(wq, inside, d, s_eff)``: the fake-quantized weight in ``w.dtype`` (the value of
+    """``(wq, inside, d, s_eff, sub)``: the fake-quantized weight in ``w.dtype`` (the value of
     `F.fake_quantize`: the same fp32 ops in the same order, without the STE terms, which add an
     exact 0), and with ``with_grad_terms`` the backward's per-element terms (grouped view):
     ``inside`` (clamp inactive) and ``d = dW_q / ds_eff``. Temporaries are fp32 (``w / s``
@@ -128,6 +132,8 @@ def _fake_quant_parts(
     ``keep_inside=False``: the caller does not use ``inside`` (None may come back).
     ``scratch=True``: the table path may return views of reused buffers (`_scratch`), valid until
     the next such call: for `_FakeQuantLinear`, which uses the results and drops them at once.
+    ``subgroup_scale`` (FOCUS): ``sub`` is ``(c, dW_q/dc)`` in the sub-group view ``[..., G, n,
+    g / n]`` (``c``: ``[..., G, n, 1]``) with ``with_grad_terms``, else None.
 
     A 16-bit weight under one scale (`_by_table`) has at most 65,536 distinct values and each
     result is a function of the element alone, so the results are computed once for every value
@@ -137,7 +143,7 @@ def _fake_quant_parts(
     frozen = () if frozen_at is None else frozen_at
     if _by_table(w, spec, scale, zero_point, global_scale, *frozen):
         every = _every_value(w.dtype, w.device)
-        wq, inside, d, s = _fake_quant_parts(
+        wq, inside, d, s, _ = _fake_quant_parts(
             every, scale, zero_point, spec, global_scale, with_grad_terms=with_grad_terms, frozen_at=frozen_at
         )
         n = w.numel()
@@ -150,13 +156,17 @@ def _fake_quant_parts(
             out = _scratch(key, n, table.dtype) if reuse else None
             return torch.index_select(table.reshape(-1), 0, idx, out=out).view(w.shape)
 
-        return gather("wq", wq), gather("inside", inside) if keep_inside else None, gather("d", d), s
+        return gather("wq", wq), gather("inside", inside) if keep_inside else None, gather("d", d), s, None
     v = F._grouped(w.float(), spec)
     s = F._effective_scale(scale.detach(), spec, None if global_scale is None else global_scale.detach())
     # frozen codes (`qatlib.quant.codes`): rounded at the scale / zero point they were frozen at,
     # dequantized with the current ones
-    v = v / (s if frozen_at is None else F._expand(frozen_at[0].float(), spec))  # a new tensor
-    inside = None
+    if frozen_at is None:
+        c = None if subgroup_scale is None else subgroup_scale.detach()
+        v = F.code_divisor(v, s, c, spec)  # a new tensor
+    else:
+        v = v / F._expand(frozen_at[0].float(), spec)
+    inside = sub = None
     if spec.is_fp4 or spec.is_fp8:
         lim = FP4_E2M1_MAX if spec.is_fp4 else FP8_E4M3_MAX
         q = torch.clamp(v, -lim, lim)
@@ -177,7 +187,13 @@ def _fake_quant_parts(
             q = q.sub_(zr)  # q - zr: codes minus the rounded zero point
     d = None
     if with_grad_terms:  # dW_q/ds = (q - zr) - inside * v; with frozen codes W_q = (q - zr) * s
-        d = q.clone() if frozen_at is not None else q - torch.where(inside, v, 0.0)
+        vin = torch.where(inside, v, 0.0) if frozen_at is None else None
+        d = q.clone() if frozen_at is not None else q - vin
+        if subgroup_scale is not None:  # dW_q/dc = -inside * v * s / c, per sub-group run
+            n = spec.subgroups
+            runs = (*v.shape[:-1], n, v.shape[-1] // n)
+            c = subgroup_scale.detach().float().reshape(*runs[:-1], 1)
+            sub = (c, vin.mul_(s).neg_().reshape(runs).div_(c))
     del v
     out = q.mul_(s).reshape(w.shape)
     if spec.fp8_recast and not spec.w4a8_kernel:  # the kernel scale path replaces the recast
@@ -185,7 +201,7 @@ def _fake_quant_parts(
         out = _e4m3_values(out.div_(s2)).mul_(s2)
     # vLLM's CUTLASS W4A8 kernel multiplies the exact int4 x fp8-scale products in fp32 (fp32
     # accumulation, token / channel scales in the epilogue): its weight is not rounded to bf16
-    return (out if spec.w4a8_kernel else out.to(w.dtype)), inside, d, s
+    return (out if spec.w4a8_kernel else out.to(w.dtype)), inside, d, s, sub
 
 
 def _fold(t: torch.Tensor) -> torch.Tensor:
@@ -196,9 +212,11 @@ class _FakeQuantLinear(torch.autograd.Function):
     """``linear(x, fake_quantize(weight), bias)``; see the module docstring for the gradients."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, scale, zero_point, global_scale, spec, pass_grad, frozen_at):
+    def forward(
+        ctx, x, weight, bias, scale, zero_point, global_scale, subgroup_scale, spec, pass_grad, frozen_at
+    ):
         ctx.spec, ctx.pass_grad, ctx.frozen_at = spec, pass_grad, frozen_at  # buffers: no grad
-        ctx.save_for_backward(x, weight, bias, scale, zero_point, global_scale)
+        ctx.save_for_backward(x, weight, bias, scale, zero_point, global_scale, subgroup_scale)
         if x.numel() == 0:
             return x.new_empty(*x.shape[:-1], weight.shape[0])
         with torch.no_grad():
@@ -211,16 +229,17 @@ class _FakeQuantLinear(torch.autograd.Function):
                 with_grad_terms=False,
                 frozen_at=frozen_at,
                 scratch=True,
+                subgroup_scale=subgroup_scale,
             )
             return linear_output(x, wq, None if bias is None else bias.to(wq.dtype))
 
     @staticmethod
     def backward(ctx, g):
-        x, weight, bias, scale, zero_point, global_scale = ctx.saved_tensors
+        x, weight, bias, scale, zero_point, global_scale, subgroup_scale = ctx.saved_tensors
         frozen_at = ctx.frozen_at
         spec = ctx.spec
-        nx, nw, nb, ns, nz, ngs = ctx.needs_input_grad[:6]
-        gx = gw = gb = gs = gz = ggs = None
+        nx, nw, nb, ns, nz, ngs, nc = ctx.needs_input_grad[:7]
+        gx = gw = gb = gs = gz = ggs = gc = None
         if x.numel() == 0:  # no rows: every gradient is a sum over nothing
             gx = torch.zeros_like(x) if nx else None
             gw = torch.zeros_like(weight) if nw else None
@@ -228,9 +247,10 @@ class _FakeQuantLinear(torch.autograd.Function):
             gs = torch.zeros_like(scale) if ns else None
             gz = torch.zeros_like(zero_point) if nz else None
             ggs = torch.zeros_like(global_scale) if ngs else None
-            return gx, gw, gb, gs, gz, ggs, None, None, None
-        need_terms = nw or ns or nz or ngs
-        wq, inside, d, s = _fake_quant_parts(
+            gc = torch.zeros_like(subgroup_scale) if nc else None
+            return gx, gw, gb, gs, gz, ggs, gc, None, None, None
+        need_terms = nw or ns or nz or ngs or nc
+        wq, inside, d, s, sub = _fake_quant_parts(
             weight,
             scale,
             zero_point,
@@ -238,8 +258,9 @@ class _FakeQuantLinear(torch.autograd.Function):
             global_scale,
             with_grad_terms=need_terms,
             frozen_at=frozen_at,
-            keep_inside=nz or (nw and not ctx.pass_grad),
+            keep_inside=nz or nw,
             scratch=True,
+            subgroup_scale=subgroup_scale,
         )
         g2 = _fold(g)
         if nx:
@@ -248,7 +269,7 @@ class _FakeQuantLinear(torch.autograd.Function):
         if nb:
             gb = g2.sum(0).to(bias.dtype)
         if not need_terms:
-            return gx, gw, gb, gs, gz, ggs, None, None, None
+            return gx, gw, gb, gs, gz, ggs, gc, None, None, None
         if not (nw or nz) and spec.granularity is Granularity.TENSOR:
             # only the scale of a frozen weight: sum(G_q * d) with G_q = g^T x is sum(g * (x d^T)),
             # a [tokens, out] product instead of the [out, in] G_q (an expert weight at 8 tokens:
@@ -260,8 +281,16 @@ class _FakeQuantLinear(torch.autograd.Function):
             # dL/dWq in the model dtype, as autograd computes it ((x^T g)^T), then fp32
             gq = F._grouped(grad_weight(g2, _fold(x)).float(), spec)
             gs_eff = (gq * d).sum_to_size(s.shape) if ns or ngs else None  # dL/ds_eff, per scale
+        if nc:
+            gc = (gq.reshape(sub[1].shape) * sub[1]).sum(-1).reshape(subgroup_scale.shape)
         if nw:
-            gw = (gq if ctx.pass_grad else gq * inside).reshape(weight.shape).to(weight.dtype)
+            g = gq if ctx.pass_grad else gq * inside
+            if sub is not None:  # d/dw = 1 / c inside the range (`pass`: 1 where clamped)
+                c, runs = sub[0], sub[1].shape
+                g = g.reshape(runs) / c
+                if ctx.pass_grad:
+                    g = torch.where(inside.reshape(runs), g, gq.reshape(runs))
+            gw = g.reshape(weight.shape).to(weight.dtype)
         if ns or ngs:
             if ns:
                 t = gs_eff
@@ -275,7 +304,7 @@ class _FakeQuantLinear(torch.autograd.Function):
             # W_q = (q - zr) * s: -s everywhere with frozen codes, only where clamped otherwise
             gz = (gq * (-s if frozen_at is not None else torch.where(inside, 0.0, -s))).sum_to_size(s.shape)
             gz = gz.reshape(zero_point.shape).to(zero_point.dtype)
-        return gx, gw, gb, gs, gz, ggs, None, None, None
+        return gx, gw, gb, gs, gz, ggs, gc, None, None, None
 
 
 def fake_quant_linear(
@@ -289,6 +318,7 @@ def fake_quant_linear(
     clamp_grad: str = "mask",
     global_scale: torch.Tensor | None = None,
     frozen_at: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    subgroup_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``TF.linear(x, F.fake_quantize(weight, ...), bias)`` with the same value and gradients,
     keeping no fake-quantized weight for backward (recomputed there). ``x`` in ``weight.dtype``.
@@ -301,8 +331,19 @@ def fake_quant_linear(
         raise ValueError(f"clamp_grad must be 'mask' or 'pass', got {clamp_grad!r}")
     if spec.dynamic:
         raise ValueError("fake_quant_linear quantizes a static weight; a dynamic spec has no stored scale")
-    if frozen_at is not None and spec.has_global_scale:
+    if frozen_at is not None and (spec.has_global_scale or spec.subgroups):
         raise ValueError(f"frozen codes: {spec.describe()} has a second scale level; not supported")
+    if bool(spec.subgroups) != (subgroup_scale is not None):
+        raise ValueError(f"{spec.describe()}: sub-group scales given {subgroup_scale is not None}")
     return _FakeQuantLinear.apply(
-        x, weight, bias, scale, zero_point, global_scale, spec, clamp_grad == "pass", frozen_at
+        x,
+        weight,
+        bias,
+        scale,
+        zero_point,
+        global_scale,
+        subgroup_scale,
+        spec,
+        clamp_grad == "pass",
+        frozen_at,
     )

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from .spec import FP4_E2M1_MAX, FP8_E4M3_MAX, Granularity, QuantSpec, ScaleFormat
+from .spec import FP4_E2M1_MAX, FP8_E4M3_MAX, Granularity, QuantSpec, ScaleFormat, ScaleRule
 
 _FP8 = torch.float8_e4m3fn
 # The smallest E4M3 subnormal: compressed-tensors replaces a zero NVFP4 group scale by it
@@ -187,6 +187,20 @@ def mx_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     return torch.exp2(e)
 
 
+def mx_ceil_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """The MXFP4 scale of a group with absolute max ``amax`` by upstream FOCUS's ``mxfp4_rceil``
+    rule (`ScaleRule.CEIL`): ``2 ** ceil(log2(amax / 6))``, the smallest power of two at which the
+    group max does not clip, exponent clamped to E8M0's [-127, 127] (a zero group: 2**-127).
+    ``ceil(log2 m)`` is read from the binary exponent (``m = f * 2**e``, ``f`` in [0.5, 1): ``e``,
+    or ``e - 1`` when ``f`` is 0.5), exact where ``torch.log2`` rounds a value just above a power of
+    two onto it (upstream's ``ceil(log2(.))`` can then clip the group max by one ulp)."""
+    m = amax.float().clamp_min(0.0) / FP4_E2M1_MAX
+    f, e = torch.frexp(m)
+    e = (e - (f == 0.5).to(e.dtype)).float()
+    e = torch.where(m > 0, e, torch.full_like(e, -127.0))
+    return torch.exp2(torch.clamp(e, -127.0, 127.0))
+
+
 def fp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
     """NVFP4's per-tensor global scale, compressed-tensors' convention (`generate_gparam`):
     ``448 * 6 / amax`` (fp32, shape [1]), so that the largest group scale ``gs * amax_g / 6`` lands
@@ -201,10 +215,12 @@ def fp4_scale_from_amax(
     amax: torch.Tensor, spec: QuantSpec, global_scale: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The stored group scale for group absolute maxima ``amax``: NVFP4 ``e4m3(gs * amax / 6)``
-    (the FP8-domain value; divide by ``gs`` for the effective scale), MXFP4 `mx_scale_from_amax`.
+    (the FP8-domain value; divide by ``gs`` for the effective scale), MXFP4 `mx_scale_from_amax`
+    (`mx_ceil_scale_from_amax` under `ScaleRule.CEIL`).
     Differentiable in ``amax`` (LWC) through a straight-through rounding."""
     if spec.scale_format is ScaleFormat.E8M0:
-        value = mx_scale_from_amax(amax.detach())
+        rule = mx_ceil_scale_from_amax if spec.scale_rule is ScaleRule.CEIL else mx_scale_from_amax
+        value = rule(amax.detach())
         # straight-through: the gradient of a scale proportional to amax around this value
         ratio = (value / amax.detach().clamp_min(torch.finfo(torch.float32).tiny)).detach()
         return value + (amax - amax.detach()) * ratio
@@ -250,6 +266,30 @@ def _effective_scale(scale: torch.Tensor, spec: QuantSpec, global_scale: torch.T
     return _expand(s, spec)
 
 
+def code_divisor(xg: torch.Tensor, s: torch.Tensor, subgroup_scale: torch.Tensor | None, spec: QuantSpec):
+    """``xg / s``, the values the codes round (grouped view), or with FOCUS's sub-group scales
+    (``spec.subgroups`` factors ``c`` per group, ``subgroup_scale`` shaped ``[..., K / g * n]``)
+    ``xg / (s * c)``: each run of ``g / n`` elements divided by its own ``s * c`` (upstream's
+    ``tensor / (scale * sigmoid(quant_max_scale))``). The codes are dequantized by ``s`` alone."""
+    if subgroup_scale is None:
+        if spec.subgroups:
+            raise ValueError(f"{spec.describe()}: the sub-group scales are missing")
+        return xg / s
+    if not spec.subgroups:
+        raise ValueError(f"{spec.describe()} has no sub-groups: got sub-group scales")
+    n = spec.subgroups
+    runs = xg.reshape(*xg.shape[:-1], n, xg.shape[-1] // n)
+    c = subgroup_scale.float().reshape(*xg.shape[:-1], n, 1)
+    return (runs / (s.unsqueeze(-1) * c)).reshape(xg.shape)
+
+
+def subgroup_shape(tensor_shape: tuple[int, ...] | torch.Size, spec: QuantSpec) -> tuple[int, ...]:
+    """Shape of FOCUS's sub-group scales for a weight of ``tensor_shape``: ``spec.subgroups`` per
+    group, ``[out, in / group_size * subgroups]`` (upstream's ``quant_max_scale``)."""
+    *lead, groups = scale_shape(tensor_shape, spec)
+    return (*lead, groups * spec.subgroups)
+
+
 # --------------------------------------------------------------------------- STE helpers
 # ``value.detach() + (x - x.detach())`` has exactly the value of ``value`` (``x - x.detach()`` is 0)
 # and the gradient of ``x``. The textbook ``x + (value - x).detach()`` is not exact once ``x`` is
@@ -274,6 +314,7 @@ def _codes_fp32(
     zero_point: torch.Tensor | None,
     spec: QuantSpec,
     global_scale: torch.Tensor | None = None,
+    subgroup_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Codes as fp32 (differentiable through STE), in the grouped view.
 
@@ -282,7 +323,8 @@ def _codes_fp32(
     xg = _grouped(x.float(), spec)
     s = _effective_scale(scale, spec, global_scale)
     if spec.is_fp4:
-        return _fp4_round_ste(torch.clamp(xg / s, -FP4_E2M1_MAX, FP4_E2M1_MAX))
+        v = code_divisor(xg, s, subgroup_scale, spec)
+        return _fp4_round_ste(torch.clamp(v, -FP4_E2M1_MAX, FP4_E2M1_MAX))
     if spec.is_fp8:
         v = xg * s.reciprocal() if spec.scale_reciprocal else xg / s
         return _fp8_cast_ste(torch.clamp(v, -FP8_E4M3_MAX, FP8_E4M3_MAX))
@@ -298,11 +340,15 @@ def _clipped_mask(
     zero_point: torch.Tensor | None,
     spec: QuantSpec,
     global_scale: torch.Tensor | None = None,
+    subgroup_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Elements (grouped view) where the clamp of `_codes_fp32` is active."""
     with torch.no_grad():
         xg = _grouped(x.float(), spec)
         s = _effective_scale(scale, spec, global_scale)
+        if spec.is_fp4:
+            v = code_divisor(xg, s, subgroup_scale, spec)
+            return (v < spec.qmin) | (v > spec.qmax)
         if spec.is_float:
             v = xg * s.reciprocal() if spec.scale_reciprocal else xg / s
             return (v < spec.qmin) | (v > spec.qmax)
@@ -354,12 +400,14 @@ def quantize(
     zero_point: torch.Tensor | None,
     spec: QuantSpec,
     global_scale: torch.Tensor | None = None,
+    subgroup_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Codes of ``x``: ``torch.int8`` for every int format (values in [qmin, qmax]),
     ``torch.float8_e4m3fn`` for fp8, the E2M1 values as ``float32`` for nvfp4 / mxfp4 (torch has
-    no unpacked FP4 dtype; compressed-tensors packs them at export). Same shape as ``x``."""
+    no unpacked FP4 dtype; compressed-tensors packs them at export). Same shape as ``x``.
+    ``subgroup_scale``: FOCUS's sub-group factors (`code_divisor`), folded into the codes."""
     with torch.no_grad():
-        q = _codes_fp32(x, scale, zero_point, spec, global_scale).reshape(x.shape)
+        q = _codes_fp32(x, scale, zero_point, spec, global_scale, subgroup_scale).reshape(x.shape)
     if spec.is_fp4:
         return q
     return q.to(_FP8) if spec.is_fp8 else q.to(torch.int8)
@@ -392,11 +440,15 @@ def fake_quantize(
     *,
     clamp_grad: str = "mask",
     global_scale: torch.Tensor | None = None,
+    subgroup_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Differentiable ``dequantize(quantize(x))``, returned in ``x.dtype``.
 
     FP4 formats: ``scale`` is the fp32 master of the group scale, rounded to E4M3 / E8M0 here
-    (straight-through); NVFP4 divides it by ``global_scale`` (differentiable too).
+    (straight-through); NVFP4 divides it by ``global_scale`` (differentiable too). FOCUS's
+    ``subgroup_scale`` factors ``c`` (``spec.subgroups`` per group) divide ``x`` before the
+    rounding and not the codes after, ``s * e2m1(x / (s * c))`` (`code_divisor`): through the STE
+    ``d/dx = 1 / c``, ``d/dc = -s * (x / (s c)) / c`` inside the range, 0 where clamped.
 
     Gradients: straight-through for round and the fp8 cast; for the scale and zero point the
     LSQ / LSQ+ gradients fall out of autograd through the STE (inside the range
@@ -408,12 +460,12 @@ def fake_quantize(
     """
     if clamp_grad not in ("mask", "pass"):
         raise ValueError(f"clamp_grad must be 'mask' or 'pass', got {clamp_grad!r}")
-    q = _codes_fp32(x, scale, zero_point, spec, global_scale)
+    q = _codes_fp32(x, scale, zero_point, spec, global_scale, subgroup_scale)
     out = _dequant_fp32(q, scale, zero_point, spec, global_scale)
     if clamp_grad == "pass":
         # identity gradient to x where the clamp is active too; adds exactly 0 to the value and
         # leaves the scale / zero-point (LSQ) gradients as they are.
-        clipped = _clipped_mask(x, scale, zero_point, spec, global_scale)
+        clipped = _clipped_mask(x, scale, zero_point, spec, global_scale, subgroup_scale)
         out = torch.where(clipped, out + _identity_grad(_grouped(x.float(), spec)), out)
     out = out.reshape(x.shape)
     if spec.fp8_recast and not spec.w4a8_kernel:
@@ -454,7 +506,7 @@ def compiled(fn: Callable) -> Callable:
 
     Fusing the elementwise chain of a fake-quant (scale, round / fp8 cast, clamp, rescale) into one
     kernel saves memory passes; on the CPU it measured 0.85x the QAT step for FP8 formats and
-    no gain for integer ones (benchmarks/README.md). Values are bit-identical to eager. Every
+    no gain for integer ones (benchmarks/README.md at 2faaa77). Values are bit-identical to eager. Every
     tensor shape and spec is a guard, and MoE experts see varying token counts, so the recompile
     limit is raised (dynamo's default of 8 would silently fall back to eager).
     """

@@ -115,7 +115,9 @@ class QuantLinear(nn.Module):
         scale, zp = wq.qparams(w)
         scale = scale.detach().float().clone()
         zp = None if zp is None else torch.round(zp.detach().float()).clone()
-        return F.quantize(w, scale, zp, wq.spec, self.weight_global_scale(w)), scale, zp
+        # FOCUS's sub-group factors are folded into the codes: codes * scale is the trained weight
+        codes = F.quantize(w, scale, zp, wq.spec, self.weight_global_scale(w), wq.subgroup_scale())
+        return codes, scale, zp
 
     @torch.no_grad()
     def weight_global_scale(self, weight: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -147,6 +149,7 @@ class QuantLinear(nn.Module):
                 clamp_grad=wq.clamp_grad,
                 global_scale=wq.global_scale_for(w),
                 frozen_at=frozen_at,
+                subgroup_scale=wq.subgroup_scale(),
             )
 
         return _linear(self, x, None, weight_linear)

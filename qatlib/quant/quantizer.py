@@ -12,6 +12,7 @@ from .spec import QuantSpec
 # Parameter roles, so optimizers and `learnable` switches select parameters by role, not by name.
 ROLE_SCALE = "scale"
 ROLE_LWC = "lwc"
+ROLE_SUBGROUP = "subgroup"  # FOCUS's sub-group scale logits (upstream ``quant_max_scale``)
 # A Quantizer's parameters by attribute name. Roles are derived from the module type + attribute,
 # never stored on the Parameter object: attributes set on a Parameter are lost by copy.deepcopy.
 PARAM_ROLES = {
@@ -20,7 +21,11 @@ PARAM_ROLES = {
     "global_scale": ROLE_SCALE,
     "clip_factor_w_max": ROLE_LWC,
     "clip_factor_w_min": ROLE_LWC,
+    "subgroup_logit": ROLE_SUBGROUP,
 }
+# upstream FOCUS's initial ``quant_max_scale`` (quantizer.py `_init_mxfp_params` / `_init_nvfp4_params`):
+# sigmoid(6) = 0.9975, a factor just below 1
+SUBGROUP_LOGIT_INIT = 6.0
 # The parameters that are positive by construction (scales, not zero points or clip logits): the
 # ones `qatlib.trainers.log_scale` may step in log space.
 POSITIVE_PARAMS = frozenset({"scale", "global_scale"})
@@ -59,6 +64,8 @@ class Quantizer(nn.Module):
     NVFP4 adds ``global_scale`` (fp32 [1], compressed-tensors' ``448 * 6 / amax`` convention,
     learnable): on weights next to the group scales (with LWC: derived from the weight each call),
     and on dynamic inputs as the static ``input_global_scale`` the group scales are relative to.
+    FOCUS (``spec.subgroups``): ``subgroup_logit`` (fp32, `functional.subgroup_shape`, init
+    `SUBGROUP_LOGIT_INIT`), whose sigmoid is each sub-group's factor (`functional.code_divisor`).
     """
 
     def __init__(
@@ -88,6 +95,7 @@ class Quantizer(nn.Module):
         self.clip_factor_w_max: nn.Parameter | None = None
         self.clip_factor_w_min: nn.Parameter | None = None
         self.global_scale: nn.Parameter | None = None
+        self.subgroup_logit: nn.Parameter | None = None
         if spec.has_global_scale and (spec.dynamic or lwc_init is None):
             self.global_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
         if spec.dynamic:
@@ -97,6 +105,13 @@ class Quantizer(nn.Module):
         if tensor_shape is None:
             raise ValueError("a static quantizer needs the tensor shape to size its scale")
         shape = F.scale_shape(tuple(tensor_shape), spec)
+        if spec.subgroups:
+            if lwc_init is not None:
+                raise ValueError(
+                    "sub-group scales (FOCUS) and LWC do not combine: the group scale is learned"
+                )
+            sub = F.subgroup_shape(tuple(tensor_shape), spec)
+            self.subgroup_logit = nn.Parameter(torch.full(sub, SUBGROUP_LOGIT_INIT, dtype=torch.float32))
         if lwc_init is not None:
             self.clip_factor_w_max = nn.Parameter(torch.full(shape, float(lwc_init), dtype=torch.float32))
             self.clip_factor_w_min = nn.Parameter(torch.full(shape, float(lwc_init), dtype=torch.float32))
@@ -170,6 +185,10 @@ class Quantizer(nn.Module):
                 scale - scale.detach()
             )
         return scale, zp
+
+    def subgroup_scale(self) -> torch.Tensor | None:
+        """FOCUS's sub-group factors ``sigmoid(subgroup_logit)`` (differentiable), None without."""
+        return None if self.subgroup_logit is None else torch.sigmoid(self.subgroup_logit)
 
     def global_scale_for(self, x: torch.Tensor | None = None) -> torch.Tensor | None:
         """NVFP4's global scale for ``x``: the parameter, or (LWC weights, which have none) the
@@ -264,7 +283,8 @@ class Quantizer(nn.Module):
             return fq(x, self.run_spec, clamp_grad=self.clamp_grad, global_scale=self.global_scale)
         scale, zp = self.qparams(x)
         fq = F.compiled(F.fake_quantize) if self.compile_fake_quant else F.fake_quantize
-        return fq(x, scale, zp, self.spec, clamp_grad=self.clamp_grad, global_scale=self.global_scale_for(x))
+        gs, sub = self.global_scale_for(x), self.subgroup_scale()
+        return fq(x, scale, zp, self.spec, clamp_grad=self.clamp_grad, global_scale=gs, subgroup_scale=sub)
 
     def extra_repr(self) -> str:
         return self.spec.describe() + (" lwc" if self.uses_lwc else "")

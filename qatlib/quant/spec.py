@@ -45,6 +45,29 @@ class ScaleFormat(str, enum.Enum):
     E8M0 = "e8m0"  # MX group scales: a power of two (8-bit exponent, no mantissa)
 
 
+class ScaleRule(str, enum.Enum):
+    """How an MX (E8M0) group scale is derived from the group's absolute max: at calibration, at
+    initialisation and for dynamic activations. A learned scale is rounded to the nearest power of
+    two in log2 either way (`functional.round_e8m0`)."""
+
+    # compressed-tensors' rule (`functional.mx_scale_from_amax`): 2 ** (floor(log2 amax) - 2), one
+    # up from mantissa 1.75; what vLLM applies to MXFP4 activations at run time
+    COMPRESSED_TENSORS = "compressed-tensors"
+    # 2 ** ceil(log2(amax / 6)): the group max never clips; upstream FOCUS's ``mxfp4_rceil``
+    # (angelslim/compressor/qat/modules/quantizer.py `_fake_quant_mxfp4`)
+    CEIL = "ceil"
+
+
+class CheckpointFormat(str, enum.Enum):
+    """The checkpoint format an export writes (upstream's ``quantization.save_name``)."""
+
+    COMPRESSED_TENSORS = "compressed-tensors"
+    # vLLM / SGLang's own FP8 format (``quant_method: fp8``, their ``Fp8Config``): per-tensor FP8
+    # weights and a static or dynamic per-tensor FP8 input; the tensors compressed-tensors writes
+    # for that scheme, another ``quantization_config`` (and, for MoE, another runtime path)
+    FP8 = "fp8"
+
+
 @dataclass(frozen=True)
 class FP4Format:
     """An E2M1 (FP4) element format: its group size, group-scale format and whether a per-tensor
@@ -66,6 +89,8 @@ QTYPES = (*INT_QTYPES, "fp8", *FP4_FORMATS)
 
 
 _DEPLOY_FIELDS = ("scale_dtype", "w4a8_kernel", "dynamic_granularity", "scale_reciprocal")
+# written only when set (records of specs without them stay as they were)
+_OPTIONAL_FIELDS = {"subgroups": None, "scale_rule": ScaleRule.COMPRESSED_TENSORS}
 
 
 @dataclass(frozen=True)
@@ -82,6 +107,14 @@ class QuantSpec:
     num_heads: heads for ``per-head`` (the last dim is split into ``num_heads`` equal parts).
     fp8_recast: after dequantization, recast the tensor to FP8 with a per-tensor scale, as the
         W4A8-FP8 deployment kernels do (int4 weights are expanded to FP8 before the FP8 GEMM).
+    scale_rule: how MXFP4's E8M0 group scale is derived from a group max (`ScaleRule`): ``ceil``
+        is upstream FOCUS's ``mxfp4_rceil`` (``2 ** ceil(log2(amax / 6))``).
+    subgroups: FOCUS's learned sub-group scales (upstream ``use_subgroup_scale`` / ``num_sub``),
+        FP4 weights only: each group of ``group_size`` elements is split into ``subgroups`` runs
+        of ``group_size / subgroups``, each with a factor ``c = sigmoid(logit)`` in (0, 1) that
+        divides the weight before rounding but not the codes after:
+        ``w_q = s * e2m1(clamp(w / (s * c), -6, 6))``. The stored codes and group scales are
+        all a runtime needs (the factor is folded into the codes): deployed == trained.
 
     The deployment fields below are set by `qatlib.runtime.tying.deploy_spec` for a ``deploy.target``;
     they change what the forward computes to what that runtime computes, not the export layout, so
@@ -106,6 +139,8 @@ class QuantSpec:
     dynamic: bool = False
     num_heads: int | None = None
     fp8_recast: bool = False
+    scale_rule: ScaleRule = ScaleRule.COMPRESSED_TENSORS
+    subgroups: int | None = None
     scale_dtype: str | None = field(default=None, compare=False)
     w4a8_kernel: bool = field(default=False, compare=False)
     dynamic_granularity: Granularity | None = field(default=None, compare=False)
@@ -176,6 +211,38 @@ class QuantSpec:
             raise SpecError(
                 "fp8_recast", f"fp8_recast applies to integer weight formats (W4A8-FP8), not to {self.qtype}"
             )
+        self._check_fp4_options()
+
+    def _check_fp4_options(self) -> None:
+        try:
+            rule = ScaleRule(self.scale_rule)
+        except ValueError:
+            choices = ", ".join(r.value for r in ScaleRule)
+            raise SpecError(
+                "scale_rule", f"scale_rule must be one of {choices}; got {self.scale_rule!r}"
+            ) from None
+        object.__setattr__(self, "scale_rule", rule)
+        if rule is ScaleRule.CEIL and self.scale_format is not ScaleFormat.E8M0:
+            raise SpecError(
+                "scale_rule", f"the ceil rule derives MXFP4's E8M0 scales (mxfp4_rceil), not {self.qtype}'s"
+            )
+        n = self.subgroups
+        if n is None:
+            return
+        if not self.is_fp4:
+            raise SpecError(
+                "subgroups", f"sub-group scales (FOCUS) apply to the FP4 formats, not to {self.qtype}"
+            )
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0 or self.group_size % n:
+            raise SpecError(
+                "subgroups",
+                f"subgroups must be a positive divisor of the group size {self.group_size}; got {n!r}",
+            )
+        if self.dynamic:
+            raise SpecError(
+                "subgroups",
+                "sub-group scales are learned parameters of a static (weight) quantizer, not dynamic",
+            )
 
     # -- derived properties -------------------------------------------------
     @property
@@ -243,6 +310,11 @@ class QuantSpec:
         for k in _DEPLOY_FIELDS:  # written only when set: records of untied runs stay as they were
             if not d[k]:
                 del d[k]
+        for k, default in _OPTIONAL_FIELDS.items():
+            if d[k] == default:
+                del d[k]
+        if "scale_rule" in d:
+            d["scale_rule"] = self.scale_rule.value
         return d
 
     @classmethod
@@ -255,6 +327,10 @@ class QuantSpec:
             parts.append(f"g{self.group_size}")
         parts.append("sym" if self.symmetric else "asym")
         parts.append("dynamic" if self.dynamic else "static")
+        if self.scale_rule is ScaleRule.CEIL:
+            parts.append("ceil-scales")
+        if self.subgroups:
+            parts.append(f"{self.subgroups}-subgroups")
         if self.w4a8_kernel:
             parts.append("w4a8-kernel-scales")
         elif self.fp8_recast:
@@ -274,6 +350,9 @@ class QuantScheme:
     q / k / v: the outputs of the attention projections (KV-cache simulation); k and v are
         exported as ``k_cache.scale`` / ``v_cache.scale``.
     fp8_attn: simulate FP8 attention probabilities (eager attention only).
+    checkpoint_format: what the export writes (`CheckpointFormat`); ``fp8`` takes per-tensor fp8
+        weights and a per-tensor fp8 input and nothing else. It changes the runtime's load path,
+        not the trained arithmetic: no part of equality.
     """
 
     name: str = "custom"
@@ -283,9 +362,11 @@ class QuantScheme:
     k: QuantSpec | None = None
     v: QuantSpec | None = None
     fp8_attn: bool = False
+    checkpoint_format: CheckpointFormat = field(default=CheckpointFormat.COMPRESSED_TENSORS, compare=False)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        self._check_checkpoint_format()
         if self.weight is not None and self.weight.granularity in (Granularity.TOKEN, Granularity.HEAD):
             raise SpecError("granularity", f"weights cannot be quantized {self.weight.granularity.value}")
         if self.weight is not None and self.weight.dynamic:
@@ -315,16 +396,48 @@ class QuantScheme:
             if spec is not None and spec.granularity in (Granularity.CHANNEL, Granularity.GROUP):
                 raise SpecError("granularity", f"{role} output cannot be quantized {spec.granularity.value}")
 
+    def _check_checkpoint_format(self) -> None:
+        try:
+            fmt = CheckpointFormat(self.checkpoint_format)
+        except ValueError:
+            choices = ", ".join(f.value for f in CheckpointFormat)
+            raise SpecError(
+                "checkpoint_format",
+                f"checkpoint format must be one of {choices}; got {self.checkpoint_format!r}",
+            ) from None
+        object.__setattr__(self, "checkpoint_format", fmt)
+        if fmt is not CheckpointFormat.FP8:
+            return
+        w, a = self.weight, self.input
+        tensor = Granularity.TENSOR
+        why = []
+        if w is None or not w.is_fp8 or w.granularity is not tensor:
+            why.append(f"weights {'none' if w is None else w.describe()} (it stores fp8 per-tensor)")
+        if a is None or not a.is_fp8 or a.granularity is not tensor:
+            why.append(f"input {'none' if a is None else a.describe()} (fp8 per-tensor, static or dynamic)")
+        if any(getattr(self, r) is not None for r in ("q", "k", "v")):
+            why.append("q / k / v output quantization (not exported in this format)")
+        if why:
+            raise SpecError(
+                "checkpoint_format",
+                "the fp8 checkpoint format (quant_method: fp8) holds fp8 per-tensor weights and a per-tensor fp8 "
+                f"input only; this scheme has {'; '.join(why)}: use compressed-tensors",
+            )
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "fp8_attn": self.fp8_attn}
         for role in ("weight", "input", "q", "k", "v"):
             spec = getattr(self, role)
             out[role] = None if spec is None else spec.to_dict()
+        if self.checkpoint_format is not CheckpointFormat.COMPRESSED_TENSORS:  # records of others unchanged
+            out["checkpoint_format"] = self.checkpoint_format.value
         return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QuantScheme:
         kw: dict[str, Any] = {"name": d.get("name", "custom"), "fp8_attn": bool(d.get("fp8_attn", False))}
+        if "checkpoint_format" in d:
+            kw["checkpoint_format"] = d["checkpoint_format"]
         for role in ("weight", "input", "q", "k", "v"):
             v = d.get(role)
             kw[role] = None if v is None else QuantSpec.from_dict(v)
@@ -344,10 +457,11 @@ class QuantScheme:
             a, b = getattr(self, role), getattr(other, role)
             if a is None or b is None:
                 continue
-            for attr in ("qtype", "granularity", "group_size", "symmetric", "dynamic", "num_heads"):
+            attrs = ("qtype", "granularity", "group_size", "symmetric", "dynamic", "num_heads", "scale_rule")
+            for attr in attrs:
                 va, vb = getattr(a, attr), getattr(b, attr)
                 if va != vb:
-                    va, vb = (v.value if isinstance(v, Granularity) else v for v in (va, vb))
+                    va, vb = (v.value if isinstance(v, enum.Enum) else v for v in (va, vb))
                     problems.append(f"{role}.{attr}: configured {va!r}, checkpoint {vb!r}")
         return problems
 

@@ -99,6 +99,31 @@ PATHS: tuple[OraclePath, ...] = (
         wide_groups=True,
         about="W4A8-FP8",
     ),
+    # the fp8 format (quant_method: fp8, upstream's save_name: fp8): half-precision models only
+    OraclePath(
+        "fp8_native_dense",
+        "fp8_static",
+        dtype=torch.bfloat16,
+        edit="native",
+        about="quant_method fp8, static",
+    ),
+    OraclePath(
+        "fp8_native_moe",
+        "fp8_static",
+        moe=True,
+        dtype=torch.bfloat16,
+        edit="native",
+        about="quant_method fp8 MoE, static",
+    ),
+    OraclePath(
+        "fp8_native_dynamic_moe",
+        "fp8_dynamic",
+        moe=True,
+        dtype=torch.bfloat16,
+        edit="native",
+        about="quant_method fp8 MoE, dynamic per-tensor input (upstream's qwen3-a3b_fp8_dynamic; compressed-tensors "
+        "has no vLLM MoE kernel for it)",
+    ),
 )
 
 
@@ -121,6 +146,10 @@ PATHS += (
         "refuses_w4a8_static", "w4a8_fp8", "REFUSES_W4A8_STATIC", "No compressed-tensors compatible scheme",
         group_size=32, w4a8_activation="trained",
     ),
+    _refused(
+        "refuses_fp8_native_fp32", "fp8_static", "FP8_NATIVE_DTYPES",
+        "is not supported for quantization method fp8", edit="native",
+    ),
 )  # fmt: skip
 PATH_NAMES = tuple(p.name for p in PATHS)
 
@@ -139,8 +168,8 @@ class Comparison:
     bound: str = "bit-exact"
 
 
-def fact_key(target: str, transform: Transform) -> str:
-    return f"{target}:{transform.name}"
+def fact_key(target: str, transform: Transform, layout=None) -> str:
+    return FT.transform_key(target, transform, layout)
 
 
 # two fp32 roundings against one: vLLM scales each E4M3 group scale by the inverted global scale
@@ -182,14 +211,28 @@ def _compare_linear(path, name, role, mod, v, layout, dtype) -> list[Comparison]
 
     out = []
     fused = role == "fused"
-    if layout in (Layout.FP8_STATIC_TENSOR, Layout.FP8_DYNAMIC_TENSOR):
-        wfact = fact_key("vllm", Transform.WEIGHT_SCALE_MAX) if role != "single" else None
+    static = (Layout.FP8_STATIC_TENSOR, Layout.FP8_NATIVE_STATIC)
+    if layout in (*static, Layout.FP8_DYNAMIC_TENSOR, Layout.FP8_NATIVE_DYNAMIC):
+        wfact = fact_key("vllm", Transform.WEIGHT_SCALE_MAX, layout) if role != "single" else None
         out.append(_cmp(path, f"{name} effective weight", wfact, mod.weight, v.weight))
         out.append(_cmp(path, f"{name} weight scale", wfact, mod.weight_scale, v.weight_scale))
-        if layout is Layout.FP8_STATIC_TENSOR:
+        if layout in static:
             t = Transform.INPUT_SCALE_MAX if fused else Transform.EXPERT_INPUT_SCALE_MAX
-            ifact = fact_key("vllm", t) if role != "single" else None
+            ifact = fact_key("vllm", t, layout) if role != "single" else None
             out.append(_cmp(path, f"{name} input scale", ifact, mod.input_scale, v.input_scale))
+        elif layout is Layout.FP8_NATIVE_DYNAMIC:
+            # experts: per tensor (Fp8MoEMethod, kFp8DynamicTensorSym); dense layers per token only where
+            # CUTLASS fp8 runs (a GPU: read only), which the emulator models
+            if role == "expert":
+                from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+                from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+                x = _probe(5, mod.in_features, dtype, 1)
+                q, s = QuantFP8(static=False, group_shape=GroupShape.PER_TENSOR).forward_native(x)
+                per_token = v.layer.quant_method.per_act_token_quant
+                out.append(Comparison(path, f"{name} input per tensor", None, per_token is False, 0.0))
+                # the fp32 kernel sees the input in fp32 (`emulate.DeployedLinear`), vLLM's QuantFP8 the bf16
+                out.append(_cmp(path, f"{name} input quant-dequant", None, mod.act(x.float()), q.float() * s))
         elif role != "expert":  # dense layers quantize their input per token (kFp8DynamicTokenSym)
             from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
 
@@ -365,7 +408,8 @@ def docs_page() -> str:
     ]
     for key, fact in FT.all_facts():
         target, _, name = key.partition(":")
-        what = fact.what if name not in Transform.__members__ else f"{Transform[name].value}: {fact.what}"
+        t = name.removesuffix("_FP8_FORMAT")
+        what = fact.what if t not in Transform.__members__ else f"{Transform[t].value}: {fact.what}"
         what = what.replace("|", "\\|")
         lines.append(f"| {target} | `{name}` | {what} | {fact.checked_by.replace('|', '/')} |")
     lines += [

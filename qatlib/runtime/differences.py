@@ -27,6 +27,7 @@ from .facts import (
     DENSE_ONLY,
     TARGETS,
     Transform,
+    dtype_refusal,
     expert_input_scale_refusal,
     kv_facts,
     layout_of,
@@ -54,13 +55,16 @@ def _global_scale(ql: QuantLinear | None, role: str) -> torch.Tensor | None:
     return None if gs is None else gs.detach().float().cpu().reshape(1)
 
 
-def _differing(model: nn.Module, kinds: set[GroupKind], role: str, scale_of=None) -> tuple[int, int]:
-    """``(groups whose members' scales differ, groups with such scales)`` over ``kinds``."""
+def _differing(
+    model: nn.Module, kinds: set[GroupKind], role: str, scale_of=None, experts: set[str] | None = None
+) -> tuple[int, int]:
+    """``(groups whose members' scales differ, groups with such scales)`` over ``kinds`` (only the
+    groups of ``experts``, when given)."""
     scale_of = scale_of or _static_scale
     mods = dict(model.named_modules())
     n = bad = 0
     for g in fused_groups(model):
-        if g.kind not in kinds:
+        if g.kind not in kinds or (experts is not None and g.members[0] not in experts):
             continue
         scales = [
             scale_of(mods.get(m) if isinstance(mods.get(m), QuantLinear) else None, role) for m in g.members
@@ -80,6 +84,9 @@ def _measure(model: nn.Module, t: Transform, dtype: torch.dtype) -> str:
     if t is Transform.WEIGHT_SCALE_MAX:
         bad, n = _differing(model, {GroupKind.QKV, GroupKind.GATE_UP}, "weight")
         return f"{bad} of {n} fused groups have different weight scales (their shards are re-rounded)"
+    if t is Transform.EXPERT_WEIGHT_SCALE_MAX:
+        bad, n = _differing(model, {GroupKind.GATE_UP}, "weight", experts=_expert_names(model))
+        return f"{bad} of {n} experts have different gate / up weight scales (re-rounded)"
     if t in (Transform.INPUT_SCALE_MAX, Transform.INPUT_SCALE_LAST):
         bad, n = _differing(model, {GroupKind.QKV, GroupKind.GATE_UP}, "input")
         return f"{bad} of {n} fused groups have different input scales"
@@ -111,6 +118,7 @@ def _measure(model: nn.Module, t: Transform, dtype: torch.dtype) -> str:
 
 _COLLAPSES = {
     Transform.WEIGHT_SCALE_MAX,
+    Transform.EXPERT_WEIGHT_SCALE_MAX,
     Transform.INPUT_SCALE_MAX,
     Transform.INPUT_SCALE_LAST,
     Transform.EXPERT_INPUT_SCALE_MAX,
@@ -124,12 +132,14 @@ def _quantizers(model: nn.Module, attr: str, *, dense_only: bool = False):
             yield getattr(m, attr)
 
 
-def trained_as_deployed(model: nn.Module, target: str, t: Transform, dtype: torch.dtype) -> bool:
+def trained_as_deployed(
+    model: nn.Module, target: str, t: Transform, dtype: torch.dtype, scheme: QuantScheme | None = None
+) -> bool:
     """Was ``model`` trained with ``target``'s transformation ``t`` (so it changes nothing)? Read
     from the model's structure and specs alone (shared Parameters, `QuantSpec` deployment fields),
     so it holds for a ZeRO-3 model whose scales are partitioned."""
     if t in _COLLAPSES:
-        return bool(shared_groups(model)) and not tying.untied_groups(model, target)
+        return bool(shared_groups(model)) and not tying.untied_groups(model, target, scheme)
     if t is Transform.DYNAMIC_PER_TOKEN:
         qs = [q for q in _quantizers(model, "input_quantizer", dense_only=True) if q.spec.dynamic]
         return bool(qs) and all(q.spec.dynamic_granularity is Granularity.TOKEN for q in qs)
@@ -154,7 +164,7 @@ def deployment_differences(
     layout = layout_of(scheme, w4a8_activation=w4a8_activation)
     out: dict[str, Any] = {}
     for target, rt in TARGETS.items():
-        refusal = load_refusal(target, layout, moe=moe)
+        refusal = load_refusal(target, layout, moe=moe) or dtype_refusal(target, layout, dtype)
         if refusal is None and moe and measure:
             refusal = expert_input_scale_refusal(target, layout, _expert_input_pairs(model))
         entry: dict[str, Any] = {"layout": layout.value, "loads": refusal is None}
@@ -165,14 +175,14 @@ def deployment_differences(
             if t in DENSE_ONLY and moe and not _has_dense_quantized(model):
                 continue
             line = f"{t.value} [{fact.source}]"
-            if trained_as_deployed(model, target, t, dtype):
+            if trained_as_deployed(model, target, t, dtype, scheme):
                 matched.append(line)
                 continue
             if measure:
                 line += f": {_measure(model, t, dtype)}"
             diffs.append(line)
         entry["scales_tied"] = bool(tying.tie_plan(model, target, layout)) and not tying.untied_groups(
-            model, target
+            model, target, scheme
         )
         entry["trained_as_deployed"] = matched
         k = scheme.k

@@ -14,7 +14,10 @@ The skeleton (embeddings, norms, router, lm_head) is the transformers reload wit
 stored codes (compressed-tensors' own ``unpack_from_int32`` for packed formats), never from the
 dequantized reload, so the requantization sees the exact fp8 / int codes the runtime loads.
 
-FP4 exports: `qatlib.runtime.emulate_fp4`.
+FP4 exports: `qatlib.runtime.emulate_fp4`. The runtimes' own fp8 format (``quant_method: fp8``,
+upstream's ``save_name: fp8``: `facts.Layout.FP8_NATIVE_STATIC` / ``_DYNAMIC``) holds the
+compressed-tensors fp8 tensors and takes its own facts (dense inputs per token where CUTLASS fp8
+runs, the experts' per tensor).
 
 Not emulated (recorded in `DeployedModel.not_emulated`): kernel accumulation order, the CUTLASS W4A8
 kernel's in-register product precision, SGLang fused-MoE per-tensor dynamic activations being
@@ -32,11 +35,12 @@ import torch
 import torch.nn.functional as TF
 from torch import nn
 
-from ..quant.spec import FP4_FORMATS, QuantScheme
+from ..quant.spec import FP4_FORMATS, CheckpointFormat, QuantScheme
 from .facts import (
     TARGETS,
     Layout,
     Transform,
+    dtype_refusal,
     expert_input_scale_refusal,
     kv_facts,
     layout_of,
@@ -310,13 +314,6 @@ def _read_tensors(d: Path) -> dict[str, torch.Tensor]:
     return read_all(files)
 
 
-def _config_args(qc: dict) -> tuple[dict, dict | None]:
-    groups = list(qc.get("config_groups", {}).values())
-    if len(groups) != 1:
-        raise RuntimeRefusal(f"quantization_config.config_groups: expected one group, found {len(groups)}")
-    return groups[0]["weights"], groups[0].get("input_activations")
-
-
 def _skeleton(d: Path) -> nn.Module:
     """The model of ``config.json`` with the checkpoint's unquantized tensors (embeddings, norms,
     routers, lm_head) and MoE experts linearised to the per-expert names the checkpoint uses.
@@ -349,6 +346,17 @@ def _skeleton(d: Path) -> nn.Module:
     return model
 
 
+def _config_args(qc: dict) -> tuple[dict, dict | None]:
+    """(weight args, input args) of a compressed-tensors header; the runtimes' own fp8 format
+    (``quant_method: fp8``) has none: its tensors are unpacked."""
+    if qc.get("quant_method") == CheckpointFormat.FP8.value:
+        return {}, None
+    groups = list(qc.get("config_groups", {}).values())
+    if len(groups) != 1:
+        raise RuntimeRefusal(f"quantization_config.config_groups: expected one group, found {len(groups)}")
+    return groups[0]["weights"], groups[0].get("input_activations")
+
+
 def _export_layout(d: Path, qc: dict) -> tuple[Layout, QuantScheme]:
     from ..checkpoint.layout import EXPORT_INFO_FILE
 
@@ -356,20 +364,27 @@ def _export_layout(d: Path, qc: dict) -> tuple[Layout, QuantScheme]:
     if not info_path.is_file():
         raise FileNotFoundError(f"{info_path}: missing (the emulator reads the trained scheme from it)")
     scheme = QuantScheme.from_dict(json.loads(info_path.read_text())["scheme"])
+    if (qc.get("quant_method") == CheckpointFormat.FP8.value) != (
+        scheme.checkpoint_format is CheckpointFormat.FP8
+    ):
+        raise RuntimeRefusal(
+            f"{d}: config.json's quant_method {qc.get('quant_method')!r} is not the scheme's format"
+        )
     _, act = _config_args(qc)
     runtime_act = act is not None and act.get("dynamic") is True and act.get("strategy") == "token"
     return layout_of(scheme, w4a8_activation="runtime" if runtime_act else "trained"), scheme
 
 
-_STATIC_INPUT = (Layout.FP8_STATIC_TENSOR, Layout.FP8_STATIC_CHANNEL, Layout.INT8_STATIC)
+_FP8_STATIC = (Layout.FP8_STATIC_TENSOR, Layout.FP8_STATIC_CHANNEL, Layout.FP8_NATIVE_STATIC)
+_STATIC_INPUT = (*_FP8_STATIC, Layout.INT8_STATIC)
 
 
 def _activation(layout: Layout, s: Stored, per_token: bool):
     """The runtime's activation quantization of one linear (None: weight-only)."""
-    if layout in (Layout.FP8_STATIC_TENSOR, Layout.FP8_STATIC_CHANNEL):
+    if layout in _FP8_STATIC:
         scale = s.input_scale.float().reshape(())
         return lambda x: fp8_static(x, scale)
-    if layout is Layout.FP8_DYNAMIC_TENSOR:
+    if layout in (Layout.FP8_DYNAMIC_TENSOR, Layout.FP8_NATIVE_DYNAMIC):
         return fp8_per_token if per_token else fp8_per_tensor_dynamic
     if layout in (Layout.FP8_DYNAMIC_TOKEN, Layout.W4A8):
         return fp8_per_token
@@ -405,6 +420,8 @@ def emulate_export(
     fp4 = scheme.weight is not None and scheme.weight.qtype in FP4_FORMATS
     moe = any(k in cfg for k in ("num_experts", "num_local_experts"))
     refusal = load_refusal(target, layout, moe=moe, capability=capability)
+    model_dtype = getattr(torch, str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"))
+    refusal = refusal or dtype_refusal(target, layout, model_dtype)
     if refusal is not None:  # before anything is loaded
         raise RuntimeRefusal(
             f"{TARGETS[target]} cannot load {d} ({layout.value}): {refusal.what} [{refusal.source}]"
@@ -459,6 +476,8 @@ def emulate_export(
     for t, fact in transforms(target, layout):
         if t is Transform.WEIGHT_SCALE_MAX:
             n = _apply_weight_scale_max(stored, groups)
+        elif t is Transform.EXPERT_WEIGHT_SCALE_MAX:
+            n = _apply_weight_scale_max(stored, [g for g in groups if g.members[0] in experts])
         elif t is Transform.INPUT_SCALE_MAX:
             n = _apply_input_scale(stored, groups, {GroupKind.QKV, GroupKind.GATE_UP}, "max")
         elif t is Transform.INPUT_SCALE_LAST:

@@ -13,96 +13,17 @@ dispatch on; the facts are tables keyed by layout, so adding a runtime version i
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
-from ..quant.spec import Granularity, QuantScheme
-
-
-@dataclass(frozen=True)
-class Runtime:
-    name: str
-    version: str
-
-    def __str__(self) -> str:
-        return f"{self.name} {self.version}"
-
-
-VLLM = Runtime("vllm", "0.33.0")
-SGLANG = Runtime("sglang", "0.5.23")
-TARGETS: dict[str, Runtime] = {"vllm": VLLM, "sglang": SGLANG}
-TARGET_NAMES = (*TARGETS, "none")
-
-
-class Layout(enum.Enum):
-    """The export layouts the runtimes tell apart (`qatlib.export_format.compressed_tensors_format`)."""
-
-    FP8_STATIC_TENSOR = "fp8 weight per-tensor + static per-tensor input"
-    FP8_STATIC_CHANNEL = "fp8 weight per-channel + static per-tensor input"
-    FP8_DYNAMIC_TENSOR = "fp8 weight + dynamic per-tensor input"
-    FP8_DYNAMIC_TOKEN = "fp8 weight + dynamic per-token input"
-    FP8_WEIGHT_ONLY = "fp8 weight only"
-    W4A8 = "int4 weight + fp8 per-token dynamic input (W4A8-FP8)"
-    W4A8_STATIC = "int4 weight + static fp8 input (w4a8_activation: trained)"
-    WNA16 = "int4/int8 weight only, symmetric"
-    WNA16_ASYM = "int4/int8 weight only, asymmetric"
-    WNA16_ODD_BITS = "int2/3/5/6/7 weight only"
-    INT8_DYNAMIC = "int8 weight + int8 dynamic per-token input"
-    INT8_STATIC = "int8 weight + static per-tensor int8 input"
-    NVFP4 = "nvfp4 weight + dynamic nvfp4 input (W4A4, static input global scale)"
-    NVFP4_A16 = "nvfp4 weight only (W4A16)"
-    MXFP4 = "mxfp4 weight + dynamic mxfp4 input (W4A4)"
-    MXFP4_A16 = "mxfp4 weight only (W4A16)"
-    OTHER = "other"
-
-
-def layout_of(scheme: QuantScheme, *, w4a8_activation: str = "runtime") -> Layout:
-    """The export layout of ``scheme`` (what `compressed_tensors_format` writes for it)."""
-    w, a = scheme.weight, scheme.input
-    if w is None:
-        return Layout.OTHER
-    if w.is_fp4:  # quant.spec allows FP4 weights with the same FP4 input format or none
-        if w.has_global_scale:
-            return Layout.NVFP4 if a is not None else Layout.NVFP4_A16
-        return Layout.MXFP4 if a is not None else Layout.MXFP4_A16
-    if w.is_fp8:
-        if a is None:
-            return Layout.FP8_WEIGHT_ONLY
-        if not a.is_fp8:
-            return Layout.OTHER
-        if a.dynamic:
-            return (
-                Layout.FP8_DYNAMIC_TOKEN if a.granularity is Granularity.TOKEN else Layout.FP8_DYNAMIC_TENSOR
-            )
-        return Layout.FP8_STATIC_CHANNEL if w.granularity is Granularity.CHANNEL else Layout.FP8_STATIC_TENSOR
-    if a is None:
-        if w.bits not in (4, 8):
-            return Layout.WNA16_ODD_BITS
-        return Layout.WNA16 if w.symmetric else Layout.WNA16_ASYM
-    if a.is_fp8:
-        runtime_act = w4a8_activation == "runtime" or (a.granularity is Granularity.TOKEN and a.dynamic)
-        return Layout.W4A8 if runtime_act else Layout.W4A8_STATIC
-    return Layout.INT8_DYNAMIC if a.dynamic else Layout.INT8_STATIC
-
-
-@dataclass(frozen=True)
-class Fact:
-    """One runtime behaviour: ``what`` it does, ``source`` the release file:line it is read from,
-    ``checked_by`` the runtime function `qatlib.runtime.check` runs to check it (with the oracle
-    path), or ``"read only: <why>"``."""
-
-    what: str
-    source: str
-    checked_by: str = ""
-
-    @property
-    def read_only(self) -> bool:
-        return self.checked_by.startswith("read only")
-
-
-# why the facts of a kind remain a reading
-_NO_SGLANG = "read only: no SGLang oracle (SGLang 0.5.23 is not installed by requirements/runtime-oracle.txt)"
-_GPU_SELECT = "read only: decided by which GPU kernels / backends exist (capability, compiled ops); the CPU oracle cannot see it"
-
+from .layouts import _GPU_SELECT as _GPU_SELECT
+from .layouts import _NO_SGLANG as _NO_SGLANG
+from .layouts import SGLANG as SGLANG
+from .layouts import TARGET_NAMES as TARGET_NAMES
+from .layouts import TARGETS as TARGETS
+from .layouts import VLLM as VLLM
+from .layouts import Fact as Fact
+from .layouts import Layout as Layout
+from .layouts import Runtime as Runtime
+from .layouts import layout_of as layout_of
 
 # --------------------------------------------------------------------------- load refusals
 # (target, layout, moe) -> why the runtime refuses it at load. moe None: dense and MoE alike.
@@ -271,7 +192,11 @@ EXPERT_W13_INPUT_SCALES = Fact(
 def expert_input_scale_refusal(target: str, layout: Layout, pairs) -> Fact | None:
     """Why ``target`` refuses a MoE export whose experts' ``(name, gate input scale, up input
     scale)`` ``pairs`` differ (None: it loads them)."""
-    if target != "vllm" or layout not in (Layout.FP8_STATIC_TENSOR, Layout.FP8_STATIC_CHANNEL):
+    if target != "vllm" or layout not in (
+        Layout.FP8_STATIC_TENSOR,
+        Layout.FP8_STATIC_CHANNEL,
+        Layout.FP8_NATIVE_STATIC,
+    ):
         return None
     apart = [n for n, g, u in pairs if abs(float(g) - float(u)) > EXPERT_W13_INPUT_TOLERANCE]
     if not apart:
@@ -281,11 +206,39 @@ def expert_input_scale_refusal(target: str, layout: Layout, pairs) -> Fact | Non
     return Fact(f"{fact.what}; apart in {', '.join(apart[:3])}{more}", fact.source, fact.checked_by)
 
 
+NATIVE_FP8_DTYPES = {  # the fp8 format's Fp8Config.get_supported_act_dtypes (compressed-tensors': float32 too)
+    "vllm": Fact(
+        "quant_method fp8 (Fp8Config) serves bfloat16 / float16 models only: ValueError '<dtype> is not supported "
+        "for quantization method fp8' while the config is built",
+        "fp8.py:141-143, config/vllm.py:937-943",
+        checked_by="VllmConfig (quant_config.get_supported_act_dtypes); oracle refuses_fp8_native_fp32",
+    ),
+    "sglang": Fact(
+        "quant_method fp8 (Fp8Config) serves bfloat16 / float16 models only",
+        "fp8.py:326-327",
+        checked_by=_NO_SGLANG,
+    ),
+}
+
+
+def dtype_refusal(target: str, layout: Layout, dtype) -> Fact | None:
+    """Why ``target`` refuses an export of ``layout`` for a model of ``dtype`` (None: it loads)."""
+    half = str(dtype).removeprefix("torch.") in ("bfloat16", "float16")
+    return (
+        None
+        if half or target not in NATIVE_FP8_DTYPES or layout not in _NATIVE
+        else NATIVE_FP8_DTYPES[target]
+    )
+
+
 # --------------------------------------------------------------------------- load-time transformations
 class Transform(enum.Enum):
     """What a runtime does to the checkpoint's scales at load / run time."""
 
     WEIGHT_SCALE_MAX = "fused shards' per-tensor weight scales -> their max; shards requantized to it"
+    EXPERT_WEIGHT_SCALE_MAX = (
+        "each expert's gate / up (w1 / w3) weight scales -> their max; requantized to it"
+    )
     INPUT_SCALE_MAX = "fused shards' static input scales -> their max"
     INPUT_SCALE_LAST = "fused shards' static input scale -> the last-loaded shard's"
     EXPERT_INPUT_SCALE_MAX = "every expert's static input scale of one MoE layer -> the max over experts"
@@ -309,6 +262,7 @@ class Transform(enum.Enum):
 
 
 _FP8_STATIC = (Layout.FP8_STATIC_TENSOR, Layout.FP8_STATIC_CHANNEL)
+_NATIVE = (Layout.FP8_NATIVE_STATIC, Layout.FP8_NATIVE_DYNAMIC)  # quant_method: fp8 (their Fp8Config)
 # (target, transform) -> (layouts it applies to, moe: None both / True MoE layers / False dense, fact)
 _TRANSFORMS: list[tuple[str, Transform, tuple[Layout, ...], Fact]] = [
     (
@@ -423,6 +377,78 @@ _TRANSFORMS: list[tuple[str, Transform, tuple[Layout, ...], Fact]] = [
             checked_by=_GPU_SELECT,
         ),
     ),
+    # the runtimes' own fp8 format (quant_method: fp8): layers/quantization/fp8.py of each (their Fp8Config)
+    (
+        "vllm",
+        Transform.WEIGHT_SCALE_MAX,
+        _NATIVE,
+        Fact(
+            "Fp8LinearMethod: process_fp8_weight_tensor_strategy over q/k/v, gate/up; Fp8MoEMethod: "
+            "process_fp8_weight_tensor_strategy_moe over each expert's w1/w3",
+            "fp8.py:383-409,751-761, fp8_utils.py:1454-1476,1537-1567",
+            checked_by="Fp8LinearMethod / Fp8MoEMethod.process_weights_after_loading; oracle fp8_native_dense, "
+            "fp8_native_moe",
+        ),
+    ),
+    (
+        "vllm",
+        Transform.INPUT_SCALE_MAX,
+        (Layout.FP8_NATIVE_STATIC,),
+        Fact(
+            "input_scale.max() over shards",
+            "fp8.py:403-405",
+            checked_by="Fp8LinearMethod.process_weights_after_loading; oracle fp8_native_dense",
+        ),
+    ),
+    (
+        "vllm",
+        Transform.EXPERT_INPUT_SCALE_MAX,
+        (Layout.FP8_NATIVE_STATIC,),
+        Fact(
+            "w13/w2 input scales: max over all experts",
+            "fp8.py:740-750, fp8_utils.py:1570-1585",
+            checked_by="Fp8MoEMethod.process_weights_after_loading (process_fp8_input_tensor_strategy_moe); "
+            "oracle fp8_native_moe",
+        ),
+    ),
+    (
+        "vllm",
+        Transform.DYNAMIC_PER_TOKEN,
+        (Layout.FP8_NATIVE_DYNAMIC,),
+        Fact(
+            "dense layers quantize a dynamic input per token where CUTLASS fp8 runs (cutlass_fp8_supported: CUDA "
+            "SM89+), per tensor elsewhere; fused-MoE experts per tensor (kFp8DynamicTensorSym)",
+            "fp8.py:273-280,509-519, utils/w8a8_utils.py:11-18",
+            checked_by=_GPU_SELECT,
+        ),
+    ),
+    (
+        "sglang",
+        Transform.INPUT_SCALE_MAX,
+        (Layout.FP8_NATIVE_STATIC,),
+        Fact(
+            "input_scale.max() over shards; the weight scales go channelwise (convert_to_channelwise: each shard "
+            "keeps its own, no requantization) and a dynamic input stays per tensor on the CUTLASS path",
+            "fp8.py:1205-1216,1259-1272",
+            checked_by=_NO_SGLANG,
+        ),
+    ),
+    (
+        "sglang",
+        Transform.EXPERT_INPUT_SCALE_MAX,
+        (Layout.FP8_NATIVE_STATIC,),
+        Fact("w13/w2 input scales: max over the experts", "fp8.py:2651-2670", checked_by=_NO_SGLANG),
+    ),
+    (
+        "sglang",
+        Transform.EXPERT_WEIGHT_SCALE_MAX,
+        _NATIVE,
+        Fact(
+            "each expert's w13 shards requantized to their max scale",
+            "fp8.py:2704-2723",
+            checked_by=_NO_SGLANG,
+        ),
+    ),
     (
         "sglang",
         Transform.FP4_GLOBAL_SCALE_MAX,
@@ -502,7 +528,15 @@ _TRANSFORMS: list[tuple[str, Transform, tuple[Layout, ...], Fact]] = [
 
 # Transforms that only touch dense (non-expert) layers / only MoE experts.
 DENSE_ONLY = frozenset({Transform.DYNAMIC_PER_TOKEN, Transform.INPUT_SCALE_LAST})
-EXPERTS_ONLY = frozenset({Transform.EXPERT_INPUT_SCALE_MAX, Transform.EXPERT_W13_GLOBAL_SCALE})
+EXPERTS_ONLY = frozenset(
+    {Transform.EXPERT_INPUT_SCALE_MAX, Transform.EXPERT_W13_GLOBAL_SCALE, Transform.EXPERT_WEIGHT_SCALE_MAX}
+)
+
+
+def transform_key(target: str, t: Transform, layout: Layout) -> str:
+    """The facts-table key of ``target``'s ``t`` for ``layout``: ``<target>:<name>``, the fp8
+    format's own rows suffixed ``_FP8_FORMAT`` (both formats have a WEIGHT_SCALE_MAX)."""
+    return f"{target}:{t.name}" + ("_FP8_FORMAT" if layout in _NATIVE else "")
 
 
 def transforms(target: str, layout: Layout) -> list[tuple[Transform, Fact]]:
@@ -554,9 +588,11 @@ def all_facts():
     for (target, layout), (_, fact) in _CAPABILITY.items():
         yield f"{target}:CAPABILITY_{layout.name}", fact
     yield "vllm:W4A8_KERNEL_LIMITS", W4A8_KERNEL
+    for target, fact in NATIVE_FP8_DTYPES.items():
+        yield f"{target}:FP8_NATIVE_DTYPES", fact
     yield "vllm:EXPERT_W13_INPUT_SCALES_EQUAL", EXPERT_W13_INPUT_SCALES
-    for target, t, _, fact in _TRANSFORMS:
-        yield f"{target}:{t.name}", fact
+    for target, t, layouts, fact in _TRANSFORMS:
+        yield transform_key(target, t, layouts[0]), fact
     yield "vllm:KV_SCALES", KV_SCALES
     yield "vllm:KV_QUERY_FA3", KV_QUERY_FA3
     yield "vllm:KV_PER_HEAD", KV_PER_HEAD

@@ -42,7 +42,8 @@ SUBSTITUTIONS: tuple[tuple[str, str, str], ...] = (
         "(x * (1/scale), clamp to +-448, cast to E4M3)",
     ),
     (
-        "fused-MoE backend selection (select_fp8_moe_backend, select_nvfp4_moe_backend)",
+        "fused-MoE backend selection (select_fp8_moe_backend of compressed-tensors' and of the fp8 format's "
+        "Fp8MoEMethod, select_nvfp4_moe_backend)",
         "fp8: Fp8MoeBackend.TRITON; NVFP4: NvFp4MoeBackend.EMULATION",
         "the CPU has no fused-MoE backend; these need no load-time layout change (their input-scale "
         "handling is backend-specific and not compared for NVFP4 experts)",
@@ -170,6 +171,7 @@ def _substitutions(stack: contextlib.ExitStack, *, w4a8: bool, int8: bool, batch
     from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
     from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
     from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import NvFp4MoeBackend
+    from vllm.model_executor.layers.quantization import fp8 as native_fp8
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
         compressed_tensors_moe_w4a4_nvfp4 as moe_nvfp4,
     )
@@ -179,7 +181,8 @@ def _substitutions(stack: contextlib.ExitStack, *, w4a8: bool, int8: bool, batch
 
     stack.enter_context(_patched(ops, "scaled_fp8_quant", _scaled_fp8_quant_native))
     triton = (Fp8MoeBackend.TRITON, TritonExperts)
-    stack.enter_context(_patched(moe_fp8, "select_fp8_moe_backend", lambda *a, **k: triton))
+    for module in (moe_fp8, native_fp8):  # compressed-tensors' and the fp8 format's (Fp8MoEMethod) MoE
+        stack.enter_context(_patched(module, "select_fp8_moe_backend", lambda *a, **k: triton))
     emulation = (NvFp4MoeBackend.EMULATION, Nvfp4QuantizationEmulationTritonExperts)
     stack.enter_context(_patched(moe_nvfp4, "select_nvfp4_moe_backend", lambda *a, **k: emulation))
     stack.enter_context(_patched(torch.accelerator, "empty_cache", lambda: None))
@@ -355,13 +358,17 @@ def vllm_linear(vmodel, name: str) -> VllmLinear:
             inv = getattr(layer, f"{which}_weight_scale_2")[expert]
             full = dequantize_to_dtype(w, s, inv, torch.float32, 16, swizzle=False)
             return VllmLinear(full[rows], inv, None, layer, rows, expert)
-        # fp8 (CompressedTensorsW8A8Fp8MoEMethod, Triton layout)
+        # fp8 (CompressedTensorsW8A8Fp8MoEMethod / Fp8MoEMethod, Triton layout)
         return VllmLinear(
             w[rows].float() * s, s, getattr(layer, f"{which}_input_scale", None), layer, rows, expert
         )
     rows = _rows(layer, shard)
-    scheme = type(layer.scheme).__name__
-    if scheme == "CompressedTensorsW8A8Fp8":  # weight [K, N] after processing, scalar scales
+    # compressed-tensors' scheme, or the fp8 format's quant method (quant_method: fp8)
+    scheme = type(getattr(layer, "scheme", layer.quant_method)).__name__
+    if scheme in (
+        "CompressedTensorsW8A8Fp8",
+        "Fp8LinearMethod",
+    ):  # weight [K, N] after processing, scalar scales
         s = layer.weight_scale
         return VllmLinear(
             layer.weight.t()[rows].float() * s, s, getattr(layer, "input_scale", None), layer, rows

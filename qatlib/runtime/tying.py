@@ -36,7 +36,7 @@ from ..quant.linear import QuantLinear, prepared_scheme
 from ..quant.quantizer import Quantizer
 from ..quant.spec import Granularity, QuantScheme, QuantSpec
 from ..quant.tying import TIED_KINDS, tie
-from .facts import DENSE_ONLY, TARGETS, Layout, Transform, layout_of, transforms
+from .facts import DENSE_ONLY, EXPERTS_ONLY, TARGETS, Layout, Transform, layout_of, transforms
 from .fusion import GroupKind, fused_groups
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ _TIES: dict[Transform, tuple[tuple[GroupKind, ...], str]] = {
     Transform.INPUT_SCALE_MAX: (_PAIRS, "input_quantizer"),
     Transform.INPUT_SCALE_LAST: (_PAIRS, "input_quantizer"),  # equal scales: "last shard wins" is moot
     Transform.EXPERT_INPUT_SCALE_MAX: (_EXPERTS, "input_quantizer"),
+    Transform.EXPERT_WEIGHT_SCALE_MAX: ((GroupKind.GATE_UP,), "weight_quantizer"),  # experts' only
 }
 # NVFP4: the runtime collapses the shards' global scales (not their group scales) to one
 _GLOBAL_TIES: dict[Transform, tuple[tuple[GroupKind, ...], tuple[str, ...]]] = {
@@ -90,13 +91,17 @@ def tie_plan(model: nn.Module, target: str, layout: Layout) -> list[TiedGroup]:
     members all have a tieable scale; nothing for ``none``)."""
     if target not in TARGETS:
         return []
-    wanted = [_TIES[t] for t, _ in transforms(target, layout) if t in _TIES]
+    wanted = [(*_TIES[t], t in EXPERTS_ONLY) for t, _ in transforms(target, layout) if t in _TIES]
     mods = dict(model.named_modules())
+    groups = fused_groups(model)
+    experts = {m for g in groups if g.kind is GroupKind.MOE_LAYER for m in g.members}
     out: list[TiedGroup] = []
     seen: set[tuple[str, str, GroupKind]] = set()
-    for g in fused_groups(model):
-        for kinds, attr in wanted:
+    for g in groups:
+        for kinds, attr, experts_only in wanted:
             if g.kind not in kinds or (g.parent, attr, g.kind) in seen:
+                continue
+            if experts_only and g.members[0] not in experts:
                 continue
             qs = [_quantizer_of(mods, m, attr) for m in g.members]
             if len(qs) > 1 and all(_tieable(q) for q in qs):
@@ -193,9 +198,11 @@ def tie_for(target: str) -> TieFor | None:
     return TieFor(target)
 
 
-def untied_groups(model: nn.Module, target: str) -> list[TiedGroup]:
-    """The groups ``target`` merges whose members do NOT share one Parameter (empty: fully tied)."""
-    scheme = prepared_scheme(model)
+def untied_groups(model: nn.Module, target: str, scheme: QuantScheme | None = None) -> list[TiedGroup]:
+    """The groups ``target`` merges whose members do NOT share one Parameter (empty: fully tied).
+    ``scheme``: the experiment's (its checkpoint format decides the layout); default the one the
+    model was prepared with (`prepared_scheme`: compressed-tensors)."""
+    scheme = scheme or prepared_scheme(model)
     if scheme is None:
         return []
     mods = dict(model.named_modules())

@@ -172,7 +172,7 @@ def token_relative_error(out: torch.Tensor, target: torch.Tensor) -> torch.Tenso
     position holds 84-99% of the squared norm of the outputs of blocks 11-27 (measured), so MSE
     there mostly fits the attention-sink token. On that model's int4 g64 benchmark it lifts
     blockwise recovery from 0.850 (MSE) to 0.905 at weight lr 1e-3, level at 1e-4
-    (benchmarks/README.md). Not the default: upstream's YAML files mean upstream's MSE."""
+    (benchmarks/README.md at 2faaa77). Not the default: upstream's YAML files mean upstream's MSE."""
     o, y = out.float(), target.float()
     err = (o - y).pow(2).sum(-1)
     ref = y.pow(2).sum(-1).clamp_min(torch.finfo(torch.float32).tiny)
@@ -210,6 +210,7 @@ class BlockwiseTrainer:
         seed: int = 0,
         scale_update: str = "additive",
         e8m0_scale_lr: float | None = None,
+        subgroup_lr: float | None = None,
     ) -> None:
         if scale_update not in SCALE_UPDATES:
             raise ValueError(f"scale_update must be one of {SCALE_UPDATES}; got {scale_update!r}")
@@ -219,6 +220,7 @@ class BlockwiseTrainer:
             )
         self.scale_update = scale_update
         self.e8m0_scale_lr = e8m0_scale_lr
+        self.subgroup_lr = subgroup_lr  # FOCUS's sub-group logits (None: quant_lr)
         self.model = model
         self.settings = settings
         self.learnable = learnable or Learnable()
@@ -239,7 +241,7 @@ class BlockwiseTrainer:
         if s.weight_lr <= 0:
             tp.norm = []
         if s.quant_lr <= 0:
-            tp.scale, tp.lwc = [], []
+            tp.scale, tp.lwc, tp.subgroup = [], [], []
         freeze_all_but(block, tp)
         # scales / LWC (log space: lr relative; E8M0 scales at their own lr): params.quantizer_groups
         groups = quantizer_groups(
@@ -251,6 +253,11 @@ class BlockwiseTrainer:
             weight_decay=s.wd,
             names=("quant", "quant_additive"),
         )
+        if tp.subgroup:  # additive (logits), at upstream's quant_max_scale_lr
+            lr = s.quant_lr if self.subgroup_lr is None else self.subgroup_lr
+            groups.append(
+                {"params": [p for _, p in tp.subgroup], "lr": lr, "weight_decay": s.wd, "name": "subgroup"}
+            )
         if tp.weight or tp.norm:
             groups.append(
                 {"params": [p for _, p in tp.weight + tp.norm], "lr": s.weight_lr, "name": "weight"}
@@ -380,8 +387,9 @@ def train_blockwise(
         calibrate_activations=not scales_loaded,
         log_file=log_file or None,
         seed=cfg.global_.seed,
-        scale_update=cfg.qat.plugin_config.quant_config.scale_update,
+        scale_update=cfg.scale_update,
         e8m0_scale_lr=cfg.qat.plugin_config.quant_config.e8m0_scale_lr,
+        subgroup_lr=cfg.qat.plugin_config.quant_config.learnable.quant_max_scale_lr,
     )
     torch.manual_seed(cfg.global_.seed)
     return trainer.train(samples)

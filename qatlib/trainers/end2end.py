@@ -135,7 +135,8 @@ class QATTrainer(Trainer):
     (`Learnable`, default weight scales only) or an explicit ``trainable`` selection, ``lwc_lr``,
     ``norm_lr``, ``weight_lr``, ``scale_update`` (``"additive"``, or ``"log"``:
     `qatlib.trainers.log_scale`), ``e8m0_scale_lr`` (MXFP4's E8M0 scales; None:
-    `qatlib.trainers.log_scale.e8m0_lr` of ``learning_rate``), ``teacher`` (a separate teacher model; None = the model itself with quantization
+    `qatlib.trainers.log_scale.e8m0_lr` of ``learning_rate``), ``subgroup_lr`` (FOCUS's sub-group
+    scale logits; None: ``learning_rate``), ``teacher`` (a separate teacher model; None = the model itself with quantization
     disabled), ``log_file`` (default ``<output_dir>/train_log.jsonl``; False = none),
     ``vocab_block_bytes`` (under ZeRO-3, an embedding / head above this many bytes is computed from
     the partitions a block of rows this large at a time, never gathered whole:
@@ -155,6 +156,7 @@ class QATTrainer(Trainer):
         weight_lr: float | None = None,
         scale_update: str = "additive",
         e8m0_scale_lr: float | None = None,
+        subgroup_lr: float | None = None,
         teacher: nn.Module | None = None,
         log_file: str | os.PathLike | bool | None = None,
         vocab_block_bytes: int | None = PARTITION_BYTES,
@@ -178,6 +180,7 @@ class QATTrainer(Trainer):
         self.weight_lr = weight_lr
         self.scale_update = scale_update
         self.e8m0_scale_lr = e8m0_scale_lr
+        self.subgroup_lr = subgroup_lr
         self.teacher = teacher
         if teacher is not None:
             _check_teacher_vocab(teacher, model)
@@ -230,6 +233,7 @@ class QATTrainer(Trainer):
                 weight_decay=self.args.weight_decay,
                 scale_update=self.scale_update,
                 e8m0_scale_lr=self.e8m0_scale_lr,
+                subgroup_lr=self.subgroup_lr,
             )
             if not groups:
                 raise ValueError("QAT optimizer has no trainable parameters")
@@ -508,8 +512,9 @@ def train_end2end(
         loss_config=loss_cfg,
         **pick,
         lwc_lr=qc.lwc.lwc_lr if qc.lwc.enable_lwc else None,
-        scale_update=qc.scale_update,
+        scale_update=cfg.scale_update,
         e8m0_scale_lr=qc.e8m0_scale_lr,
+        subgroup_lr=qc.learnable.quant_max_scale_lr,
         teacher=teacher,
         train_dataset=train_dataset,
         data_collator=collator,

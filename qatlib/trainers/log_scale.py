@@ -21,7 +21,7 @@ rounds a master to the nearest power of two, so in log space its rounding bucket
 a master starts on a power of two (the bucket's centre): it must move ln(2)/2 = 0.35 before the
 forward changes at all. At the relative 1e-2 that suits fp32 / E4M3 scales, Adam moves it at most
 ~0.2 in a 30-step cosine schedule, so QAT left every MXFP4 scale where RTN put it (SmolLM2 W4A16:
-recovery 0.000); at 5 x that rate it recovers 0.526 +- 0.032 (benchmarks/README.md, FP4 rows).
+recovery 0.000); at 5 x that rate it recovers 0.526 +- 0.032 (benchmarks/README.md at 2faaa77, FP4 rows).
 
 No library does this: torch / DeepSpeed optimizers have no per-element relative rate, and a
 reparametrised Parameter (``torch.nn.utils.parametrize``) would change the checkpoint keys.

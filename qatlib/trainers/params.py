@@ -7,7 +7,9 @@ carry a role (``"scale"`` for scales / zero points, ``"lwc"`` for clip factors, 
 
 ============  ===========================================================================
 act_scale     ``input_quantizer`` scale / zero point of every QuantLinear
-weight_scale  ``weight_quantizer`` scale / zero point (none for LWC quantizers: derived)
+weight_scale  ``weight_quantizer`` scale / zero point (none for LWC quantizers: derived), and
+              FOCUS's sub-group scale logits (``subgroup_logit``, role ``"subgroup"``: upstream's
+              ``quant_max_scale``, which its ``weight_scale`` switch trains)
 kv_scale      ``output_quantizer`` scale / zero point of the attention k/v projections
 norm          weight (and bias) of every norm module
 lwc           ``weight_quantizer`` clip factors (``clip_factor_w_max/min``)
@@ -15,7 +17,8 @@ lwc           ``weight_quantizer`` clip factors (``clip_factor_w_max/min``)
 
 Everything else is frozen (``requires_grad=False``). q-projection output scales (``q`` in the
 scheme) belong to no switch and stay frozen. Groups: scales at ``learning_rate`` (E8M0 scales at
-`qatlib.trainers.log_scale.e8m0_lr` of it), LWC at ``lwc_lr``, norms at ``norm_lr`` (default
+`qatlib.trainers.log_scale.e8m0_lr` of it), sub-group logits additive at ``subgroup_lr`` (upstream's
+``learnable.quant_max_scale_lr``), LWC at ``lwc_lr``, norms at ``norm_lr`` (default
 ``learning_rate``) — upstream marked norms trainable but never handed them to its optimizer, so
 ``norm: true`` trained nothing there.
 """
@@ -29,7 +32,7 @@ from torch import nn
 
 from ..quant import quant_linears
 from ..quant.linear import attention_role
-from ..quant.quantizer import PARAM_ROLES, POSITIVE_PARAMS, ROLE_LWC, ROLE_SCALE, Quantizer
+from ..quant.quantizer import PARAM_ROLES, POSITIVE_PARAMS, ROLE_LWC, ROLE_SCALE, ROLE_SUBGROUP, Quantizer
 from ..quant.spec import ScaleFormat
 from .log_scale import LOG_SPACE, SCALE_UPDATES, e8m0_lr
 
@@ -59,12 +62,13 @@ class TrainableParams:
     scales), known from the quantizer's spec when selected; they step at their own lr."""
 
     scale: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    subgroup: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     lwc: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     norm: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     weight: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     e8m0: set[int] = field(default_factory=set)
 
-    GROUPS = ("scale", "lwc", "norm", "weight")
+    GROUPS = ("scale", "subgroup", "lwc", "norm", "weight")
 
     def items(self) -> Iterator[tuple[str, list[tuple[str, nn.Parameter]]]]:
         for g in self.GROUPS:
@@ -141,6 +145,7 @@ def select_trainable(
             name = pre + rel
             if learnable.weight_scale:
                 add_scales(ql.weight_quantizer, f"{name}.weight_quantizer")
+                add("subgroup", _role_params(ql.weight_quantizer, f"{name}.weight_quantizer", ROLE_SUBGROUP))
             if learnable.lwc:
                 add("lwc", _role_params(ql.weight_quantizer, f"{name}.weight_quantizer", ROLE_LWC))
             if learnable.act_scale:
@@ -238,16 +243,17 @@ def param_groups(
     weight_decay: float = 0.0,
     scale_update: str = "additive",
     e8m0_scale_lr: float | None = None,
+    subgroup_lr: float | None = None,
 ) -> list[dict]:
     """AdamW groups (empty groups left out), each named for logs: ``scale`` at ``lr`` (laid out by
     `quantizer_groups`: log space, zero points, E8M0 scales at `log_scale.e8m0_lr`, explicit
-    ``e8m0_scale_lr`` first), ``lwc`` at ``lwc_lr``, ``norm`` at ``norm_lr``, ``weight`` at
-    ``weight_lr`` (defaults: ``lr``).
+    ``e8m0_scale_lr`` first), ``subgroup`` (FOCUS's logits, additive) at ``subgroup_lr``, ``lwc``
+    at ``lwc_lr``, ``norm`` at ``norm_lr``, ``weight`` at ``weight_lr`` (defaults: ``lr``).
 
     With ``scale_update="log"`` the optimizer must go through
     `qatlib.trainers.log_scale.install_log_space_steps`. A bad ``scale_update`` is refused by
     `quantizer_groups` (the scale group is always laid out, also when empty)."""
-    lrs = {"scale": lr, "lwc": lwc_lr, "norm": norm_lr, "weight": weight_lr}
+    lrs = {"scale": lr, "subgroup": subgroup_lr, "lwc": lwc_lr, "norm": norm_lr, "weight": weight_lr}
     groups = []
     for g, ps in trainable.items():
         glr = lr if lrs[g] is None else lrs[g]

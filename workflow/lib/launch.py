@@ -17,7 +17,7 @@ Ranks per node are the GPUs per node on a GPU cluster (``gpus_per_node``; each r
 Every stage's CPU kernels are pinned here too (`pin_cpu_arithmetic`, called once by the Snakefile
 before any job starts; jobs inherit its environment): torch picks its ATen kernels (AVX-512 or
 AVX2), MKL its GEMM code path and oneDNN its ISA from the CPU it runs on, and each choice changes
-the last bits of a matmul. Measured on this repository's CI CPU (README, Reproducibility): 20
+the last bits of a matmul. Measured on this repository's CI CPU (docs/reliability.md, Reproducibility): 20
 pre-training steps give the same bytes twice and with ``ATEN_CPU_CAPABILITY=avx2`` (what torch
 detects there), other bytes with ``default`` or with another ``MKL_CBWR`` branch. Pinning every
 x86 machine to the AVX2 kernels (present on every x86 CPU since 2013) makes the choice the same

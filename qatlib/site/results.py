@@ -1,0 +1,339 @@
+"""The results page (docs/results.md) and the README's results table, from the committed JSON.
+
+Every figure shown is read from a file under ``results/bench/`` (the benchmarks' `write_result`
+JSON, and ``default_experiment.json`` that `qatlib.site.record` copies from the default DAG's
+`metrics.json`); each table says which run made it: date, commit, CPU, settings and the command.
+A figure no JSON backs is not shown. Known benchmarks get a table of their own (`RENDERERS`);
+any other JSON gets its targets (met / not met), which every benchmark writes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GIB = 2**30
+VARIANTS = ("bf16", "ptq", "qat", "export", "deployed")
+LABELS = {"bf16": "BF16", "ptq": "PTQ", "qat": "QAT", "export": "export", "deployed": "deployed"}
+
+
+@dataclass(frozen=True)
+class Result:
+    """One benchmark JSON: its name, file (relative to the repository) and content."""
+
+    name: str
+    path: str
+    doc: Mapping[str, Any]
+
+    @property
+    def machine(self) -> Mapping[str, Any]:
+        return self.doc.get("machine") or {}
+
+    @property
+    def settings(self) -> Mapping[str, Any]:
+        return self.doc.get("settings") or {}
+
+
+def load(bench_dir: Path, repo: Path) -> list[Result]:
+    """Every ``*.json`` of ``bench_dir`` (sorted; ``*.partial.json`` left out)."""
+    out = []
+    for p in sorted(bench_dir.glob("*.json")):
+        if p.name.endswith(".partial.json"):
+            continue
+        doc = json.loads(p.read_text())
+        name = doc.get("benchmark", p.stem) if isinstance(doc, dict) else p.stem
+        out.append(Result(str(name), p.relative_to(repo).as_posix(), doc if isinstance(doc, dict) else {}))
+    return out
+
+
+# --------------------------------------------------------------------------- provenance
+def _date(m: Mapping[str, Any]) -> str:
+    d = str(m.get("date_utc") or "")
+    return d[:10] if d else "date not recorded"
+
+
+def _commit(m: Mapping[str, Any]) -> str:
+    g = m.get("git") or {}
+    c = str(g.get("commit") or "")
+    if not c:
+        return "commit not recorded"
+    return f"`{c[:7]}`" + (" + uncommitted changes" if g.get("dirty") else "")
+
+
+def _cpu(m: Mapping[str, Any]) -> str:
+    parts = []
+    if m.get("cpu_model"):
+        parts.append(str(m["cpu_model"]))
+    n = m.get("cpu_affinity") or m.get("cpu_count")
+    if n:
+        parts.append(f"{n} cores")
+    isa = (m.get("cpu_arithmetic") or {}).get("aten_capability")
+    if isa:
+        parts.append(f"ATen {isa}")
+    if m.get("cuda"):
+        parts.append("CUDA")
+    return ", ".join(parts) or "CPU not recorded"
+
+
+def run_cell(r: Result) -> str:
+    """date, commit, CPU of the run (the README table's column)."""
+    return f"{_date(r.machine)}, {_commit(r.machine)}, {_cpu(r.machine)}"
+
+
+def _command(m: Mapping[str, Any]) -> str | None:
+    argv = m.get("argv")
+    if not argv:
+        return None
+    argv = re.sub(r"^\S*?/benchmarks/(\w+)\.py", r"python -m benchmarks.\1", str(argv))
+    return argv
+
+
+def _settings_text(s: Mapping[str, Any]) -> str:
+    items = [
+        f"{k} {json.dumps(v) if isinstance(v, list | dict) else v}"
+        for k, v in s.items()
+        if v not in (None, [], {})
+    ]
+    return "; ".join(items) or "none recorded"
+
+
+def provenance(r: Result) -> list[str]:
+    m = r.machine
+    lines = [
+        f"Run {_date(m)} (UTC), commit {_commit(m)}, {_cpu(m)}"
+        + (f", torch {m['versions']['torch']}" if (m.get("versions") or {}).get("torch") else "")
+        + (f", load average {m['load_avg_1m']}" if m.get("load_avg_1m") is not None else "")
+        + f". Source: `{r.path}`.",
+        "",
+        f"Settings: {_settings_text(r.settings)}.",
+    ]
+    cmd = _command(m)
+    if cmd:
+        lines += ["", f"Command: `{cmd}`"]
+    return lines
+
+
+def _f(x: Any, digits: int = 3) -> str:
+    return "n/a" if not isinstance(x, int | float) else f"{x:.{digits}f}"
+
+
+def _gib(x: Any) -> str:
+    return "n/a" if not isinstance(x, int | float) else f"{x / GIB:.2f} GiB"
+
+
+# --------------------------------------------------------------------------- the default experiment
+def _ppl_sets(metrics: Mapping[str, Any]) -> list[str]:
+    """The perplexity sets of ``ppl/<set>/<variant>`` keys (a set's name may hold ``/``)."""
+    return sorted({k.removeprefix("ppl/").rsplit("/", 1)[0] for k in metrics if k.startswith("ppl/")})
+
+
+def _task_metrics(metrics: Mapping[str, Any]) -> list[str]:
+    """``tasks/<task>/<metric>`` bases with a bf16 value (stderr / window keys left out)."""
+    return sorted(
+        k.removesuffix("/bf16")
+        for k in metrics
+        if k.startswith("tasks/") and k.endswith("/bf16") and "_stderr" not in k
+    )
+
+
+def default_experiment(r: Result) -> list[str]:
+    met = r.doc.get("metrics") or {}
+    intro = [
+        f"`snakemake` (the default target, `results/{r.settings.get('experiment', '<experiment>')}/report.html`), "
+        "recorded by `python -m qatlib.site record`: perplexity and next-token accuracy on the held-out "
+        "test windows, recovery = the share of PTQ's loss won back.",
+        "",
+    ]
+    cols = [v for v in VARIANTS if any(k.endswith(f"/{v}") for k in met)]
+    lines = intro + [
+        "| score | " + " | ".join(LABELS[v] for v in cols) + " | QAT recovery | deployed recovery |",
+        "|---" * (len(cols) + 3) + "|",
+    ]
+    for base in [f"ppl/{s}" for s in _ppl_sets(met)] + _task_metrics(met):
+        label = (
+            f"perplexity ({base.removeprefix('ppl/')})"
+            if base.startswith("ppl/")
+            else base.removeprefix("tasks/")
+        )
+        cells = [_f(met.get(f"{base}/{v}")) for v in cols]
+        recs = []
+        for v in ("qat", "deployed"):
+            pct = met.get(f"recovery_pct/{v}/{base}")
+            recs.append("n/a" if pct is None else f"{pct:.1f}%")
+        lines.append(f"| {label} | " + " | ".join(cells) + " | " + " | ".join(recs) + " |")
+    walls = r.doc.get("stage_wall_s") or {}
+    if walls:
+        total = sum(walls.values())
+        lines += [
+            "",
+            "Wall time per stage: "
+            + ", ".join(f"{k} {v:.0f} s" for k, v in walls.items())
+            + f"; {total / 60:.1f} min in all (whatever else ran on the machine at the time counts in them).",
+        ]
+    hashes = {k.removeprefix("hash/"): v for k, v in met.items() if k.startswith("hash/")}
+    if hashes:
+        short = {k: str(v).split(":", 1)[-1][:12] for k, v in hashes.items()}
+        lines += [
+            "",
+            "Content hashes (sha256, first 12 digits): "
+            + ", ".join(f"{k} `{v}`" for k, v in short.items())
+            + ".",
+        ]
+    return lines
+
+
+def default_experiment_headline(r: Result) -> tuple[str, str]:
+    met = r.doc.get("metrics") or {}
+    s = r.settings
+    sets = _ppl_sets(met)
+    if not sets:
+        return "default experiment", "no perplexity recorded"
+    base = f"ppl/{sets[0]}"
+    vals = [f"{LABELS[v]} {_f(met[f'{base}/{v}'])}" for v in VARIANTS if f"{base}/{v}" in met]
+    rec = met.get(f"recovery_pct/qat/{base}")
+    knobs = ", ".join(
+        f"{k} {s[k]}" for k in ("format", "group_size", "max_steps", "train_tokens_per_sample") if k in s
+    )
+    what = f"Default experiment `{s.get('experiment', '?')}` ({knobs}): test perplexity"
+    return what, ", ".join(vals) + ("" if rec is None else f" (QAT recovers {rec:.1f}% of PTQ's loss)")
+
+
+# --------------------------------------------------------------------------- plan rehearsal
+def plan_rehearsal(r: Result) -> list[str]:
+    stages = r.doc.get("stages") or {}
+    lines = [
+        "| stage | measured peak per rank | plan per rank (rank 0) | measured / plan | within ±25% | "
+        "#36 bound | wall |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, st in stages.items():
+        if not isinstance(st, dict) or "peak_rss_per_rank" not in st:
+            continue
+        pred = st.get("predicted") or {}
+        ratio = ", ".join(_f(x, 2) for x in st.get("measured_over_predicted") or [])
+        bound = (
+            "-"
+            if "bound" not in st
+            else f"{_gib(st['bound'])} ({'met' if st.get('meets_bound') else 'not met'})"
+        )
+        lines.append(
+            f"| {name} | {', '.join(_gib(x) for x in st['peak_rss_per_rank'])} | "
+            f"{_gib(pred.get('per_rank'))} ({_gib(pred.get('rank0'))}) | {ratio} | "
+            f"{'yes' if st.get('within_25pct') else 'no'} | {bound} | {_f(st.get('wall_s'), 0)} s |"
+        )
+    if isinstance(stages.get("model_bytes"), int | float):
+        lines += ["", f"Model weights M = {_gib(stages['model_bytes'])} (bf16)."]
+    return lines
+
+
+def plan_rehearsal_headline(r: Result) -> tuple[str, str]:
+    stages = {
+        k: v for k, v in (r.doc.get("stages") or {}).items() if isinstance(v, dict) and "within_25pct" in v
+    }
+    s = r.settings
+    what = (
+        f"Memory plan vs measured peak per rank (`{s.get('experiment', '?')}`, {s.get('layers', '?')} layers, "
+        f"{s.get('ranks', '?')} CPU ranks)"
+    )
+    ratios = "; ".join(
+        f"{k} {', '.join(_f(x, 2) for x in v['measured_over_predicted'])}" for k, v in stages.items()
+    )
+    ok = sum(1 for v in stages.values() if v["within_25pct"])
+    return what, f"measured / plan: {ratios} ({ok} of {len(stages)} stages within ±25%)"
+
+
+# --------------------------------------------------------------------------- quality, default model
+def quality_default(r: Result) -> list[str]:
+    d = r.doc
+    lines = [
+        f"BF16 perplexity {_f(d.get('bf16_ppl'))}, RTN PTQ {_f(d.get('rtn_ppl'))}, on {d.get('eval_windows', '?')} "
+        f"test windows; {d.get('train_tokens', '?')} training tokens per row.",
+        "",
+        "| row | QAT perplexity | recovery of RTN's loss | ± SE | train time |",
+        "|---|---|---|---|---|",
+    ]
+    for row in d.get("rows") or []:
+        lines.append(
+            f"| {row.get('variant')} | {_f(row.get('qat_ppl'))} | {_f(row.get('recovery'))} | "
+            f"{_f(row.get('recovery_se'))} | {_f(row.get('train_s'), 0)} s |"
+        )
+    t = d.get("target")
+    if isinstance(t, dict):
+        by = t.get("beats_plain_by")
+        lines += [
+            "",
+            f"Target: recovery ≥ {t.get('min')}: {'met' if t.get('met') else 'not met'}"
+            + ("" if by is None else f"; qatlib's recipe beats the plain scale-only QAT by {by:.3f}")
+            + ".",
+        ]
+    return lines
+
+
+def quality_default_headline(r: Result) -> tuple[str, str]:
+    rows = {row.get("variant"): row for row in r.doc.get("rows") or []}
+    parts = [f"{v} {_f(x.get('recovery'))} ± {_f(x.get('recovery_se'))}" for v, x in rows.items()]
+    return "Quality at a fixed QAT budget (default model): recovery of RTN's loss", ", ".join(parts)
+
+
+# --------------------------------------------------------------------------- any other benchmark
+def targets(r: Result) -> list[str]:
+    ts = r.doc.get("targets") or []
+    if r.doc.get("error"):
+        return [f"The benchmark failed: `{str(r.doc['error'])[:200]}`."]
+    if not ts:
+        return ["No targets recorded: see the JSON."]
+    lines = ["| target | value | met |", "|---|---|---|"]
+    for t in ts:
+        met = {True: "met", False: "not met", None: "not measurable"}[t.get("met")]
+        v = t.get("value")
+        lines.append(f"| {t.get('target')} | {_f(v) if isinstance(v, float) else v} | {met} |")
+    return lines
+
+
+def targets_headline(r: Result) -> tuple[str, str]:
+    ts = r.doc.get("targets") or []
+    met = sum(1 for t in ts if t.get("met") is True)
+    return f"Benchmark `{r.name}`", f"{met} of {len(ts)} targets met" if ts else "no targets recorded"
+
+
+TITLES = {
+    "default_experiment": "The default experiment",
+    "plan_rehearsal": "Memory plan vs measured (real-width rehearsal)",
+    "quality_default": "Quality at a fixed QAT budget (default model)",
+}
+RENDERERS: dict[str, tuple[Callable[[Result], list[str]], Callable[[Result], tuple[str, str]]]] = {
+    "default_experiment": (default_experiment, default_experiment_headline),
+    "plan_rehearsal": (plan_rehearsal, plan_rehearsal_headline),
+    "quality_default": (quality_default, quality_default_headline),
+}
+ORDER = tuple(RENDERERS)
+
+
+def _sorted(results: list[Result]) -> list[Result]:
+    rank = {n: i for i, n in enumerate(ORDER)}
+    return sorted(results, key=lambda r: (rank.get(r.name, len(rank)), r.name))
+
+
+def render_page(results: list[Result]) -> str:
+    """The body of docs/results.md: one section per JSON."""
+    if not results:
+        return "No result JSON under `results/bench/` yet."
+    lines: list[str] = []
+    for r in _sorted(results):
+        body, _ = RENDERERS.get(r.name, (targets, targets_headline))
+        lines += [f"## {TITLES.get(r.name, f'Benchmark `{r.name}`')}", "", *provenance(r), "", *body(r), ""]
+    return "\n".join(lines).rstrip("\n")
+
+
+def render_readme(results: list[Result]) -> str:
+    """The README's one results table: the headline of each JSON, with its run."""
+    lines = ["| result | figures | run (date, commit, CPU) |", "|---|---|---|"]
+    for r in _sorted(results):
+        _, head = RENDERERS.get(r.name, (targets, targets_headline))
+        what, figures = head(r)
+        lines.append(f"| {what} | {figures} | {run_cell(r)} |")
+    return "\n".join(lines)
