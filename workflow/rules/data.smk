@@ -90,6 +90,38 @@ rule gguf_model:
         " --timing {output.timing} 2>&1 | tee {log}"
 
 
+rule upcycle_model:
+    """A Qwen3-MoE upcycled from a dense base model's pretrained weights (config/base_models.yaml,
+    key `upcycle`): experts from its MLP, the router trained on the corpus, all else frozen.
+    """
+    input:
+        code=code("upcycle_model.py"),
+        source=upcycle_source,
+        train=rules.corpus.output.train,
+        calib=rules.corpus.output.calib,
+        test=rules.corpus.output.test,
+    output:
+        model=directory(f"{RESULTS}/base/{{name}}"),
+        timing=f"{RESULTS}/timings/base_model-{{name}}.json",
+    log:
+        f"{RESULTS}/logs/base_model-{{name}}.log",
+    wildcard_constraints:
+        name=base_model_names("upcycle"),
+    conda:
+        "../envs/qatlib.yaml"
+    threads: config["threads"]
+    resources:
+        mem_mb=mem_mb("base_model"),
+    params:
+        config=base_model_spec,
+        corpus=lambda w, input: os.path.dirname(input.train),
+        progress=progress_flag(),
+    shell:
+        "python {input.code[0]} --name {wildcards.name} --spec-json {params.config:q}"
+        " --source {input.source} --corpus {params.corpus} --save-path {output.model}"
+        " --threads {threads} {params.progress} --timing {output.timing} 2>&1 | tee {log}"
+
+
 rule local_task:
     """A local lm-eval multiple-choice task from the corpus test split (config `local_tasks`)."""
     input:

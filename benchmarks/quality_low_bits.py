@@ -1,0 +1,275 @@
+"""3-bit and 2-bit weight-only on the default model (SmolLM2-135M, #40 build 2): RTN and GPTQ against
+end-to-end QAT and the two-phase recipe at the issue's token budget (100 x 256 tokens), each row
+also as deployed, with its paired standard error and wall time.
+
+Per format (``int3_g64``, ``int2_g64``: symmetric, groups of 64; 128 does not divide SmolLM2's 576):
+
+- ``rtn``: `qatlib.ptq.calibrate`; ``gptq``: `qatlib.gptq.gptq` (16 calibration windows);
+- ``end-to-end``: the default experiment's recipe (`quality_default.RECIPE`: forward KL, RTN's
+  codes held, scales in log space at a relative 1e-3, constant after 3 warmup steps), 100 steps;
+- ``two-phase``: blockwise training of weights and scales (`quality_default.BlockwiseRows`'
+  recipe: token-relative block loss, weight lr 1e-3, scales 1e-2 relative) on ``bw_windows``
+  windows, then end-to-end on its codes held for ``phase2_steps`` steps at 1e-3: with the defaults
+  50 + 50 windows of 256 tokens, the end-to-end row's 100 x 256.
+
+Every row: test perplexity on the same 32 spread windows, recovery ``(RTN - x) / (RTN - BF16)``
+with its paired standard error (`qatlib.report.metrics.recovery`), and the same for the model
+as deployed: the real export (`qatlib.export.export`) loaded as vLLM 0.33 computes it
+(`qatlib.eval.variants.load_deployed`, the runtime emulator), against RTN as deployed. What the
+runtimes do with 2 / 3-bit WNA16 (`qatlib.runtime.facts`, `Layout.WNA16_ODD_BITS`) is recorded in
+``runtimes``: vLLM loads it, SGLang refuses it (Marlin is 4 / 8-bit only).
+
+``python -m benchmarks.quality_low_bits [--formats int3_g64,int2_g64] [--recipe JSON]`` ->
+``results/bench/quality_low_bits.json`` (rewritten after each format).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .common import DEFAULT_OUT, IGNORE, format_scheme, log, machine, target, write_result
+from .lab import DEPLOY_TARGET, opened, recovery_record
+from .lab_inputs import FP4_ROWS
+from .quality_default import RECIPE, BlockwiseRows, DefaultModelSettings, default_base
+
+
+@dataclass
+class LowBitRows:
+    formats: tuple[str, ...] = ("int3_g64", "int2_g64")
+    steps: int = 100  # end-to-end alone: the issue's 100 x 256 tokens
+    bw_windows: int = 50  # two-phase: blockwise on 50 windows, then ...
+    phase2_steps: int = 50  # ... 50 end-to-end steps: 100 x 256 tokens in all
+    phase2_lr: float = 1e-3
+    bw_val_windows: int = 8  # blockwise's validation windows (held apart, not trained on)
+    gptq: bool = True
+    deployed: bool = True
+    eval_windows: int = 32
+    seed: int = 0
+    # the issue's targets (recovery of RTN's loss, as deployed) and "beating GPTQ"
+    targets: tuple[tuple[str, float], ...] = (("int3_g64", 0.85), ("int2_g64", 0.60))
+
+
+def runtimes_of(scheme) -> dict[str, str]:
+    """What each runtime does with the export of ``scheme`` (`qatlib.runtime.facts`)."""
+    from qatlib.runtime.facts import TARGETS, layout_of, load_refusal
+
+    layout = layout_of(scheme)
+    out = {}
+    for name in TARGETS:
+        fact = load_refusal(name, layout, moe=False)
+        out[name] = f"refused: {fact.what} ({fact.source})" if fact else f"loads ({layout.value})"
+    return out
+
+
+def deployed_eval(lab, model, scheme) -> dict[str, Any]:
+    """The evaluation record (per-window NLLs kept) of ``model`` as vLLM deploys it, or
+    ``{"refused": why}``."""
+    from qatlib.eval.variants import load_deployed
+    from qatlib.export import export
+    from qatlib.runtime.emulate import RuntimeRefusal
+
+    d = Path(tempfile.mkdtemp(dir=lab.work))
+    export(model, scheme, d, "real", ignore=list(IGNORE))
+    try:
+        dep, rec = load_deployed(d, DEPLOY_TARGET)
+    except RuntimeRefusal as e:
+        return {"refused": str(e)}
+    out = lab.eval(dep, mc=False)
+    out["applied"] = rec["applied"]
+    return out
+
+
+def one_format(lab, b: LowBitRows, fmt: str, bf16: dict) -> dict[str, Any]:
+    scheme = format_scheme(fmt)
+    rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    rtn_m = lab.rtn(scheme)
+    rtn = lab.eval(rtn_m, mc=False)
+    log(f"low_bits {fmt}: bf16 {bf16['ppl']:.3f} rtn {rtn['ppl']:.3f}")
+    rtn_dep: dict[str, Any] = {}  # RTN as deployed: the deployed rows' PTQ baseline
+
+    def row(name: str, m, train_s: float, q=None, **extra) -> dict:
+        q = q if q is not None else lab.eval(m, mc=False)
+        r: dict[str, Any] = {"variant": name, "ppl": round(q["ppl"], 4), **recovery_record(bf16, rtn, q)}
+        if b.deployed:
+            dep = deployed_eval(lab, m, scheme)
+            if not rtn_dep:
+                rtn_dep.update(dep)
+            if "refused" in dep:
+                r["deployed"] = dep
+            else:
+                dr = recovery_record(bf16, rtn if "refused" in rtn_dep else rtn_dep, dep)
+                r["deployed_ppl"] = round(dep["ppl"], 4)
+                r["deployed_recovery"], r["deployed_recovery_se"] = dr["recovery"], dr["recovery_se"]
+                r["deployed_equals_trained"] = bool(torch.equal(dep["_nll"], q["_nll"]))
+                r["deployed_applied"] = dep["applied"]
+        r.update(train_s=round(train_s, 1), **extra)
+        rows.append(r)
+        log(
+            f"low_bits {fmt}: {name}: ppl {r['ppl']} recovery {r['recovery']} +- {r['recovery_se']}"
+            + (f", deployed {r.get('deployed_ppl')} ({r.get('deployed_recovery')})" if b.deployed else "")
+        )
+        return q
+
+    row("rtn", rtn_m, 0.0, q=rtn)
+    del rtn_m
+    gq = None
+    if b.gptq:
+        t1 = time.perf_counter()
+        gm = lab.gptq(scheme)
+        gq = row("gptq", gm, time.perf_counter() - t1, calib_windows=lab.s.calib_windows)
+        del gm
+    r = RECIPE
+    m, rec = lab.qat(
+        scheme,
+        steps=b.steps,
+        lr=r["lr"],
+        scale_update=r["scale_update"],
+        frozen_codes=r["frozen_codes"],
+        act_scale=False,
+    )
+    row("end-to-end (RTN's codes held, scales)", m, rec["train_s"], steps=b.steps, recipe=r)
+    del m
+    bm, brec = lab.blockwise(scheme)
+    pm, prec = lab.qat(
+        scheme,
+        start=copy.deepcopy(bm),
+        steps=b.phase2_steps,
+        lr=b.phase2_lr,
+        teacher="base",
+        scale_update="log",
+        frozen_codes=True,
+        act_scale=False,
+    )
+    row("blockwise (phase 1 alone)", bm, brec["train_s"], windows=b.bw_windows)
+    row(
+        "two-phase: blockwise, then end-to-end on its codes",
+        pm,
+        brec["train_s"] + prec["train_s"],
+        windows=b.bw_windows,
+        phase2_steps=b.phase2_steps,
+        phase2_lr=b.phase2_lr,
+        blockwise=brec["settings"],
+    )
+    del bm, pm
+    out = {
+        "format": fmt,
+        "scheme": scheme.to_dict(),
+        "runtimes": runtimes_of(scheme),
+        "bf16_ppl": round(bf16["ppl"], 4),
+        "rtn_ppl": round(rtn["ppl"], 4),
+        "gptq_ppl": round(gq["ppl"], 4) if gq else None,
+        "rows": rows,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    return out
+
+
+def targets_of(b: LowBitRows, done: list[dict]) -> list[dict]:
+    tg = []
+    for fmt, floor in b.targets:
+        f = next((d for d in done if d["format"] == fmt), None)
+        if f is None:
+            continue
+        two = next(r for r in f["rows"] if r["variant"].startswith("two-phase"))
+        value = two.get("deployed_recovery", two["recovery"])
+        tg.append(
+            target(
+                f"two-phase recovery of RTN's loss, as deployed [{fmt}]",
+                value,
+                floor,
+                higher_is_better=True,
+                note=f"SE {two.get('deployed_recovery_se', two['recovery_se'])}; as trained {two['recovery']}",
+            )
+        )
+        if f["gptq_ppl"] is not None:
+            ppl = two.get("deployed_ppl") or two["ppl"]
+            tg.append(
+                target(
+                    f"GPTQ perplexity minus two-phase's, as deployed [{fmt}]",
+                    round(f["gptq_ppl"] - ppl, 4),
+                    0.0,
+                    higher_is_better=True,
+                    note=f"GPTQ {f['gptq_ppl']}, two-phase {ppl}",
+                )
+            )
+    return tg
+
+
+def run(b: LowBitRows, *, results: str = "results", out: str | None = None, name: str = "quality_low_bits"):
+    base = default_base(results, DefaultModelSettings.base_model)
+    bw = BlockwiseRows()
+    s = replace(
+        FP4_ROWS,
+        formats=(),
+        eval_windows=b.eval_windows,
+        qat_steps=max(b.steps, b.phase2_steps),
+        warmup_steps=RECIPE["warmup_steps"],
+        lr_scheduler=RECIPE["lr_scheduler_type"],
+        bw_epochs=1,
+        bw_train_size=b.bw_windows,
+        bw_val_size=b.bw_val_windows,
+        bw_weight_lr=bw.weight_lr,
+        bw_quant_lr=bw.quant_lr,
+        bw_loss=bw.loss,
+        base_model_path=str(base),
+        seed=b.seed,
+    )
+    torch.manual_seed(b.seed)
+    t0 = time.perf_counter()
+    done: list[dict] = []
+    body: dict[str, Any] = {}
+    with opened(s, results, "bench-low-bits-") as (lab, inputs):
+        bf16 = lab.eval(lab.base, mc=False)
+        for fmt in b.formats:
+            done.append(one_format(lab, b, fmt, bf16))
+            body = {
+                "machine": machine(),
+                "settings": asdict(b),
+                "lab": {
+                    k: v
+                    for k, v in asdict(s).items()
+                    if k.startswith(("bw_", "calib", "seq", "lr", "warm", "loss"))
+                },
+                "inputs": {k: inputs[k] for k in ("base", "base_source", "corpus", "corpus_source")},
+                "bf16_ppl": round(bf16["ppl"], 4),
+                "eval_windows": bf16["windows"],
+                "train_tokens": {
+                    "end_to_end": b.steps * s.seq_len,
+                    "two_phase": (b.bw_windows + b.phase2_steps) * s.seq_len,
+                },
+                "formats": done,
+                "targets": targets_of(b, done),
+                "total_s": round(time.perf_counter() - t0, 1),
+            }
+            if out:
+                log(f"low_bits: wrote {write_result(out, name, body)}")
+    return body
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--formats", default=None, help="comma-separated (default int3_g64,int2_g64)")
+    ap.add_argument("--recipe", default=None, help="JSON: LowBitRows fields")
+    ap.add_argument("--name", default="quality_low_bits")
+    ap.add_argument("--results", default="results")
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    a = ap.parse_args(argv)
+    b = LowBitRows(**json.loads(a.recipe)) if a.recipe else LowBitRows()
+    if a.formats:
+        b = replace(b, formats=tuple(f.strip() for f in a.formats.split(",")))
+    run(b, results=a.results, out=a.out, name=a.name)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

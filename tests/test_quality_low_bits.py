@@ -1,0 +1,37 @@
+"""`benchmarks.quality_low_bits`: what each runtime does with 2 / 3-bit WNA16, and the targets of
+#40's build 2 from a row table (the measured run is results/bench/quality_low_bits.json)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.common import format_scheme
+from benchmarks.quality_low_bits import LowBitRows, runtimes_of, targets_of
+
+
+@pytest.mark.parametrize("fmt", ["int3_g64", "int2_g64"])
+def test_odd_bit_wna16_loads_on_vllm_and_not_on_sglang(fmt):
+    scheme = format_scheme(fmt)
+    assert scheme.weight.bits == int(fmt[3]) and scheme.weight.group_size == 64 and scheme.input is None
+    rt = runtimes_of(scheme)
+    assert rt["vllm"] == "loads (int2/3/5/6/7 weight only)"
+    assert rt["sglang"].startswith("refused: WNA16 with 2/3/5/6/7 bits")
+
+
+def _fmt(name, gptq_ppl, two):
+    rows = [{"variant": "rtn", "ppl": 99.0, "recovery": 0.0, "recovery_se": 0.0}, two]
+    return {"format": name, "gptq_ppl": gptq_ppl, "rows": rows}
+
+
+def test_targets_read_the_two_phase_row_as_deployed():
+    two3 = {"variant": "two-phase: x", "ppl": 30.0, "recovery": 0.9, "recovery_se": 0.01}
+    two3 |= {"deployed_ppl": 30.5, "deployed_recovery": 0.84, "deployed_recovery_se": 0.02}
+    two2 = {"variant": "two-phase: x", "ppl": 80.0, "recovery": 0.61, "recovery_se": 0.03}
+    tg = targets_of(LowBitRows(), [_fmt("int3_g64", 31.0, two3), _fmt("int2_g64", None, two2)])
+    by = {t["target"]: t for t in tg}
+    int3 = by["two-phase recovery of RTN's loss, as deployed [int3_g64] >= 0.85"]
+    assert int3["value"] == 0.84 and int3["met"] is False  # deployed, not trained (0.90)
+    assert by["GPTQ perplexity minus two-phase's, as deployed [int3_g64] >= 0.0"]["value"] == 0.5
+    int2 = by["two-phase recovery of RTN's loss, as deployed [int2_g64] >= 0.6"]
+    assert int2["value"] == 0.61 and int2["met"] is True  # no deployed figure: as trained
+    assert len(tg) == 3  # no GPTQ row for int2 here: no comparison
