@@ -269,8 +269,9 @@ def _iter_hf(spec: str, cache_dir: str | None, split: str) -> Iterator[tuple[str
 
 
 def iter_records(source: str | Path, *, hf_cache_dir: str | None = None, split: str = "train"):
-    """``(where, record)`` pairs of a source (file, directory or HF dataset id)."""
-    path = Path(source)
+    """``(where, record)`` pairs of a source (file, directory or HF dataset id). ``~`` is the
+    home folder, as in a shell: a YAML path is never seen by one, and a hub id never starts so."""
+    path = Path(source).expanduser()
     if path.exists():
         if path.is_dir():
             return _iter_text_files(path)

@@ -80,6 +80,16 @@ def test_num_samples_and_text_blocks(tiny_tokenizer, tmp_path):
     assert len(load_training_data(p, tiny_tokenizer, 256, num_samples=4)) == 4
 
 
+def test_home_folder_in_a_data_path(tiny_tokenizer, tmp_path, monkeypatch):
+    """``~/corpus.txt`` in a YAML is the home folder's file (not a hub dataset id)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "corpus.txt").write_text("The quick brown fox jumps over the lazy dog. " * 80)
+    ds = load_training_data("~/corpus.txt", tiny_tokenizer, 16, num_samples=3)
+    assert len(ds) == 3 and ds.stats.kind == "text"
+    with pytest.raises(DataError, match="file not found"):
+        load_training_data("~/missing.txt", tiny_tokenizer, 16)
+
+
 def test_text_samples_spread_over_the_file(tiny_tokenizer, tmp_path):
     """num_samples below the block count takes blocks from the whole file, not its head (split
     files are in source order)."""

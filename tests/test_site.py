@@ -119,6 +119,10 @@ def test_results_figures_come_from_the_json():
         st = json.loads(rehearsal.read_text())["stages"]["ptq_calibrate"]
         assert f"{st['measured_over_predicted'][0]:.2f}" in page
         assert f"{st['peak_rss_per_rank'][0] / 2**30:.2f} GiB" in page
+    fp4 = bench / "quality_fp4.json"
+    if fp4.is_file():
+        for row in json.loads(fp4.read_text())["formats"]:
+            assert f"| {row['qat_ppl']:.3f} | {row['recovery_vs_rtn']:.3f} |" in page, row["format"]
 
 
 def _outside_blocks(text: str) -> str:

@@ -279,6 +279,38 @@ def quality_default_headline(r: Result) -> tuple[str, str]:
     return "Quality at a fixed QAT budget (default model): recovery of RTN's loss", ", ".join(parts)
 
 
+# --------------------------------------------------------------------------- format rows
+def quality_formats(r: Result) -> list[str]:
+    """`benchmarks.quality`'s per-format rows (RTN PTQ, QAT at the same budget and recipe)."""
+    d = r.doc
+    bf16 = (d.get("bf16") or {}).get("ppl")
+    lines = [
+        f"BF16 perplexity {_f(bf16)}; recovery = (RTN - QAT) / (RTN - BF16) of the test loss, with its "
+        "paired standard error over the test windows. Each row's recovery is against its own RTN start; "
+        "across rows of the same format compare the QAT perplexity.",
+        "",
+        "| format | bits / weight | RTN perplexity | QAT perplexity | recovery | ± SE | train time |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in d.get("formats") or []:
+        lines.append(
+            f"| `{row.get('format')}`: {row.get('description', '')} | {_f(row.get('bits_per_weight'), 2)} | "
+            f"{_f(row.get('rtn_ppl'))} | {_f(row.get('qat_ppl'))} | {_f(row.get('recovery_vs_rtn'))} | "
+            f"{_f(row.get('recovery_vs_rtn_se'))} | {_f(row.get('qat_train_s'), 0)} s |"
+        )
+    return lines
+
+
+def quality_formats_headline(r: Result) -> tuple[str, str]:
+    parts = [
+        f"{row.get('format')} {_f(row.get('recovery_vs_rtn'))} ± {_f(row.get('recovery_vs_rtn_se'))}"
+        for row in r.doc.get("formats") or []
+    ]
+    return "4-bit floats and FOCUS at a fixed QAT budget (default model): recovery of RTN's loss", ", ".join(
+        parts
+    )
+
+
 # --------------------------------------------------------------------------- any other benchmark
 def targets(r: Result) -> list[str]:
     ts = r.doc.get("targets") or []
@@ -304,11 +336,13 @@ TITLES = {
     "default_experiment": "The default experiment",
     "plan_rehearsal": "Memory plan vs measured (real-width rehearsal)",
     "quality_default": "Quality at a fixed QAT budget (default model)",
+    "quality_fp4": "4-bit floats: qatlib's and upstream FOCUS's recipes (default model)",
 }
 RENDERERS: dict[str, tuple[Callable[[Result], list[str]], Callable[[Result], tuple[str, str]]]] = {
     "default_experiment": (default_experiment, default_experiment_headline),
     "plan_rehearsal": (plan_rehearsal, plan_rehearsal_headline),
     "quality_default": (quality_default, quality_default_headline),
+    "quality_fp4": (quality_formats, quality_formats_headline),
 }
 ORDER = tuple(RENDERERS)
 
