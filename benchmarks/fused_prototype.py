@@ -88,13 +88,24 @@ class _FusedFakeQuant(torch.autograd.Function):
         return gx, gs, gz, None, None
 
 
-def fused_fake_quantize(x, scale, zero_point, spec, *, clamp_grad="mask", global_scale=None):
+def fused_fake_quantize(
+    x, scale, zero_point, spec, *, clamp_grad="mask", global_scale=None, subgroup_scale=None
+):
     """Drop-in for `qatlib.quant.functional.fake_quantize` (same signature and values); the
-    prototype covers the int / fp8 formats, FP4 (a global scale) goes to qatlib's own."""
+    prototype covers the int / fp8 formats, FP4 (a global scale, FOCUS's sub-group scales) goes
+    to qatlib's own."""
     if clamp_grad not in ("mask", "pass"):
         raise ValueError(f"clamp_grad must be 'mask' or 'pass', got {clamp_grad!r}")
-    if global_scale is not None:
-        return _FAKE_QUANTIZE(x, scale, zero_point, spec, clamp_grad=clamp_grad, global_scale=global_scale)
+    if global_scale is not None or subgroup_scale is not None:
+        return _FAKE_QUANTIZE(
+            x,
+            scale,
+            zero_point,
+            spec,
+            clamp_grad=clamp_grad,
+            global_scale=global_scale,
+            subgroup_scale=subgroup_scale,
+        )
     return _FusedFakeQuant.apply(x, scale, zero_point, spec, clamp_grad == "pass")
 
 

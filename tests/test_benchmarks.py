@@ -369,3 +369,16 @@ def test_no_import_cycle_and_no_long_module_in_benchmarks(monkeypatch):
         p.name: n for p in (repo / "benchmarks").glob("*.py") if (n := len(p.read_text().splitlines())) > 600
     }
     assert long == {}
+
+
+def test_fused_prototype_takes_what_fake_quantize_takes():
+    """The prototype stands in for `fake_quantize` in the speed benchmark: the same keywords (a
+    keyword qatlib adds, like FOCUS's ``subgroup_scale``, must reach it)."""
+    import inspect
+
+    from benchmarks.fused_prototype import fused_fake_quantize
+    from qatlib.quant.functional import fake_quantize
+
+    assert list(inspect.signature(fused_fake_quantize).parameters) == list(
+        inspect.signature(fake_quantize).parameters
+    )

