@@ -615,6 +615,9 @@ def test_content_hash_equal_for_copies_and_changed_by_one_byte(tmp_path):
     (b / "stage.log").write_text("took 3 s")
     (b / "run_metadata.json").write_text('{"peak_rss_bytes": 5}')
     (b / "train_log.jsonl").write_text('{"step": 1}\n')
+    # the base-model stages' records (wall times, the host's wheel path): gguf, upcycle, pretrain
+    for name in ("source.json", "upcycle_stats.json", "pretrain_stats.json"):
+        (b / name).write_text('{"load_seconds": 27.37, "gguf_path": "/usr/lib/python3/x.gguf"}')
     assert content_hash(a) == content_hash(b) and content_hash(a).startswith("sha256:")
     data = (a / "model.safetensors").read_bytes()
     assert content_hash(a / "model.safetensors") == "sha256:" + hashlib.sha256(data).hexdigest()

@@ -19,10 +19,27 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from .layout import RUN_METADATA_FILE, SCALE_LOAD_FILE, TRAIN_LOG_FILE
+from .layout import (
+    GGUF_SOURCE_FILE,
+    PRETRAIN_STATS_FILE,
+    RUN_METADATA_FILE,
+    SCALE_LOAD_FILE,
+    TRAIN_LOG_FILE,
+    UPCYCLE_STATS_FILE,
+)
 
-# Written with the content but describing the run (times, RSS peaks, host): not hashed.
-RUN_FILES = frozenset({RUN_METADATA_FILE, SCALE_LOAD_FILE, TRAIN_LOG_FILE, "pretrain_stats.json"})
+# Written with the content but describing the run (times, RSS peaks, host paths): not hashed. A
+# base model's record holds its files' own sha256 too, and those files are hashed themselves.
+RUN_FILES = frozenset(
+    {
+        RUN_METADATA_FILE,
+        SCALE_LOAD_FILE,
+        TRAIN_LOG_FILE,
+        PRETRAIN_STATS_FILE,
+        GGUF_SOURCE_FILE,
+        UPCYCLE_STATS_FILE,
+    }
+)
 # The tokenizer's files inside a model folder (transformers' names).
 TOKENIZER_FILES = frozenset(
     {

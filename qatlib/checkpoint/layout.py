@@ -33,6 +33,11 @@ KV_SCALES_FILE = "kv_cache_scales.safetensors"
 RUN_METADATA_FILE = "run_metadata.json"
 TRAIN_LOG_FILE = "train_log.jsonl"
 SCALE_LOAD_FILE = "scale_load.json"
+# The records the base-model stages write beside the weights (`qatlib.offline`): what was built and
+# how it scored, with wall times and host paths, so not part of the folder's content hash.
+PRETRAIN_STATS_FILE = "pretrain_stats.json"
+GGUF_SOURCE_FILE = "source.json"
+UPCYCLE_STATS_FILE = "upcycle_stats.json"
 NESTED_DIR = "final_quant_checkpoint"
 # Safetensors files beside a model's weights that hold no weight.
 NON_WEIGHT_FILES = (SCALES_FILE, KV_SCALES_FILE)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.layout import AtomicDir, publish_permissions
+from ..checkpoint.layout import PRETRAIN_STATS_FILE, AtomicDir, publish_permissions
 
 # Tiny Qwen3-MoE: ~2.8M parameters with a 4096 vocabulary (1.05M of them in the two embeddings).
 DEFAULT_MODEL: dict = {
@@ -351,7 +351,7 @@ def pretrain(
         net.save_pretrained(str(tmp), safe_serialization=True)
         tok.save_pretrained(str(tmp))
         stats["total_seconds"] = time.perf_counter() - t_start
-        (tmp / "pretrain_stats.json").write_text(json.dumps(stats, indent=2, default=str) + "\n")
+        (tmp / PRETRAIN_STATS_FILE).write_text(json.dumps(stats, indent=2, default=str) + "\n")
         publish_permissions(tmp)
         target.commit()
     except BaseException:

@@ -22,9 +22,9 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from ..checkpoint.layout import AtomicDir, publish_permissions
+from ..checkpoint.layout import GGUF_SOURCE_FILE, AtomicDir, publish_permissions
 
-SOURCE_FILE = "source.json"
+SOURCE_FILE = GGUF_SOURCE_FILE
 _DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -50,9 +50,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint.layout import AtomicDir, publish_permissions
+from ..checkpoint.layout import UPCYCLE_STATS_FILE, AtomicDir, publish_permissions
 
-STATS_FILE = "upcycle_stats.json"
+STATS_FILE = UPCYCLE_STATS_FILE
 EXPERT_MODES = ("split", "copy")
 
 
