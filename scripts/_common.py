@@ -68,6 +68,30 @@ def load_experiment(args: argparse.Namespace, extra: Sequence[str] = ()):
         sys.exit(f"error: {e}")
 
 
+def base_model_args(ap: argparse.ArgumentParser, what: str) -> None:
+    """The options every base-model stage shares: which model (``--name``), and its definition
+    (``--spec-json``, as the workflow passes it, else ``--base-models``' entry). ``what``: the
+    definition's keys, for the help text."""
+    ap.add_argument("--name", required=True, help="base model name (a key of --base-models)")
+    ap.add_argument("--spec-json", default=None, help=f"the model's definition as JSON ({what})")
+    ap.add_argument("--base-models", default="config/base_models.yaml", help="definitions of the base models")
+
+
+def base_model_spec(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """The base model's definition (`base_model_args`), after checking ``--save-path``; a missing
+    name is a usage error naming the file."""
+    if not args.save_path:
+        ap.error("--save-path is required")
+    if args.spec_json:
+        return json.loads(args.spec_json)
+    from qatlib.yamlio import load_yaml
+
+    models = load_yaml(args.base_models)
+    if args.name not in models:
+        ap.error(f"no base model {args.name!r} in {args.base_models}")
+    return models[args.name]
+
+
 def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 

@@ -15,23 +15,10 @@ import _common
 
 def main(argv=None) -> int:
     ap = _common.parser(__doc__, config=False, model=False)
-    ap.add_argument("--name", required=True, help="base model name (a key of --base-models)")
+    _common.base_model_args(ap, "model / train")
     ap.add_argument("--corpus", required=True, help="corpus folder (train.txt, test.txt)")
-    ap.add_argument("--spec-json", default=None, help="the model's definition as JSON (model / train)")
-    ap.add_argument("--base-models", default="config/base_models.yaml", help="definitions of the base models")
     args = ap.parse_args(argv)
-    if not args.save_path:
-        ap.error("--save-path is required")
-    if args.spec_json:
-        spec = json.loads(args.spec_json)
-    else:
-        import yaml
-
-        with open(args.base_models, encoding="utf-8") as f:
-            models = yaml.safe_load(f)
-        if args.name not in models:
-            ap.error(f"no base model {args.name!r} in {args.base_models}")
-        spec = models[args.name]
+    spec = _common.base_model_spec(ap, args)
     unknown = sorted(set(spec) - {"model", "train", "random"})
     if unknown:
         ap.error(f"base model {args.name!r}: unknown keys {unknown} (expected model, train or random)")

@@ -17,21 +17,9 @@ import _common
 
 def main(argv=None) -> int:
     ap = _common.parser(__doc__, config=False, model=False)
-    ap.add_argument("--name", required=True, help="base model name (a key of --base-models)")
-    ap.add_argument("--spec-json", default=None, help="the model's definition as JSON ({gguf: {...}})")
-    ap.add_argument("--base-models", default="config/base_models.yaml", help="definitions of the base models")
+    _common.base_model_args(ap, "{gguf: {...}}")
     args = ap.parse_args(argv)
-    if not args.save_path:
-        ap.error("--save-path is required")
-    if args.spec_json:
-        spec = json.loads(args.spec_json)
-    else:
-        from qatlib.yamlio import load_yaml
-
-        models = load_yaml(args.base_models)
-        if args.name not in models:
-            ap.error(f"no base model {args.name!r} in {args.base_models}")
-        spec = models[args.name]
+    spec = _common.base_model_spec(ap, args)
     if sorted(spec) != ["gguf"]:
         ap.error(f"base model {args.name!r}: expected exactly the key 'gguf', got {sorted(spec)}")
 
