@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from qatlib.report.metrics import MIN_REL_GAP, recovery
-from qatlib.yamlio import load_yaml
+from qatlib.yamlio import load_yaml, section
 
 from .common import DEFAULT_OUT, log, machine, target, write_result
 
@@ -41,14 +41,6 @@ SETTINGS = {
     "eval_windows": "evaluation.limit",
     "model_path": "model.model_path",
 }
-
-
-def _dotted(d: Any, key: str) -> Any:
-    for part in key.split("."):
-        if not isinstance(d, dict) or part not in d:
-            return None
-        d = d[part]
-    return d
 
 
 def experiment_record(exp_dir: str | Path, results: str | Path = "results") -> dict[str, Any]:
@@ -78,7 +70,7 @@ def experiment_record(exp_dir: str | Path, results: str | Path = "results") -> d
     timings = {}
     for f in sorted((exp / "timings").glob("*.json")):
         timings[f.stem] = json.loads(f.read_text()).get("wall_s")
-    base = Path(results) / "base" / Path(str(_dotted(config, "model.model_path"))).name
+    base = Path(results) / "base" / Path(str(section(config, "model.model_path"))).name
     up = base / "upcycle_stats.json"
     upcycled = None
     if up.is_file():
@@ -100,7 +92,7 @@ def experiment_record(exp_dir: str | Path, results: str | Path = "results") -> d
     dep = next(r for r in rows if r["variant"] == "deployed")
     return {
         "experiment": exp.name,
-        "settings": {k: _dotted(config, key) for k, key in SETTINGS.items()},
+        "settings": {k: section(config, key) for k, key in SETTINGS.items()},
         "upcycled_base_model": upcycled,
         "ppl": {v: round(p["ppl"], 4) for v, p in ppl.items()},
         "eval_windows": ppl["bf16"]["windows"],

@@ -191,6 +191,18 @@ def yaml_value(text: str) -> Any:
         return text
 
 
+def section(raw: Any, dotted: str) -> Any:
+    """The value at ``dotted`` (``"compression.QAT.hf_args"``) in a raw config mapping, or None
+    where a part is missing: the one lookup of a key path for the plan, the workflow, the site and
+    the benchmarks."""
+    cur = raw
+    for part in dotted.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return None
+        cur = cur[part]
+    return cur
+
+
 def deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     """`extra` merged into a copy of `base` (mappings recursively; anything else replaced)."""
     out = dict(base)

@@ -9,7 +9,7 @@ from typing import Any
 
 from qatlib.ds_config import gathers_whole_layers
 from qatlib.patterns import matches_any
-from qatlib.yamlio import ConfigError
+from qatlib.yamlio import ConfigError, section
 
 DTYPE_BYTES = {
     "bf16": 2,
@@ -241,16 +241,6 @@ class StagePlan:
 
 
 # ----------------------------------------------------------------------------- experiment -> inputs
-def section(raw: Any, dotted: str) -> Any:
-    """The value at ``dotted`` in a raw config, or None where a part is missing."""
-    cur = raw
-    for part in dotted.split("."):
-        if not isinstance(cur, dict) or part not in cur:
-            return None
-        cur = cur[part]
-    return cur
-
-
 def _weight_format(quant: dict[str, Any], plugin_weight: dict[str, Any] | None = None) -> WeightFormat:
     """Code bits and scale granularity of the weights, from ``compression.quantization`` as
     `qatlib.config.scheme` resolves it (a torch-free mirror; tests compare it with

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from qatlib.report.inputs import git_commit, package_versions, stage_order
-from qatlib.yamlio import load_yaml
+from qatlib.yamlio import load_yaml, section
 
 NAME = "default_experiment"
 SCHEMA_VERSION = 1
@@ -47,14 +47,6 @@ class RecordError(FileNotFoundError):
     """The experiment folder lacks what the record needs."""
 
 
-def _dotted(d: Any, key: str) -> Any:
-    for part in key.split("."):
-        if not isinstance(d, dict) or part not in d:
-            return None
-        d = d[part]
-    return d
-
-
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``), else the platform's processor string."""
     try:
@@ -71,7 +63,7 @@ def _timings(exp: Path) -> dict[str, tuple[float, float]]:
     """``stage -> (wall_s, mtime)`` of the experiment's timing records and the shared ones it used."""
     files = sorted((exp / "timings").glob("*.json"))
     shared = exp.parent / "timings"
-    base = _dotted(load_yaml(exp / "config.yaml"), "model.model_path") or ""
+    base = section(load_yaml(exp / "config.yaml"), "model.model_path") or ""
     base_name = Path(str(base)).name
     for f in sorted(shared.glob("*.json")) if shared.is_dir() else []:
         if f.stem == "corpus" or f.stem.endswith(f"-{base_name}"):
@@ -119,7 +111,7 @@ def record(exp_dir: str | os.PathLike, out_dir: str | os.PathLike = "results/ben
         },
         "settings": {
             "experiment": exp.name,
-            **{label: v for label, key in SETTINGS if (v := _dotted(config, key)) is not None},
+            **{label: v for label, key in SETTINGS if (v := section(config, key)) is not None},
             **_qat_launch(exp),
         },
         "stage_wall_s": {

@@ -34,6 +34,7 @@ from qatlib.yamlio import (
     format_issues,
     join_path,
     load_yaml,
+    section,
     yaml_value,
 )
 
@@ -110,16 +111,6 @@ PLANNED = {
 }
 PLAN_MARGIN = 1.25
 MIN_MEM_MB = 2000  # no torch job runs in less (interpreter, torch, transformers, lm-eval imports)
-
-
-def section(raw: Any, dotted: str) -> Any:
-    """The value at ``dotted`` in the raw config, or None where a part is missing."""
-    cur = raw
-    for part in dotted.split("."):
-        if not isinstance(cur, dict) or part not in cur:
-            return None
-        cur = cur[part]
-    return cur
 
 
 def override_items(tree: Mapping[str, Any] | None, prefix: str = "") -> list[tuple[str, Any]]:
