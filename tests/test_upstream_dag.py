@@ -120,8 +120,12 @@ def dry_runs(tmp_path_factory) -> dict[str, str]:
     mostly waits on imports: 9 in parallel take about a third of 9 in a row on 2 cores)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    # the folders first, in this thread: pytest's mktemp is not thread-safe (its numbered folders
+    # and their "current" links race)
+    roots = {rel: tmp_path_factory.mktemp(exp_name(rel)[:40]) for rel in QAT_FILES}
+
     def one(rel: str) -> str:
-        root = tmp_path_factory.mktemp(exp_name(rel)[:40])
+        root = roots[rel]
         return dry_run(root, rel, local_paths(rel, *make_placeholders(root / "local")))[1]
 
     with ThreadPoolExecutor(max_workers=len(QAT_FILES)) as pool:
