@@ -14,7 +14,6 @@ it is set explicitly and checked.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Sequence
@@ -23,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.layout import PRETRAIN_STATS_FILE, AtomicDir, publish_permissions
+from ..checkpoint.layout import PRETRAIN_STATS_FILE
+from .publish import save_model_folder
 
 # Tiny Qwen3-MoE: ~2.8M parameters with a 4096 vocabulary (1.05M of them in the two embeddings).
 DEFAULT_MODEL: dict = {
@@ -299,62 +299,53 @@ def pretrain(
     spec = dict(DEFAULT_MODEL)
     spec.update(model or {})
     corpus = Path(corpus_dir)
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    target = AtomicDir(out, overwrite=True)  # owned temporary, swapped in complete
-    tmp = target.open()
-    try:
-        t_start = time.perf_counter()
-        pieces = read_documents(corpus / "train.txt")
-        if tokenizer_dir is not None:
-            from transformers import AutoTokenizer
+    t_start = time.perf_counter()
+    pieces = read_documents(corpus / "train.txt")
+    if tokenizer_dir is not None:
+        from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-        else:
-            tok = train_tokenizer(pieces, vocab_size=int(spec["vocab_size"]))
-        if len(tok) > spec["vocab_size"]:
-            raise ValueError(f"tokenizer has {len(tok)} tokens > vocab_size {spec['vocab_size']}")
-        t_tok = time.perf_counter()
-        ids = tokenize_pieces(tok, pieces)
-        t_ids = time.perf_counter()
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    else:
+        tok = train_tokenizer(pieces, vocab_size=int(spec["vocab_size"]))
+    if len(tok) > spec["vocab_size"]:
+        raise ValueError(f"tokenizer has {len(tok)} tokens > vocab_size {spec['vocab_size']}")
+    t_tok = time.perf_counter()
+    ids = tokenize_pieces(tok, pieces)
+    t_ids = time.perf_counter()
 
-        net = build_model(spec, seed=cfg.seed)
-        net.config.eos_token_id = tok.eos_token_id
-        net.config.pad_token_id = tok.pad_token_id
-        net.config.bos_token_id = None
-        stats = {
-            "model": spec,
-            "train": asdict(cfg),
-            "params": count_params(net),
-            "experts_implementation": getattr(net.config, "_experts_implementation", None),
-            "train_tokens_available": int(ids.numel()),
-            "tokenizer_seconds": t_tok - t_start,
-            "tokenize_seconds": t_ids - t_tok,
-            "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-        }
-        torch.manual_seed(cfg.seed)
-        stats.update(train_model(net, ids, cfg, progress=progress))
+    net = build_model(spec, seed=cfg.seed)
+    net.config.eos_token_id = tok.eos_token_id
+    net.config.pad_token_id = tok.pad_token_id
+    net.config.bos_token_id = None
+    stats = {
+        "model": spec,
+        "train": asdict(cfg),
+        "params": count_params(net),
+        "experts_implementation": getattr(net.config, "_experts_implementation", None),
+        "train_tokens_available": int(ids.numel()),
+        "tokenizer_seconds": t_tok - t_start,
+        "tokenize_seconds": t_ids - t_tok,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+    torch.manual_seed(cfg.seed)
+    stats.update(train_model(net, ids, cfg, progress=progress))
 
-        test = corpus / "test.txt"
-        if test.is_file():
-            ev = perplexity_of_ids(
-                net,
-                tokenize_text(tok, test.read_text(encoding="utf-8")),
-                seq_len=cfg.seq_len,
-                limit=cfg.eval_windows,
-                progress=progress,
-                desc="pretrain eval",
-            )
-            stats["test"] = ev
-        net.config.use_cache = True
-        net.save_pretrained(str(tmp), safe_serialization=True)
-        tok.save_pretrained(str(tmp))
+    test = corpus / "test.txt"
+    if test.is_file():
+        ev = perplexity_of_ids(
+            net,
+            tokenize_text(tok, test.read_text(encoding="utf-8")),
+            seq_len=cfg.seq_len,
+            limit=cfg.eval_windows,
+            progress=progress,
+            desc="pretrain eval",
+        )
+        stats["test"] = ev
+    net.config.use_cache = True
+
+    def record(_folder: Path) -> dict:
         stats["total_seconds"] = time.perf_counter() - t_start
-        (tmp / PRETRAIN_STATS_FILE).write_text(json.dumps(stats, indent=2, default=str) + "\n")
-        publish_permissions(tmp)
-        target.commit()
-    except BaseException:
-        target.abort()
-        raise
-    return stats
+        return stats
+
+    return save_model_folder(out_dir, net, tok, PRETRAIN_STATS_FILE, record)

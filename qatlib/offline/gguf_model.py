@@ -22,7 +22,8 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from ..checkpoint.layout import GGUF_SOURCE_FILE, AtomicDir, publish_permissions
+from ..checkpoint.layout import GGUF_SOURCE_FILE
+from .publish import save_model_folder
 
 SOURCE_FILE = GGUF_SOURCE_FILE
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -129,19 +130,14 @@ def convert(src: GgufSource | dict, out_dir: str | Path, *, threads: int | None 
     t_load = time.perf_counter()
     _strip_gguf_quantizer(model)
     model.config.use_cache = True
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    target = AtomicDir(out, overwrite=True)
-    tmp = target.open()
-    try:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tok.save_pretrained(str(tmp))
+
+    def record(folder: Path) -> dict:
         files = {
             f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
-            for f in sorted(tmp.iterdir())
+            for f in sorted(folder.iterdir())
             if f.is_file()
         }
-        record = {
+        return {
             "source": asdict(src),
             "gguf_path": str(gguf_path),
             "gguf_bytes": gguf_path.stat().st_size,
@@ -155,13 +151,8 @@ def convert(src: GgufSource | dict, out_dir: str | Path, *, threads: int | None 
             "total_seconds": round(time.perf_counter() - t0, 2),
             "transformers": importlib.metadata.version("transformers"),
         }
-        (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
-        publish_permissions(tmp)
-        target.commit()
-    except BaseException:
-        target.abort()
-        raise
-    return record
+
+    return save_model_folder(out_dir, model, tok, SOURCE_FILE, record)
 
 
 def verify(out_dir: str | Path) -> None:

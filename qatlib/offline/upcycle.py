@@ -41,7 +41,6 @@ and upcycled test perplexity on the same windows, before and after router traini
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -50,7 +49,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint.layout import UPCYCLE_STATS_FILE, AtomicDir, publish_permissions
+from ..checkpoint.layout import UPCYCLE_STATS_FILE
+from .publish import save_model_folder
 
 STATS_FILE = UPCYCLE_STATS_FILE
 EXPERT_MODES = ("split", "copy")
@@ -474,18 +474,9 @@ def upcycle(
     }
     stats["build_seconds"] = round(t_built - t_start, 1)
     moe.config.use_cache = True
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    target = AtomicDir(out, overwrite=True)
-    tmp = target.open()
-    try:
-        moe.save_pretrained(str(tmp), safe_serialization=True)
-        tok.save_pretrained(str(tmp))
+
+    def record(_folder: Path) -> dict:
         stats["total_seconds"] = round(time.perf_counter() - t_start, 1)
-        (tmp / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")
-        publish_permissions(tmp)
-        target.commit()
-    except BaseException:
-        target.abort()
-        raise
-    return stats
+        return stats
+
+    return save_model_folder(out_dir, moe, tok, STATS_FILE, record)
