@@ -312,3 +312,25 @@ def test_upcycled_smollm2_runs_the_dag(tmp_path):
     html = (d / "report.html").read_text()
     assert ">base_model-smollm2-moe-ci<" in html and "deployed recovery" in html
     assert json.loads((d / "qat/scale_load.json").read_text())["misses"] == 0
+
+
+def test_q_k_v_share_one_fp8_scale_without_losing_q_and_k():
+    """vLLM fuses q / k / v into one matrix with ONE per-tensor FP8 scale (the largest of the
+    three): each projection of the upcycled attention must keep its precision under it. Before
+    `v_scale`, v_proj was ~1e5 x the scaled-down q / k and their weights rounded to a few subnormal
+    codes or zero (the fp8 PTQ of the upcycled SmolLM2: 26 -> 3400 PPL)."""
+    from qatlib.quant.functional import fake_quantize
+    from qatlib.quant.spec import QuantSpec
+
+    dense = _dense()
+    moe, _ = up.upcycle_weights(dense, _spec(experts="copy", num_experts=2, num_experts_per_tok=1))
+    spec = QuantSpec(qtype="fp8")
+    for layer in moe.model.layers:
+        a = layer.self_attn
+        ws = [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]
+        shared = max(w.abs().max() for w in ws) / 448.0  # vLLM: requantized to the largest scale
+        for w in ws:
+            q = fake_quantize(w, shared.reshape(1), None, spec)
+            rel = ((q - w).norm() / w.norm()).item()
+            assert rel < 0.04, rel  # E4M3 normals: <= 2^-4 per element, ~0.02 in the mean
+    torch.testing.assert_close(_logits(moe, IDS), _logits(dense, IDS), rtol=1e-4, atol=1e-4)

@@ -14,8 +14,11 @@ spectral norm and the input norm's largest weight, no data), so that
 ``RMSNorm(a q) = a q / sqrt(a^2 mean(q^2) + eps)`` is ``a q / sqrt(eps)`` to a relative
 ``qk_norm_error / 2``, and the norm's weight ``sqrt(eps) / a`` gives back ``q``. Every quantizer of
 qatlib is scale-invariant there (RTN, GPTQ and LWC by construction; log-space scale steps; the
-q / k / v states are quantized after the norm, where the scale is the original). The tiny weights
-need fp32 or bf16 (fp16 would flush them to subnormals).
+q / k / v states are quantized after the norm, where the scale is the original), but a runtime
+that fuses q / k / v into one matrix shares one per-tensor scale among them (vLLM's fp8 and NVFP4
+take the largest): ``v_proj`` is scaled to the q / k projections' size and ``o_proj`` back
+(`v_scale`), so that no projection of the three is tiny beside another. The tiny weights need fp32
+or bf16 (fp16 would flush them to subnormals).
 
 Experts (``experts``):
 
@@ -194,6 +197,15 @@ def qk_scale(
     return float(torch.sqrt(error * eps / bound))
 
 
+def v_scale(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
+    """``c`` that brings ``v_proj``'s largest weight to the scaled-down q / k projections' (the
+    caller multiplies v_proj by ``c`` and divides o_proj by it: the same function). Why: runtimes
+    fuse q / k / v into one matrix with ONE per-tensor scale (vLLM's fp8 and NVFP4 take the
+    largest of the three), and beside a v_proj 1e5 times larger the q / k weights would round to
+    a few subnormal codes or zero: the fp8 PTQ of the upcycled SmolLM2 went from 26 to 3400 PPL."""
+    return float(torch.maximum(q.abs().max(), k.abs().max()) / v.abs().max())
+
+
 def balanced_clusters(features: torch.Tensor, k: int, *, iters: int = 15, seed: int = 0) -> torch.Tensor:
     """Cluster of each row of ``features`` ``[n, d]`` into ``k`` clusters of exactly ``n / k`` rows
     (k-means; each assignment round gives the rows with the clearest preference their nearest
@@ -294,6 +306,11 @@ def upcycle_weights(dense, spec: UpcycleSpec, calib: torch.Tensor | None = None)
                 a = qk_scale(w, src[f"{p}input_layernorm.weight"], head_dim, eps, spec.qk_norm_error)
                 new[f"{p}self_attn.{qk}_proj.weight"] = w * a
                 new[f"{p}self_attn.{qk}_norm.weight"] = torch.full((head_dim,), math.sqrt(eps) / a)
+            c = v_scale(
+                *(new[f"{p}self_attn.{n}_proj.weight"] for n in "qk"), src[f"{p}self_attn.v_proj.weight"]
+            )
+            new[f"{p}self_attn.v_proj.weight"] = src[f"{p}self_attn.v_proj.weight"] * c
+            new[f"{p}self_attn.o_proj.weight"] = src[f"{p}self_attn.o_proj.weight"] / c
         if i in dense_ids:
             for n in ("gate_proj", "up_proj", "down_proj"):
                 new[f"{p}mlp.{n}.weight"] = src[f"{p}mlp.{n}.weight"]
