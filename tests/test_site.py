@@ -123,6 +123,20 @@ def test_results_figures_come_from_the_json():
     if fp4.is_file():
         for row in json.loads(fp4.read_text())["formats"]:
             assert f"| {row['qat_ppl']:.3f} | {row['recovery_vs_rtn']:.3f} |" in page, row["format"]
+    low = bench / "quality_low_bits.json"
+    if low.is_file():
+        for f in json.loads(low.read_text())["formats"]:
+            for row in f["rows"]:
+                cell = f"| {row['ppl']:.3f} | {row['recovery']:.3f} ± {row['recovery_se']:.3f} |"
+                assert cell in page, (f["format"], row["variant"])
+    moe = bench / "moe_experiment.json"
+    if moe.is_file():
+        for e in json.loads(moe.read_text())["experiments"]:
+            assert (
+                " | ".join(f"{e['ppl'][v]:.3f}" for v in ("bf16", "ptq", "qat", "export", "deployed")) in page
+            )
+            dep = next(r for r in e["rows"] if r["variant"] == "deployed")
+            assert f"| deployed | {dep['recovery']:.3f} | {dep['recovery_se']:.3f} |" in page, e["experiment"]
 
 
 def _outside_blocks(text: str) -> str:

@@ -311,6 +311,106 @@ def quality_formats_headline(r: Result) -> tuple[str, str]:
     )
 
 
+# --------------------------------------------------------------------------- 3- and 2-bit weights
+def _pm(value: Any, se: Any) -> str:
+    return f"{_f(value)} ± {_f(se)}"
+
+
+def quality_low_bits(r: Result) -> list[str]:
+    """`benchmarks.quality_low_bits`: per format, RTN / GPTQ / end-to-end / blockwise / two-phase,
+    as trained and as deployed (the export through the runtime emulator)."""
+    d = r.doc
+    tokens = d.get("train_tokens") or {}
+    lines = [
+        f"BF16 perplexity {_f(d.get('bf16_ppl'))} on {d.get('eval_windows', '?')} test windows; training tokens: "
+        f"end-to-end {tokens.get('end_to_end', '?')}, two-phase {tokens.get('two_phase', '?')}. Recovery = "
+        "(RTN - x) / (RTN - BF16) of the test loss ± its paired standard error; deployed: the real export as "
+        "vLLM computes it, against RTN as deployed.",
+    ]
+    if d.get("note"):
+        lines += ["", str(d["note"])]
+    for f in d.get("formats") or []:
+        runtimes = "; ".join(f"{k}: {v}" for k, v in (f.get("runtimes") or {}).items())
+        lines += [
+            "",
+            f"**`{f.get('format')}`** (RTN {_f(f.get('rtn_ppl'))}, GPTQ {_f(f.get('gptq_ppl'))}; {runtimes})",
+            "",
+            "| row | perplexity | recovery | deployed perplexity | deployed recovery | train time |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in f.get("rows") or []:
+            dep = (
+                f"refused: {str(row['deployed'].get('refused'))[:80]}"
+                if isinstance(row.get("deployed"), dict)
+                else _f(row.get("deployed_ppl"))
+            )
+            lines.append(
+                f"| {row.get('variant')} | {_f(row.get('ppl'))} | {_pm(row.get('recovery'), row.get('recovery_se'))} | "
+                f"{dep} | {_pm(row.get('deployed_recovery'), row.get('deployed_recovery_se'))} | "
+                f"{_f(row.get('train_s'), 0)} s |"
+            )
+    return lines + ["", *targets(r)]
+
+
+def quality_low_bits_headline(r: Result) -> tuple[str, str]:
+    parts = []
+    for f in r.doc.get("formats") or []:
+        two = next((x for x in f.get("rows") or [] if str(x.get("variant")).startswith("two-phase")), {})
+        parts.append(
+            f"{f.get('format')}: two-phase {_pm(two.get('deployed_recovery', two.get('recovery')), two.get('deployed_recovery_se', two.get('recovery_se')))}"
+            f" (GPTQ {_f(f.get('gptq_ppl'))} vs {_f(two.get('deployed_ppl', two.get('ppl')))} PPL)"
+        )
+    return "3- and 2-bit weights (default model): recovery of RTN's loss, as deployed", "; ".join(parts)
+
+
+# --------------------------------------------------------------------------- the upcycled MoE
+def moe_experiment(r: Result) -> list[str]:
+    """`benchmarks.moe_experiment`: the upcycled real-weight MoE's whole DAG, per format."""
+    lines = []
+    for e in r.doc.get("experiments") or []:
+        s = e.get("settings") or {}
+        up = e.get("upcycled_base_model") or {}
+        ppl = e.get("ppl") or {}
+        wall = e.get("stage_wall_s") or {}
+        lines += [
+            f"**`{e.get('experiment')}`**: `{s.get('format')}`, {s.get('max_steps')} QAT steps x "
+            f"{s.get('train_tokens_per_sample')} tokens, {s.get('deepspeed')}; {e.get('eval_windows', '?')} test windows. "
+            f"Base model: SmolLM2 {_f(up.get('dense_ppl'))}, upcycled {_f(up.get('initial_ppl'))} before / "
+            f"{_f(up.get('upcycled_ppl'))} after router training.",
+            "",
+            "| " + " | ".join(LABELS[v] for v in VARIANTS) + " |",
+            "|" + "---|" * len(VARIANTS),
+            "| " + " | ".join(_f(ppl.get(v)) for v in VARIANTS) + " |",
+            "",
+            "| variant | recovery of the PTQ gap | ± SE |",
+            "|---|---|---|",
+        ]
+        for row in e.get("rows") or []:
+            lines.append(
+                f"| {row.get('variant')} | {_f(row.get('recovery'))} | {_f(row.get('recovery_se'))} |"
+            )
+        lines += [
+            "",
+            "Stage wall times: "
+            + ", ".join(f"{k} {_f(v, 0)} s" for k, v in wall.items() if v is not None)
+            + ".",
+            "",
+        ]
+    return lines + targets(r)
+
+
+def moe_experiment_headline(r: Result) -> tuple[str, str]:
+    parts = []
+    for e in r.doc.get("experiments") or []:
+        dep = next((x for x in e.get("rows") or [] if x.get("variant") == "deployed"), {})
+        ppl = e.get("ppl") or {}
+        parts.append(
+            f"{(e.get('settings') or {}).get('format')}: BF16 {_f(ppl.get('bf16'))}, PTQ {_f(ppl.get('ptq'))}, "
+            f"deployed {_f(ppl.get('deployed'))} (recovery {_pm(dep.get('recovery'), dep.get('recovery_se'))})"
+        )
+    return "Upcycled real-weight MoE, whole DAG (2-rank ZeRO-3 QAT)", "; ".join(parts)
+
+
 # --------------------------------------------------------------------------- any other benchmark
 def targets(r: Result) -> list[str]:
     ts = r.doc.get("targets") or []
@@ -337,12 +437,16 @@ TITLES = {
     "plan_rehearsal": "Memory plan vs measured (real-width rehearsal)",
     "quality_default": "Quality at a fixed QAT budget (default model)",
     "quality_fp4": "4-bit floats: qatlib's and upstream FOCUS's recipes (default model)",
+    "quality_low_bits": "3- and 2-bit weights (default model)",
+    "moe_experiment": "The upcycled real-weight MoE, whole DAG",
 }
 RENDERERS: dict[str, tuple[Callable[[Result], list[str]], Callable[[Result], tuple[str, str]]]] = {
     "default_experiment": (default_experiment, default_experiment_headline),
     "plan_rehearsal": (plan_rehearsal, plan_rehearsal_headline),
     "quality_default": (quality_default, quality_default_headline),
     "quality_fp4": (quality_formats, quality_formats_headline),
+    "quality_low_bits": (quality_low_bits, quality_low_bits_headline),
+    "moe_experiment": (moe_experiment, moe_experiment_headline),
 }
 ORDER = tuple(RENDERERS)
 
