@@ -366,15 +366,16 @@ def quality_low_bits_headline(r: Result) -> tuple[str, str]:
 # --------------------------------------------------------------------------- the upcycled MoE
 def moe_experiment(r: Result) -> list[str]:
     """`benchmarks.moe_experiment`: the upcycled real-weight MoE's whole DAG, per format."""
-    lines = []
+    lines = [str(r.doc["note"]), ""] if r.doc.get("note") else []
     for e in r.doc.get("experiments") or []:
         s = e.get("settings") or {}
         up = e.get("upcycled_base_model") or {}
         ppl = e.get("ppl") or {}
         wall = e.get("stage_wall_s") or {}
         lines += [
-            f"**`{e.get('experiment')}`**: `{s.get('format')}`, {s.get('max_steps')} QAT steps x "
-            f"{s.get('train_tokens_per_sample')} tokens, {s.get('deepspeed')}; {e.get('eval_windows', '?')} test windows. "
+            f"**`{e.get('experiment')}`**: `{s.get('format')}`, QAT on {s.get('train_samples')} x "
+            f"{s.get('train_tokens_per_sample')} tokens ({s.get('max_steps')} steps, {s.get('deepspeed')}); "
+            f"{e.get('eval_windows', '?')} test windows. "
             f"Base model: SmolLM2 {_f(up.get('dense_ppl'))}, upcycled {_f(up.get('initial_ppl'))} before / "
             f"{_f(up.get('upcycled_ppl'))} after router training.",
             "",
