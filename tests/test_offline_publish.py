@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import build_model, tiny_llama_config
+from transformers import LlamaForCausalLM
 
 from qatlib.offline.publish import save_model_folder
 
@@ -19,15 +20,7 @@ class _Tok:
 
 
 def _model():
-    cfg = LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    return LlamaForCausalLM(cfg)
+    return build_model(tiny_llama_config())
 
 
 def test_saves_weights_tokenizer_and_the_record_that_saw_them(tmp_path):
@@ -42,7 +35,7 @@ def test_saves_weights_tokenizer_and_the_record_that_saw_them(tmp_path):
     assert "model.safetensors" in rec["files"] and "tokenizer.json" in rec["files"]
     assert json.loads((out / "stats.json").read_text()) == rec
     reloaded = LlamaForCausalLM.from_pretrained(out)
-    assert reloaded.config.hidden_size == 16
+    assert reloaded.config.hidden_size == 64
 
 
 def test_a_failing_record_leaves_no_folder_and_keeps_the_old_one(tmp_path):
