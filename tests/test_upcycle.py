@@ -98,12 +98,16 @@ def test_qk_scale_by_hand_and_its_bound_holds():
 def test_attention_is_the_dense_attention_through_the_qk_norms():
     dense = _dense()
     moe, _ = up.upcycle_weights(dense, _spec(experts="copy", num_experts=2, num_experts_per_tok=1))
-    attn = moe.model.layers[1].self_attn
-    scale = (
-        attn.q_proj.weight.abs().max() / dense.model.layers[1].self_attn.q_proj.weight.abs().max()
-    ).item()
-    assert scale < 1e-3  # the projections are scaled down, the norms' weights up by the same factor
-    assert attn.q_norm.weight[0].item() * scale == pytest.approx(math.sqrt(moe.config.rms_norm_eps), rel=1e-4)
+    layer, src = moe.model.layers[1], dense.model.layers[1]
+    attn = layer.self_attn
+    ratio = layer.input_layernorm.weight / src.input_layernorm.weight
+    a = ratio[0].item()
+    assert a < 1e-3  # the input norm is scaled down, as one tensor
+    torch.testing.assert_close(ratio, torch.full_like(ratio, a), rtol=1e-6, atol=0)
+    for n in ("q_proj", "k_proj", "v_proj"):  # the weights a runtime quantizes are the dense model's
+        torch.testing.assert_close(getattr(attn, n).weight, getattr(src.self_attn, n).weight, rtol=0, atol=0)
+    torch.testing.assert_close(attn.o_proj.weight, src.self_attn.o_proj.weight / a, rtol=1e-6, atol=0)
+    assert attn.q_norm.weight[0].item() * a == pytest.approx(math.sqrt(moe.config.rms_norm_eps), rel=1e-4)
     # with q_norm / k_norm of ones the upcycled model is another function
     for layer in moe.model.layers:
         layer.self_attn.q_norm.weight.data.fill_(1.0)
@@ -314,13 +318,16 @@ def test_upcycled_smollm2_runs_the_dag(tmp_path):
     assert json.loads((d / "qat/scale_load.json").read_text())["misses"] == 0
 
 
-def test_q_k_v_share_one_fp8_scale_without_losing_q_and_k():
-    """vLLM fuses q / k / v into one matrix with ONE per-tensor FP8 scale (the largest of the
-    three): each projection of the upcycled attention must keep its precision under it. Before
-    `v_scale`, v_proj was ~1e5 x the scaled-down q / k and their weights rounded to a few subnormal
-    codes or zero (the fp8 PTQ of the upcycled SmolLM2: 26 -> 3400 PPL)."""
+def test_q_k_v_deploy_in_fp8_as_vllm_loads_them():
+    """vLLM fuses q / k / v into one matrix under ONE per-tensor FP8 scale (the largest of the three)
+    and re-quantizes each shard to it through an fp16 dequantization
+    (`qatlib.runtime.emulate.requantize_with_max_scale`): each projection of the upcycled attention
+    must keep E4M3's precision through that. With the q / k projections scaled down ~1e5 (the upcycle
+    before its input-norm scaling) their weights rounded to zero under v_proj's scale (fp8 PTQ
+    26 -> 3400 PPL) and, with v_proj scaled down too, to fp16 subnormals (deployed 29.6 vs 27.7)."""
     from qatlib.quant.functional import fake_quantize
     from qatlib.quant.spec import QuantSpec
+    from qatlib.runtime.emulate import requantize_with_max_scale
 
     dense = _dense()
     moe, _ = up.upcycle_weights(dense, _spec(experts="copy", num_experts=2, num_experts_per_tok=1))
@@ -328,9 +335,10 @@ def test_q_k_v_share_one_fp8_scale_without_losing_q_and_k():
     for layer in moe.model.layers:
         a = layer.self_attn
         ws = [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]
-        shared = max(w.abs().max() for w in ws) / 448.0  # vLLM: requantized to the largest scale
-        for w in ws:
-            q = fake_quantize(w, shared.reshape(1), None, spec)
-            rel = ((q - w).norm() / w.norm()).item()
+        scales = [(w.abs().max() / 448.0).reshape(1) for w in ws]
+        codes = [fake_quantize(w, s, None, spec) / s for w, s in zip(ws, scales)]
+        top = max(scales)
+        for w, c in zip(ws, requantize_with_max_scale(codes, scales)):
+            rel = ((c * top - w).norm() / w.norm()).item()
             assert rel < 0.04, rel  # E4M3 normals: <= 2^-4 per element, ~0.02 in the mean
     torch.testing.assert_close(_logits(moe, IDS), _logits(dense, IDS), rtol=1e-4, atol=1e-4)

@@ -8,17 +8,21 @@ What is kept exactly: embeddings, the (tied) head, every norm, the attention and
 ``dense_layers`` (Qwen3-MoE's ``mlp_only_layers``). Qwen3-MoE's attention differs from Llama's by
 an RMSNorm of each query / key head (``q_norm`` / ``k_norm``) before RoPE; a normalisation changes
 the function (weights of ones: test perplexity 17.8 -> 285 on SmolLM2; least-squares weights: 133).
-Here it runs in its linear regime instead: ``q_proj`` (``k_proj``) is scaled by ``a`` so small that
-``a^2 * mean(q^2)`` is below ``qk_norm_error * eps`` for every input (a bound from the projection's
-spectral norm and the input norm's largest weight, no data), so that
+Here it runs in its linear regime instead: the input norm's weight (``input_layernorm``, which
+feeds q / k / v only) is scaled by ``a`` so small that ``a^2 * mean(q^2)`` is below
+``qk_norm_error * eps`` for every input of ``q_proj`` and ``k_proj`` (a bound from the projections'
+spectral norms and the input norm's largest weight, no data), so that
 ``RMSNorm(a q) = a q / sqrt(a^2 mean(q^2) + eps)`` is ``a q / sqrt(eps)`` to a relative
-``qk_norm_error / 2``, and the norm's weight ``sqrt(eps) / a`` gives back ``q``. Every quantizer of
-qatlib is scale-invariant there (RTN, GPTQ and LWC by construction; log-space scale steps; the
-q / k / v states are quantized after the norm, where the scale is the original), but a runtime
-that fuses q / k / v into one matrix shares one per-tensor scale among them (vLLM's fp8 and NVFP4
-take the largest): ``v_proj`` is scaled to the q / k projections' size and ``o_proj`` back
-(`v_scale`), so that no projection of the three is tiny beside another. The tiny weights need fp32
-or bf16 (fp16 would flush them to subnormals).
+``qk_norm_error / 2``, and the q / k norms' weight ``sqrt(eps) / a`` gives back ``q``; ``v`` comes
+out ``a`` times smaller and ``o_proj`` is divided by ``a``. Why the norm and not the projections:
+the q / k / v WEIGHTS stay SmolLM2's, so every format quantizes them as it would the dense model.
+Scaling the projections instead (``a ~ 1e-5``) left weights of ~1e-7 that a runtime cannot hold:
+vLLM fuses q / k / v under ONE per-tensor fp8 scale (the largest: a v_proj 1e5 x larger rounded
+q / k to zero, PPL 26 -> 3400) and re-quantizes the shards through fp16 at load (subnormal below
+6e-5: deployed 29.6 where the trained model read 27.7). Every quantizer of qatlib is
+scale-invariant in the scaled inputs (RTN, GPTQ and LWC by construction; log-space scale steps;
+static input scales are fp32); the q / k states are quantized after the norm, where the scale is
+the original. The small activations need fp32 or bf16 (fp16 would flush them to subnormals).
 
 Experts (``experts``):
 
@@ -197,15 +201,6 @@ def qk_scale(
     return float(torch.sqrt(error * eps / bound))
 
 
-def v_scale(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
-    """``c`` that brings ``v_proj``'s largest weight to the scaled-down q / k projections' (the
-    caller multiplies v_proj by ``c`` and divides o_proj by it: the same function). Why: runtimes
-    fuse q / k / v into one matrix with ONE per-tensor scale (vLLM's fp8 and NVFP4 take the
-    largest of the three), and beside a v_proj 1e5 times larger the q / k weights would round to
-    a few subnormal codes or zero: the fp8 PTQ of the upcycled SmolLM2 went from 26 to 3400 PPL."""
-    return float(torch.maximum(q.abs().max(), k.abs().max()) / v.abs().max())
-
-
 def balanced_clusters(features: torch.Tensor, k: int, *, iters: int = 15, seed: int = 0) -> torch.Tensor:
     """Cluster of each row of ``features`` ``[n, d]`` into ``k`` clusters of exactly ``n / k`` rows
     (k-means; each assignment round gives the rows with the clearest preference their nearest
@@ -301,16 +296,15 @@ def upcycle_weights(dense, spec: UpcycleSpec, calib: torch.Tensor | None = None)
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         if dense.config.model_type == "llama":  # q_norm / k_norm in their linear regime
-            for qk in "qk":
-                w = src[f"{p}self_attn.{qk}_proj.weight"]
-                a = qk_scale(w, src[f"{p}input_layernorm.weight"], head_dim, eps, spec.qk_norm_error)
-                new[f"{p}self_attn.{qk}_proj.weight"] = w * a
-                new[f"{p}self_attn.{qk}_norm.weight"] = torch.full((head_dim,), math.sqrt(eps) / a)
-            c = v_scale(
-                *(new[f"{p}self_attn.{n}_proj.weight"] for n in "qk"), src[f"{p}self_attn.v_proj.weight"]
+            norm = src[f"{p}input_layernorm.weight"]
+            a = min(
+                qk_scale(src[f"{p}self_attn.{qk}_proj.weight"], norm, head_dim, eps, spec.qk_norm_error)
+                for qk in "qk"
             )
-            new[f"{p}self_attn.v_proj.weight"] = src[f"{p}self_attn.v_proj.weight"] * c
-            new[f"{p}self_attn.o_proj.weight"] = src[f"{p}self_attn.o_proj.weight"] / c
+            new[f"{p}input_layernorm.weight"] = norm * a
+            for qk in "qk":
+                new[f"{p}self_attn.{qk}_norm.weight"] = torch.full((head_dim,), math.sqrt(eps) / a)
+            new[f"{p}self_attn.o_proj.weight"] = src[f"{p}self_attn.o_proj.weight"] / a
         if i in dense_ids:
             for n in ("gate_proj", "up_proj", "down_proj"):
                 new[f"{p}mlp.{n}.weight"] = src[f"{p}mlp.{n}.weight"]
