@@ -19,8 +19,10 @@ as deployed: the real export (`qatlib.export.export`) loaded as vLLM 0.33 comput
 runtimes do with 2 / 3-bit WNA16 (`qatlib.runtime.facts`, `Layout.WNA16_ODD_BITS`) is recorded in
 ``runtimes``: vLLM loads it, SGLang refuses it (Marlin is 4 / 8-bit only).
 
-``python -m benchmarks.quality_low_bits [--formats int3_g64,int2_g64] [--recipe JSON]`` ->
-``results/bench/quality_low_bits.json`` (rewritten after each format).
+``python -m benchmarks.quality_low_bits [--formats int3_g64,int2_g64] [--recipe JSON] [--keep]`` ->
+``results/bench/quality_low_bits.json`` (rewritten after each format). ``--keep``: the formats of
+the existing JSON that this run does not measure stay in it (`kept_formats`: only from a run of
+the same settings), so one format can be measured at a time on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -205,7 +207,29 @@ def targets_of(b: LowBitRows, done: list[dict]) -> list[dict]:
     return tg
 
 
-def run(b: LowBitRows, *, results: str = "results", out: str | None = None, name: str = "quality_low_bits"):
+def kept_formats(path: Path, b: LowBitRows) -> list[dict]:
+    """The formats of the JSON at ``path`` that ``b`` does not measure, to keep beside the new ones;
+    a ValueError naming the file and the field when its settings differ from ``b``'s (other than
+    ``formats``): rows of another recipe or budget are not comparable rows of one table."""
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    mine = {k: v for k, v in json.loads(json.dumps(asdict(b))).items() if k != "formats"}
+    theirs = {k: v for k, v in (old.get("settings") or {}).items() if k != "formats"}
+    for k in sorted(set(mine) | set(theirs)):
+        if mine.get(k) != theirs.get(k):
+            raise ValueError(f"{path}: settings.{k} is {theirs.get(k)!r}, this run's is {mine.get(k)!r}")
+    return [f for f in old.get("formats", []) if f["format"] not in b.formats]
+
+
+def run(
+    b: LowBitRows,
+    *,
+    results: str = "results",
+    out: str | None = None,
+    name: str = "quality_low_bits",
+    keep: list[dict] | None = None,
+):
     base = default_base(results, DefaultModelSettings.base_model)
     bw = BlockwiseRows()
     s = replace(
@@ -226,7 +250,7 @@ def run(b: LowBitRows, *, results: str = "results", out: str | None = None, name
     )
     torch.manual_seed(b.seed)
     t0 = time.perf_counter()
-    done: list[dict] = []
+    done: list[dict] = list(keep or [])
     body: dict[str, Any] = {}
     with opened(s, results, "bench-low-bits-") as (lab, inputs):
         bf16 = lab.eval(lab.base, mc=False)
@@ -263,11 +287,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="quality_low_bits")
     ap.add_argument("--results", default="results")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--keep", action="store_true", help="keep the JSON's formats this run does not measure")
     a = ap.parse_args(argv)
     b = LowBitRows(**json.loads(a.recipe)) if a.recipe else LowBitRows()
     if a.formats:
         b = replace(b, formats=tuple(f.strip() for f in a.formats.split(",")))
-    run(b, results=a.results, out=a.out, name=a.name)
+    keep = None
+    if a.keep:
+        try:  # before any model is loaded
+            keep = kept_formats(Path(a.out) / f"{a.name}.json", b)
+        except ValueError as e:
+            ap.error(str(e))
+    run(b, results=a.results, out=a.out, name=a.name, keep=keep)
     return 0
 
 

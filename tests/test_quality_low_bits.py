@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks.common import format_scheme
@@ -35,3 +37,19 @@ def test_targets_read_the_two_phase_row_as_deployed():
     int2 = by["two-phase recovery of RTN's loss, as deployed [int2_g64] >= 0.6"]
     assert int2["value"] == 0.61 and int2["met"] is True  # no deployed figure: as trained
     assert len(tg) == 3  # no GPTQ row for int2 here: no comparison
+
+
+def test_keep_takes_the_other_formats_of_a_run_with_the_same_settings(tmp_path):
+    from dataclasses import asdict, replace
+
+    from benchmarks.quality_low_bits import kept_formats
+
+    path = tmp_path / "quality_low_bits.json"
+    assert kept_formats(path, LowBitRows()) == []  # no JSON yet: nothing kept
+    int3 = _fmt("int3_g64", 31.0, {"variant": "two-phase: x"})
+    int2 = _fmt("int2_g64", None, {"variant": "two-phase: x"})
+    path.write_text(json.dumps({"settings": asdict(LowBitRows()), "formats": [int3, int2]}))
+    only2 = replace(LowBitRows(), formats=("int2_g64",))
+    assert kept_formats(path, only2) == [int3]  # the re-measured format is not kept
+    with pytest.raises(ValueError, match=r"quality_low_bits.json: settings.steps is 100, this run's is 60"):
+        kept_formats(path, replace(only2, steps=60))  # another budget: not rows of one table
