@@ -213,7 +213,10 @@ def kept_formats(path: Path, b: LowBitRows) -> list[dict]:
     ``formats``): rows of another recipe or budget are not comparable rows of one table."""
     if not path.exists():
         return []
-    old = json.loads(path.read_text())
+    try:
+        old = json.loads(path.read_text())
+    except ValueError as e:  # a truncated or hand-edited file: say which
+        raise ValueError(f"{path}: not a benchmark JSON ({e})") from e
     mine = {k: v for k, v in json.loads(json.dumps(asdict(b))).items() if k != "formats"}
     theirs = {k: v for k, v in (old.get("settings") or {}).items() if k != "formats"}
     for k in sorted(set(mine) | set(theirs)):

@@ -53,3 +53,6 @@ def test_keep_takes_the_other_formats_of_a_run_with_the_same_settings(tmp_path):
     assert kept_formats(path, only2) == [int3]  # the re-measured format is not kept
     with pytest.raises(ValueError, match=r"quality_low_bits.json: settings.steps is 100, this run's is 60"):
         kept_formats(path, replace(only2, steps=60))  # another budget: not rows of one table
+    path.write_text('{"settings": ')  # truncated: the error names the file
+    with pytest.raises(ValueError, match=r"quality_low_bits.json: not a benchmark JSON"):
+        kept_formats(path, only2)

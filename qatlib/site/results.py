@@ -324,7 +324,8 @@ def quality_low_bits(r: Result) -> list[str]:
     lines = [
         f"BF16 perplexity {_f(d.get('bf16_ppl'))} on {d.get('eval_windows', '?')} test windows; training tokens: "
         f"end-to-end {tokens.get('end_to_end', '?')}, two-phase {tokens.get('two_phase', '?')}. Recovery = "
-        "(RTN - x) / (RTN - BF16) of the test loss ± its paired standard error; deployed: the real export as "
+        "(RTN - x) / (RTN - BF16) of the test perplexity ± its paired standard error (degenerate where RTN is "
+        "orders of magnitude off: see the note); deployed: the real export as "
         "vLLM computes it, against RTN as deployed.",
     ]
     if d.get("note"):
@@ -360,7 +361,9 @@ def quality_low_bits_headline(r: Result) -> tuple[str, str]:
             f"{f.get('format')}: two-phase {_pm(two.get('deployed_recovery', two.get('recovery')), two.get('deployed_recovery_se', two.get('recovery_se')))}"
             f" (GPTQ {_f(f.get('gptq_ppl'))} vs {_f(two.get('deployed_ppl', two.get('ppl')))} PPL)"
         )
-    return "3- and 2-bit weights (default model): recovery of RTN's loss, as deployed", "; ".join(parts)
+    return "3- and 2-bit weights (default model): recovery of RTN's perplexity gap, as deployed", "; ".join(
+        parts
+    )
 
 
 # --------------------------------------------------------------------------- the upcycled MoE
