@@ -910,3 +910,18 @@ def test_raw_is_the_validated_mapping_with_its_overrides(tmp_path):
     assert streamed(raw, "ptq_calibrate") is False and streamed(load_config(exp).raw, "ptq_calibrate") is True
     raw["compression"]["quantization"]["name"] = "x"
     assert cfg.raw["compression"]["quantization"]["name"] == "int4_gptq"
+
+
+def test_nvfp4_input_global_scale_is_a_learnable_activation_scale(monkeypatch):
+    """NVFP4's inputs are dynamic per group of 16 under a static per-tensor global scale, which the
+    trainer learns with ``learnable.act_scale`` (`qatlib.trainers.params.select_trainable`); MXFP4's
+    inputs have no static scale at all, so there the key is refused by name."""
+    repo = Path(__file__).parents[1]
+    monkeypatch.chdir(repo)  # the DeepSpeed JSON path is relative to the repository
+    exp = repo / "config/experiments/smollm2-135m-nvfp4.yaml"
+    cfg = load_config(exp)
+    assert cfg.qat.plugin_config.quant_config.learnable.act_scale is True
+    scheme = cfg.quant_scheme()
+    assert scheme.input.dynamic and scheme.input.has_global_scale
+    with pytest.raises(ConfigError, match=r"quant_config.learnable.act_scale: there is no static activation"):
+        load_config(exp, ["compression.quantization.name=mxfp4"])

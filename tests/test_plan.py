@@ -344,7 +344,8 @@ def test_torch_free_inputs_agree_with_qatlib_config(path):
     defaults = TrainingArguments.__dataclass_fields__
     assert x.weight == weight_format(scheme)
     assert x.act_quant == (scheme.input is not None)
-    assert x.calib == (scheme.input is not None and not scheme.input.dynamic)
+    inp = scheme.input  # a static input scale to calibrate: per-tensor, or NVFP4's global one
+    assert x.calib == (inp is not None and (not inp.dynamic or inp.has_global_scale))
     assert x.kd == cfg.loss_config().kd_enabled
     assert x.train_scales == (cfg.learnable().weight_scale or cfg.learnable().act_scale)
     assert x.train_weights == bool(cfg.qat.plugin_config.quant_config.weight_lr)

@@ -56,3 +56,19 @@ def test_keep_takes_the_other_formats_of_a_run_with_the_same_settings(tmp_path):
     path.write_text('{"settings": ')  # truncated: the error names the file
     with pytest.raises(ValueError, match=r"quality_low_bits.json: not a benchmark JSON"):
         kept_formats(path, only2)
+
+
+def test_deployed_minus_trained_is_the_paired_loss_difference_per_token():
+    """Two windows of 4 tokens: per-token losses trained (2, 3), deployed (2.5, 3.1): differences
+    0.5 and 0.1, mean 0.3; paired SE = sd(0.5, 0.1) / sqrt(2) = 0.2828.. / 1.4142.. = 0.2."""
+    import torch
+
+    from benchmarks.quality_low_bits import deployed_minus_trained
+
+    def rec(per_token):
+        nll = torch.tensor(per_token, dtype=torch.float64) * 4  # the lab's summed NLL per window
+        return {"_nll": nll, "nll": sum(per_token) / 2, "tokens": 8, "windows": 2}
+
+    out = deployed_minus_trained(rec([2.5, 3.1]), rec([2.0, 3.0]))
+    assert out["deployed_minus_trained_nll"] == pytest.approx(0.3, abs=1e-6)
+    assert out["deployed_minus_trained_nll_se"] == pytest.approx(0.2, abs=1e-6)

@@ -123,12 +123,13 @@ def test_results_figures_come_from_the_json():
     if fp4.is_file():
         for row in json.loads(fp4.read_text())["formats"]:
             assert f"| {row['qat_ppl']:.3f} | {row['recovery_vs_rtn']:.3f} |" in page, row["format"]
-    low = bench / "quality_low_bits.json"
-    if low.is_file():
-        for f in json.loads(low.read_text())["formats"]:
+    for rows in (bench / "quality_low_bits.json", bench / "quality_w4a4.json"):
+        if not rows.is_file():
+            continue
+        for f in json.loads(rows.read_text())["formats"]:
             for row in f["rows"]:
                 cell = f"| {row['ppl']:.3f} | {row['recovery']:.3f} ± {row['recovery_se']:.3f} |"
-                assert cell in page, (f["format"], row["variant"])
+                assert cell in page, (rows.name, f["format"], row["variant"])
     moe = bench / "moe_experiment.json"
     if moe.is_file():
         for e in json.loads(moe.read_text())["experiments"]:

@@ -220,7 +220,9 @@ class ExperimentConfig(Section):
             )
         scheme = self._scheme
         if scheme is not None:
-            if qc.learnable.act_scale and (scheme.input is None or scheme.input.dynamic):
+            inp = scheme.input
+            # NVFP4's inputs are dynamic per group under a static per-tensor global scale: that one learns
+            if qc.learnable.act_scale and (inp is None or (inp.dynamic and not inp.has_global_scale)):
                 issues.append(
                     (
                         f"{QC}.learnable.act_scale",

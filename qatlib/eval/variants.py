@@ -48,6 +48,26 @@ def export_skipped_reason(export_dir: str | Path) -> str | None:
     return None
 
 
+FP4_EXPORT_BF16 = (
+    "compressed-tensors runs an FP4 export compressed and unpacks its E2M1 weights to bfloat16 "
+    "(unpack_fp4_from_uint8's default dtype) whatever the model's dtype: an fp32 model would meet "
+    "bf16 weights in every linear, so the FP4 export is evaluated in bfloat16, as a runtime serves it"
+)
+
+
+def export_dtype(export_dir: str | Path) -> torch.dtype | None:
+    """The dtype the ``export`` variant loads in: bfloat16 for an NVFP4 / MXFP4 export
+    (`FP4_EXPORT_BF16`), else None (the checkpoint's own)."""
+    import json
+
+    try:
+        qc = json.loads((Path(export_dir) / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return None
+    formats = {qc.get("format")} | {g.get("format") for g in (qc.get("config_groups") or {}).values()}
+    return torch.bfloat16 if formats & {"nvfp4-pack-quantized", "mxfp4-pack-quantized"} else None
+
+
 def load_variant(cfg, variant: str, model_path: str, scales: str | None) -> tuple[nn.Module, dict[str, Any]]:
     """``(model, record)`` of ``variant`` from ``model_path`` (the export folder for ``export`` /
     ``deployed``); ``record``: what goes into the result JSON beside the scores. ``deployed`` that
@@ -81,7 +101,11 @@ def load_variant(cfg, variant: str, model_path: str, scales: str | None) -> tupl
             return None, {"skipped": why}
 
         kw = dict(trust_remote_code=m.trust_remote_code, device_map=device_map)
-        return AutoModelForCausalLM.from_pretrained(model_path, **kw).eval(), {}
+        dtype = export_dtype(model_path)
+        if dtype is not None:  # eager attention: torch's CPU SDPA has no bf16 kernel without AVX512-BF16
+            kw.update(dtype=dtype, attn_implementation="eager")
+        record = {} if dtype is None else {"dtype": str(dtype).removeprefix("torch."), "why": FP4_EXPORT_BF16}
+        return AutoModelForCausalLM.from_pretrained(model_path, **kw).eval(), record
     # the model fits one device (always on the CPU path): qatlib's reader, the model once in memory
     # (`qatlib.onload.load_whole`, no mapped file); else accelerate spreads it over the GPUs and the
     # host (`from_pretrained` with a device_map)

@@ -273,7 +273,10 @@ def _static_input(raw: dict[str, Any]) -> bool:
     qc = section(raw, "compression.QAT.plugin_config.quant_config") or {}
     name = str(section(raw, "compression.quantization.name") or "")
     use_act = bool(qc.get("use_activation_quant", True)) and "weight_only" not in name
-    return use_act and "dynamic" not in name
+    # MXFP4 inputs: an E8M0 scale per 32 from each input, nothing static (NVFP4 keeps a static
+    # per-tensor input global scale, which PTQ calibrates)
+    qtype = str((qc.get("activation") or {}).get("qtype") or name)
+    return use_act and "dynamic" not in name and "mxfp4" not in qtype
 
 
 def _gptq(raw: dict[str, Any]) -> bool:

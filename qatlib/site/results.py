@@ -328,6 +328,14 @@ def quality_low_bits(r: Result) -> list[str]:
         "orders of magnitude off: see the note); deployed: the real export as "
         "vLLM computes it, against RTN as deployed.",
     ]
+    return lines + format_tables(r)
+
+
+def format_tables(r: Result) -> list[str]:
+    """Per format of a rows benchmark (`benchmarks.quality_low_bits.RowTable`'s rows): its note,
+    one table of the rows as trained and as deployed, and the targets."""
+    d = r.doc
+    lines: list[str] = []
     if d.get("note"):
         lines += ["", str(d["note"])]
     for f in d.get("formats") or []:
@@ -362,6 +370,38 @@ def quality_low_bits_headline(r: Result) -> tuple[str, str]:
             f" (GPTQ {_f(f.get('gptq_ppl'))} vs {_f(two.get('deployed_ppl', two.get('ppl')))} PPL)"
         )
     return "3- and 2-bit weights (default model): recovery of RTN's perplexity gap, as deployed", "; ".join(
+        parts
+    )
+
+
+# --------------------------------------------------------------------------- W4A4 4-bit floats
+def quality_w4a4(r: Result) -> list[str]:
+    """`benchmarks.quality_w4a4`: per format, RTN / QAT of the scales / QAT of scales and weights,
+    as trained and as deployed."""
+    d = r.doc
+    lines = [
+        f"BF16 perplexity {_f(d.get('bf16_ppl'))} on {d.get('eval_windows', '?')} test windows; "
+        f"{d.get('train_tokens', '?')} training tokens per QAT row. Recovery = (RTN - x) / (RTN - BF16) of the "
+        "test perplexity ± its paired standard error; deployed: the real export as vLLM computes it, "
+        "against RTN as deployed.",
+    ]
+    return lines + format_tables(r)
+
+
+def quality_w4a4_headline(r: Result) -> tuple[str, str]:
+    parts = []
+    for f in r.doc.get("formats") or []:
+        best = max(
+            (x for x in f.get("rows") or [] if x.get("variant") != "rtn"),
+            key=lambda x: x.get("deployed_recovery", x.get("recovery")) or float("-inf"),
+            default={},
+        )
+        parts.append(
+            f"{f.get('format')}: {best.get('variant')} "
+            f"{_pm(best.get('deployed_recovery', best.get('recovery')), best.get('deployed_recovery_se', best.get('recovery_se')))}"
+            f" ({_f(best.get('deployed_ppl', best.get('ppl')))} PPL, RTN {_f(f.get('rtn_ppl'))})"
+        )
+    return "W4A4 4-bit floats (default model): recovery of RTN's perplexity gap, as deployed", "; ".join(
         parts
     )
 
@@ -442,6 +482,7 @@ TITLES = {
     "quality_default": "Quality at a fixed QAT budget (default model)",
     "quality_fp4": "4-bit floats: qatlib's and upstream FOCUS's recipes (default model)",
     "quality_low_bits": "3- and 2-bit weights (default model)",
+    "quality_w4a4": "W4A4 4-bit floats at the issue's budget (default model)",
     "moe_experiment": "The upcycled real-weight MoE, whole DAG",
 }
 RENDERERS: dict[str, tuple[Callable[[Result], list[str]], Callable[[Result], tuple[str, str]]]] = {
@@ -450,6 +491,7 @@ RENDERERS: dict[str, tuple[Callable[[Result], list[str]], Callable[[Result], tup
     "quality_default": (quality_default, quality_default_headline),
     "quality_fp4": (quality_formats, quality_formats_headline),
     "quality_low_bits": (quality_low_bits, quality_low_bits_headline),
+    "quality_w4a4": (quality_w4a4, quality_w4a4_headline),
     "moe_experiment": (moe_experiment, moe_experiment_headline),
 }
 ORDER = tuple(RENDERERS)

@@ -1,0 +1,65 @@
+"""`benchmarks.quality_w4a4`: what each runtime does with NVFP4 / MXFP4 W4A4, and the targets of
+#40's build 1 from a row table (the measured run is results/bench/quality_w4a4.json)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.common import format_scheme
+from benchmarks.quality_w4a4 import SCALES_ROW, WEIGHTS_ROW, W4A4Rows, targets_of
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_w4a4_formats_quantize_weights_and_inputs_in_fp4(fmt):
+    scheme = format_scheme(fmt)
+    group = {"nvfp4": 16, "mxfp4": 32}[fmt]
+    for t in (scheme.weight, scheme.input):
+        assert t is not None and t.group_size == group, t
+
+
+def _fmt(name, *qat_rows):
+    return {
+        "format": name,
+        "rows": [{"variant": "rtn", "ppl": 33.0, "recovery": 0.0, "recovery_se": 0.0}, *qat_rows],
+    }
+
+
+def test_targets_read_each_qat_row_as_deployed():
+    scales = {"variant": SCALES_ROW, "ppl": 27.0, "recovery": 0.62, "recovery_se": 0.02}
+    scales |= {"deployed_ppl": 27.1, "deployed_recovery": 0.61, "deployed_recovery_se": 0.02}
+    weights = {"variant": WEIGHTS_ROW, "ppl": 25.0, "recovery": 0.81, "recovery_se": 0.02}
+    weights |= {"deployed_ppl": 25.5, "deployed_recovery": 0.79, "deployed_recovery_se": 0.02}
+    weights |= {"deployed_minus_trained_nll": -0.02, "deployed_minus_trained_nll_se": 0.008}
+    mx = {"variant": SCALES_ROW, "ppl": 30.0, "recovery": 0.76, "recovery_se": 0.02}
+    mx |= {"deployed": {"refused": "no kernel"}}
+    mx_w = {
+        "variant": WEIGHTS_ROW,
+        "ppl": 29.0,
+        "recovery": 0.8,
+        "recovery_se": 0.02,
+        "deployed_recovery": 0.8,
+    }
+    mx_w |= {
+        "deployed_equals_trained": True,
+        "deployed_minus_trained_nll": 0.0,
+        "deployed_minus_trained_nll_se": 0.0,
+    }
+    tg = targets_of(W4A4Rows(), [_fmt("nvfp4", scales, weights), _fmt("mxfp4", mx, mx_w)])
+    by = {t["target"]: t for t in tg}
+    assert len(tg) == 6  # no line for RTN; a bound line only where deployed was measured
+    eq = by[
+        f"{WEIGHTS_ROW}: deployed minus trained test loss, absolute, in paired standard errors [mxfp4] <= 2.0"
+    ]
+    assert eq["value"] == 0.0 and eq["met"] is True  # bit-equal losses: SE 0, no division
+    z = by[
+        f"{WEIGHTS_ROW}: deployed minus trained test loss, absolute, in paired standard errors [nvfp4] <= 2.0"
+    ]
+    assert z["value"] == 2.5 and z["met"] is False  # |-0.02| / 0.008
+    w = by[f"{WEIGHTS_ROW}: recovery of RTN's perplexity gap, as deployed [nvfp4] >= 0.8"]
+    assert w["value"] == 0.79 and w["met"] is False  # deployed (0.79), not trained (0.81)
+    s = by[f"{SCALES_ROW}: recovery of RTN's perplexity gap, as deployed [nvfp4] >= 0.8"]
+    assert s["value"] == 0.61 and s["met"] is False
+    m = by[
+        f"{SCALES_ROW}: recovery of RTN's perplexity gap, as trained (the runtime refuses it) [mxfp4] >= 0.75"
+    ]
+    assert m["value"] == 0.76 and m["met"] is True
