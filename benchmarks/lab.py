@@ -400,9 +400,18 @@ class Lab:
     def deployed(
         self, model, scheme, target: str = DEPLOY_TARGET, capability: str | None = None
     ) -> dict[str, Any]:
-        """``{"ppl", "applied"}`` of ``model`` as the runtime deploys it: the real export
-        (`qatlib.export.export`) loaded by `qatlib.eval.variants.load_deployed` (the runtime
-        emulator) and evaluated; ``{"refused": why}`` where the runtime refuses the format."""
+        """``{"ppl", "applied"}`` of ``model`` as the runtime deploys it (`deployed_eval`), or
+        ``{"refused": why}`` where the runtime refuses the format."""
+        rec = self.deployed_eval(model, scheme, target, capability)
+        return rec if "refused" in rec else {"ppl": rec["ppl"], "applied": rec["applied"]}
+
+    def deployed_eval(
+        self, model, scheme, target: str = DEPLOY_TARGET, capability: str | None = None
+    ) -> dict[str, Any]:
+        """The evaluation record (per-window NLLs kept, as `__call__`'s) of ``model`` as the runtime
+        deploys it: the real export (`qatlib.export.export`) loaded by
+        `qatlib.eval.variants.load_deployed` (the runtime emulator), plus ``applied``; or
+        ``{"refused": why}``."""
         from qatlib.eval.variants import load_deployed
         from qatlib.export import export
         from qatlib.runtime.emulate import RuntimeRefusal
@@ -413,7 +422,7 @@ class Lab:
             dep, rec = load_deployed(d, target, capability)
         except RuntimeRefusal as e:
             return {"refused": str(e)}
-        return {"ppl": self.eval(dep, mc=False)["ppl"], "applied": rec["applied"]}
+        return {**self.eval(dep, mc=False), "applied": rec["applied"]}
 
 
 @contextlib.contextmanager

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -38,8 +37,8 @@ from typing import Any
 
 import torch
 
-from .common import DEFAULT_OUT, IGNORE, format_scheme, log, machine, target, write_result
-from .lab import DEPLOY_TARGET, opened, recovery_record
+from .common import DEFAULT_OUT, format_scheme, log, machine, target, write_result
+from .lab import opened, recovery_record
 from .lab_inputs import FP4_ROWS
 from .quality_default import RECIPE, BlockwiseRows, DefaultModelSettings, default_base
 
@@ -69,24 +68,6 @@ def runtimes_of(scheme) -> dict[str, str]:
     for name in TARGETS:
         fact = load_refusal(name, layout, moe=False)
         out[name] = f"refused: {fact.what} ({fact.source})" if fact else f"loads ({layout.value})"
-    return out
-
-
-def deployed_eval(lab, model, scheme) -> dict[str, Any]:
-    """The evaluation record (per-window NLLs kept) of ``model`` as vLLM deploys it, or
-    ``{"refused": why}``."""
-    from qatlib.eval.variants import load_deployed
-    from qatlib.export import export
-    from qatlib.runtime.emulate import RuntimeRefusal
-
-    d = Path(tempfile.mkdtemp(dir=lab.work))
-    export(model, scheme, d, "real", ignore=list(IGNORE))
-    try:
-        dep, rec = load_deployed(d, DEPLOY_TARGET)
-    except RuntimeRefusal as e:
-        return {"refused": str(e)}
-    out = lab.eval(dep, mc=False)
-    out["applied"] = rec["applied"]
     return out
 
 
@@ -132,7 +113,7 @@ class RowTable:
             **recovery_record(self.bf16, self.rtn, q),
         }
         if self.deployed:
-            dep = deployed_eval(self.lab, m, self.scheme)
+            dep = self.lab.deployed_eval(m, self.scheme)
             if not self.rtn_dep:
                 self.rtn_dep.update(dep)
             if "refused" in dep:
@@ -324,26 +305,43 @@ def run(
     return body
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--formats", default=None, help="comma-separated (default int3_g64,int2_g64)")
-    ap.add_argument("--recipe", default=None, help="JSON: LowBitRows fields")
-    ap.add_argument("--name", default="quality_low_bits")
+def rows_main(argv: list[str] | None, doc: str, rows_type: type, run_rows, name: str) -> int:
+    """The command line of a rows benchmark (this one, `benchmarks.quality_w4a4`): ``--formats``,
+    ``--recipe`` (JSON of ``rows_type``'s fields), ``--keep``; a bad format, recipe field or kept
+    JSON is an argparse error naming it, before any model is loaded."""
+    from .common import FORMATS
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument(
+        "--formats", default=None, help=f"comma-separated (default {','.join(rows_type.formats)})"
+    )
+    ap.add_argument("--recipe", default=None, help=f"JSON: {rows_type.__name__} fields")
+    ap.add_argument("--name", default=name)
     ap.add_argument("--results", default="results")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--keep", action="store_true", help="keep the JSON's formats this run does not measure")
     a = ap.parse_args(argv)
-    b = LowBitRows(**json.loads(a.recipe)) if a.recipe else LowBitRows()
+    try:
+        b = rows_type(**json.loads(a.recipe)) if a.recipe else rows_type()
+    except (ValueError, TypeError) as e:
+        ap.error(f"--recipe: {e}")
     if a.formats:
         b = replace(b, formats=tuple(f.strip() for f in a.formats.split(",")))
+    unknown = [f for f in b.formats if f not in FORMATS]
+    if unknown:
+        ap.error(f"--formats: unknown {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
     keep = None
     if a.keep:
-        try:  # before any model is loaded
+        try:
             keep = kept_formats(Path(a.out) / f"{a.name}.json", b)
         except ValueError as e:
             ap.error(str(e))
-    run(b, results=a.results, out=a.out, name=a.name, keep=keep)
+    run_rows(b, results=a.results, out=a.out, name=a.name, keep=keep)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return rows_main(argv, __doc__, LowBitRows, run, "quality_low_bits")
 
 
 if __name__ == "__main__":

@@ -27,20 +27,17 @@ load_deployed`, the runtime emulator), against RTN as deployed (`quality_low_bit
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .common import DEFAULT_OUT, format_scheme, log, machine, target, write_result
+from .common import format_scheme, log, machine, target, write_result
 from .lab import DEPLOY_TARGET, opened
 from .lab_inputs import FP4_ROWS
 from .quality_default import DefaultModelSettings, default_base
-from .quality_low_bits import RowTable, kept_formats, runtimes_of
+from .quality_low_bits import RowTable, rows_main, runtimes_of
 
 SCALES_ROW = "QAT: scales"
 # deployed = trained for W4A4 holds in distribution, not bit for bit (the activation codes at a
@@ -185,25 +182,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--formats", default=None, help="comma-separated (default nvfp4,mxfp4)")
-    ap.add_argument("--recipe", default=None, help="JSON: W4A4Rows fields")
-    ap.add_argument("--name", default="quality_w4a4")
-    ap.add_argument("--results", default="results")
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
-    ap.add_argument("--keep", action="store_true", help="keep the JSON's formats this run does not measure")
-    a = ap.parse_args(argv)
-    b = W4A4Rows(**json.loads(a.recipe)) if a.recipe else W4A4Rows()
-    if a.formats:
-        b = replace(b, formats=tuple(f.strip() for f in a.formats.split(",")))
-    keep = None
-    if a.keep:
-        try:  # before any model is loaded
-            keep = kept_formats(Path(a.out) / f"{a.name}.json", b)
-        except ValueError as e:
-            ap.error(str(e))
-    run(b, results=a.results, out=a.out, name=a.name, keep=keep)
-    return 0
+    return rows_main(argv, __doc__, W4A4Rows, run, "quality_w4a4")
 
 
 if __name__ == "__main__":

@@ -63,3 +63,20 @@ def test_targets_read_each_qat_row_as_deployed():
         f"{SCALES_ROW}: recovery of RTN's perplexity gap, as trained (the runtime refuses it) [mxfp4] >= 0.75"
     ]
     assert m["value"] == 0.76 and m["met"] is True
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--formats", "nvfp4,fp5"], "--formats: unknown fp5"),
+        (["--recipe", '{"stepz": 3}'], "--recipe: "),
+        (["--recipe", "{"], "--recipe: "),
+    ],
+)
+def test_bad_arguments_are_named_before_any_model_loads(argv, message, capsys, tmp_path):
+    from benchmarks.quality_w4a4 import main
+
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--out", str(tmp_path)])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing written
