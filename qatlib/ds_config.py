@@ -20,6 +20,8 @@ import copy
 from typing import Any
 
 EXPERT_LEAF_CLASS = "qatlib.moe.ExpertMLP"
+# a whole MoE layer's experts as one leaf: the default when the experts share a trained scale
+EXPERTS_LEAF_CLASS = "qatlib.moe.LinearizedMoeExperts"
 # DeepSpeed 0.19's leaf list when a config names none (runtime/zero/leaf_module_config.py
 # DEFAULT_LEAF_MODULE_CLASSES; tests/test_zero3.py checks the mirror)
 DEEPSPEED_DEFAULT_LEAVES = (
@@ -39,15 +41,43 @@ def zero_stage(ds: Any) -> int | None:
     return stage if isinstance(stage, int) and not isinstance(stage, bool) else None
 
 
-def with_defaults(ds: dict[str, Any] | None) -> dict[str, Any] | None:
+def with_defaults(ds: dict[str, Any] | None, *, whole_layer_experts: bool = False) -> dict[str, Any] | None:
     """``ds`` with qatlib's ZeRO-3 defaults where it says nothing: ``zero_optimization.leaf_module``
-    = one `qatlib.moe.ExpertMLP` per gather. The same object when nothing is added (not ZeRO-3,
-    or the JSON has its own list), else a copy; idempotent."""
+    = one `qatlib.moe.ExpertMLP` per gather, or with ``whole_layer_experts`` a whole layer's experts
+    (`qatlib.moe.LinearizedMoeExperts`: what a run whose experts share a scale and train their
+    weights needs, `expert_leaf_issue`). The same object when nothing is added (not ZeRO-3, or the
+    JSON has its own list), else a copy; idempotent."""
     if zero_stage(ds) != 3 or "leaf_module" in ds["zero_optimization"]:
         return ds
     out = copy.deepcopy(ds)
-    out["zero_optimization"]["leaf_module"] = {"classes": [EXPERT_LEAF_CLASS]}
+    leaf = EXPERTS_LEAF_CLASS if whole_layer_experts else EXPERT_LEAF_CLASS
+    out["zero_optimization"]["leaf_module"] = {"classes": [leaf]}
     return out
+
+
+def expert_leaf_issue(ds: dict[str, Any] | None) -> str | None:
+    """Why ``ds`` cannot train the weights of experts that share a scale; None when it can.
+
+    DeepSpeed ZeRO-3 reduces a leaf module's gradients when that leaf's backward ends
+    (``reduce_leaf_module_grads``) and files a parameter of several leaves under the last one. A
+    scale every expert of a layer uses (vLLM's one static input scale per fused-MoE layer) is then
+    reduced while other experts still add to it; with the experts' weights training too the late
+    gradient is left on the parameter and the step fails in DeepSpeed's ``zero_grad``
+    (``record_stream``: "unknown parameter type" on the CPU; measured on a 2-rank fp8_static MoE).
+    Scales alone trained as one process here (tests/test_trainers.py), so only the weight-training
+    case is refused. A leaf that holds the whole layer's experts has no such split."""
+    if zero_stage(ds) != 3 or gathers_whole_layers(ds):
+        return None
+    classes = [c.rsplit(".", 1)[-1] for c in leaf_classes(ds)]
+    if EXPERT_LEAF_CLASS.rsplit(".", 1)[-1] not in classes:
+        return None  # no per-expert leaf: every parameter gets its own gradient hook
+    return (
+        "zero_optimization.leaf_module.classes makes each expert (qatlib.moe.ExpertMLP) a ZeRO-3 leaf, but "
+        "the experts of a layer share one trained scale (the runtime's merged static input scale) and their "
+        "weights train (weight_lr): DeepSpeed reduces the shared scale's gradient when one expert's backward "
+        f"ends and the step then fails on the others'. Name {EXPERTS_LEAF_CLASS} instead (one layer's "
+        "experts per gather), or leave leaf_module out (qatlib then picks it)"
+    )
 
 
 def leaf_classes(ds: dict[str, Any] | None) -> list[str]:

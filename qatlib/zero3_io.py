@@ -73,7 +73,7 @@ from .checkpoint.layout import (
 )
 from .device import bind as bind_device
 from .device import collective_device
-from .ds_config import with_defaults
+from .ds_config import expert_leaf_issue, leaf_classes, with_defaults
 from .modeling import resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,37 @@ def is_zero3_param(p: Any) -> bool:
 
 def model_is_zero3(model: nn.Module) -> bool:
     return any(is_zero3_param(p) for p in model.parameters())
+
+
+def leaf_split_params(model: nn.Module, ds_config: dict | None) -> list[str]:
+    """Trainable parameters that belong to more than one ZeRO-3 leaf module under ``ds_config``
+    (the outermost module of a leaf class decides, as in DeepSpeed), by name. DeepSpeed reduces a
+    leaf's gradients when that leaf's backward ends, so such a parameter (a scale tied across
+    experts) loses the gradients of the leaves whose backward runs later: `check_leaf_modules`."""
+    wanted = {c.rsplit(".", 1)[-1] for c in leaf_classes(ds_config)} | set(leaf_classes(ds_config))
+    owners: dict[int, set[str]] = {}
+    leaves: list[str] = []
+    for name, m in model.named_modules():
+        if any(name.startswith(f"{leaf}.") for leaf in leaves):
+            continue  # inside a leaf: the outer one owns its parameters
+        cls = type(m)
+        if cls.__name__ in wanted or f"{cls.__module__}.{cls.__qualname__}" in wanted:
+            leaves.append(name)
+            for p in m.parameters():
+                owners.setdefault(id(p), set()).add(name)
+    return [n for n, p in model.named_parameters() if p.requires_grad and len(owners.get(id(p), ())) > 1]
+
+
+def check_leaf_modules(model: nn.Module, ds_config: dict | None, *, weights_train: bool) -> None:
+    """Refuse, before any step, a ZeRO-3 leaf list that splits a trainable parameter between leaves
+    (`leaf_split_params`) while the weights train: the step would fail in DeepSpeed's ``zero_grad``
+    (`qatlib.ds_config.expert_leaf_issue`). Scales alone trained as one process with such a split."""
+    if weights_train and (split := leaf_split_params(model, ds_config)):
+        why = expert_leaf_issue(ds_config) or (
+            "zero_optimization.leaf_module splits these parameters between leaf modules; name a class "
+            "that holds all of their users"
+        )
+        raise Zero3Error(f"{why}. Shared by several leaves: {', '.join(split[:4])}")
 
 
 def gathered_param_if_zero3(params: torch.Tensor | Iterable[torch.Tensor], modifier_rank: int | None = None):

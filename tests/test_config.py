@@ -165,6 +165,29 @@ def test_upstream_zero3_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert scheme.name == "fp8_static" and scheme.k is None and not scheme.fp8_attn
 
 
+def test_experts_sharing_a_scale_with_training_weights_gather_whole_layers(tmp_path: Path) -> None:
+    """fp8_static under deploy.target vllm ties every expert's input scale of a layer into one; with
+    the weights training too (weight_lr) one expert per ZeRO-3 gather fails in DeepSpeed
+    (`qatlib.ds_config.expert_leaf_issue`): the default becomes a whole layer's experts, and a JSON
+    that names ExpertMLP is refused naming the file and the field. Scales alone keep one expert."""
+    yaml_path = _zero3_files(tmp_path)
+    wlr = {"compression.QAT.plugin_config.quant_config.weight_lr": 1e-5}
+    cfg = load_config(yaml_path, wlr)
+    layer = {"classes": ["qatlib.moe.LinearizedMoeExperts"]}
+    assert cfg.deepspeed_config["zero_optimization"]["leaf_module"] == layer
+    cfg = load_config(yaml_path, {**wlr, "deploy.target": "none"})  # nothing tied: one expert
+    assert cfg.deepspeed_config["zero_optimization"]["leaf_module"] == {"classes": ["qatlib.moe.ExpertMLP"]}
+    own = {"zero_optimization": {"stage": 3, "leaf_module": {"classes": ["qatlib.moe.ExpertMLP"]}}}
+    (tmp_path / "own.json").write_text(json.dumps(own))
+    with pytest.raises(ConfigError) as e:
+        load_config(yaml_path, {**wlr, "compression.QAT.hf_args.deepspeed": str(tmp_path / "own.json")})
+    msg = str(e.value)
+    assert "compression.QAT.hf_args.deepspeed" in msg and "own.json" in msg
+    assert "qatlib.moe.LinearizedMoeExperts" in msg
+    cfg = load_config(yaml_path, {"compression.QAT.hf_args.deepspeed": str(tmp_path / "own.json")})
+    assert cfg.deepspeed_config == own  # scales only: the user's list stands
+
+
 def test_deepspeed_path_cwd_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     yaml_path = _zero3_files(tmp_path, stage=3)
     cwd = tmp_path / "cwd"

@@ -17,7 +17,8 @@ from qatlib.data import PadCollator
 from qatlib.losses import LossConfig
 from qatlib.ptq import calibrate
 from qatlib.quant import PrepareOptions, QuantScheme, QuantSpec, prepare, quantization_disabled
-from qatlib.quant.spec import Granularity
+from qatlib.quant.spec import PRESETS, Granularity
+from qatlib.runtime.tying import tie_for
 from qatlib.trainers.end2end import LOG_FILE, QATTrainer, read_log
 from qatlib.trainers.params import Learnable, select_trainable
 
@@ -825,11 +826,12 @@ def _z3_setup(tmp_path: Path, n_samples: int, steps: int, **extra) -> tuple[dict
     from qatlib.ptq import save_ptq_checkpoint
 
     model_dir, ptq_dir = tmp_path / "model", tmp_path / "ptq"
+    scheme = QuantScheme.from_dict(extra["scheme"]) if "scheme" in extra else Z3_SCHEME
     ds_config = DS_CPU
     if extra.get("moe"):  # one expert per gather, as config/deepspeed/zero3_cpu_lean.json
-        config = tiny_qwen3_moe_config(initializer_range=0.1)
+        config = tiny_qwen3_moe_config(initializer_range=0.1, **extra.get("moe_config", {}))
         ds = json.loads(DS_CPU.read_text())
-        ds["zero_optimization"]["leaf_module"] = {"classes": ["qatlib.moe.ExpertMLP"]}
+        ds["zero_optimization"]["leaf_module"] = {"classes": [extra.get("leaf", "qatlib.moe.ExpertMLP")]}
         # no prefetch: 5e5 elements would prefetch every tiny expert and hide what the recompute holds
         ds["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
         ds_config = tmp_path / "ds_expert_leaf.json"
@@ -839,16 +841,16 @@ def _z3_setup(tmp_path: Path, n_samples: int, steps: int, **extra) -> tuple[dict
     build_model(config, seed=1).save_pretrained(model_dir)
     with one_thread():
         pm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        prepare(pm, Z3_SCHEME)
-        calibrate(pm, Z3_SCHEME, [torch.tensor([d["input_ids"]]) for d in make_data(2, seed=7)])
-        save_ptq_checkpoint(pm, Z3_SCHEME, ptq_dir)
+        prepare(pm, scheme, options=PrepareOptions(deploy=tie_for(extra.get("deploy", "none"))))
+        calibrate(pm, scheme, [torch.tensor([d["input_ids"]]) for d in make_data(2, seed=7)])
+        save_ptq_checkpoint(pm, scheme, ptq_dir)
     data = make_data(n_samples, lengths=(16,))
     spec = {
         "out": str(tmp_path / "run"),
         "model": str(model_dir),
         "ptq": str(ptq_dir),
         "ds_config": str(ds_config),
-        "scheme": Z3_SCHEME.to_dict(),
+        "scheme": scheme.to_dict(),
         "data": data,
         "steps": steps,
         "lr": 1e-3,
@@ -891,21 +893,23 @@ def _z3_reference(tmp_path: Path, spec: dict, data: list) -> list[dict[str, torc
     from qatlib import zero3_save as zs
 
     z3_steps, after = Path(spec["out"]) / "steps", []
+    scheme = QuantScheme.from_dict(spec["scheme"])
 
     class Sync(TrainerCallback):
         def on_step_begin(self, args, state, control, model=None, **kw):
             if state.global_step:  # in place: the optimizer keeps its parameters and moments
-                zl.stream_load_scales(model, z3_steps / str(state.global_step), Z3_SCHEME)
+                zl.stream_load_scales(model, z3_steps / str(state.global_step), scheme)
 
         def on_step_end(self, args, state, control, model=None, **kw):
             d = tmp_path / "ref_steps" / str(state.global_step)
-            zs.save_consolidated(model, d, scheme=Z3_SCHEME)
+            zs.save_consolidated(model, d, scheme=scheme)
             after.append(_saved_scales(d))
 
     with one_thread():
         ref = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
-        prepare(ref, Z3_SCHEME, options=PrepareOptions(init_from_weight=False))
-        zl.stream_load_scales(ref, spec["ptq"], Z3_SCHEME)
+        deploy = tie_for(spec.get("deploy", "none"))
+        prepare(ref, scheme, options=PrepareOptions(init_from_weight=False, deploy=deploy))
+        zl.stream_load_scales(ref, spec["ptq"], scheme)
         QATTrainer(
             ref,
             targs(
@@ -1123,6 +1127,68 @@ def test_zero3_gradient_checkpointing_frozen_weights_matches_single_process(tmp_
     if moe:  # each expert recomputed in its own backward: no other expert of its block is gathered
         assert res["others_gathered"] == 0  # (the layer-wide recompute held all 4 experts: 3)
     _assert_steps_match_reference(tmp_path, spec, data, steps)
+
+
+# 8 experts, 7 per token, a dense first and last layer: the smallest MoE found on which the
+# weight-training step below failed in DeepSpeed (4 experts / 2 layers / 2 per token ran)
+SPLIT_MOE = {"num_experts": 8, "num_experts_per_tok": 7, "num_hidden_layers": 4, "mlp_only_layers": [0, 3]}
+EXPERT_LEAF, LAYER_LEAF = "qatlib.moe.ExpertMLP", "qatlib.moe.LinearizedMoeExperts"
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    "leaf, weight_lr",
+    [(EXPERT_LEAF, None), (LAYER_LEAF, 1e-3), (EXPERT_LEAF, 1e-3)],
+    ids=["expert_leaf-scales", "layer_leaf-weights", "expert_leaf-weights"],
+)
+def test_zero3_moe_scale_shared_by_experts(tmp_path, leaf, weight_lr):
+    """vLLM's fused MoE serves ONE static input scale per layer (the max over its experts), so under
+    ``deploy.target: vllm`` the fp8_static experts of a layer share one Parameter, which DeepSpeed
+    files under one expert when each expert is a ZeRO-3 leaf. 2 ranks:
+    - scales only, one expert per gather: every step's scales, the shared ones included, match
+      one process (rtol 1e-5) and the shared scales train;
+    - the weights training too (``weight_lr``), a whole layer's experts per gather (qatlib's default
+      for such a run): the steps run, the shared scale trains and stays one value per layer;
+    - the weights training with one expert per gather failed in DeepSpeed's ``zero_grad``
+      (``record_stream``: "unknown parameter type"): the trainer refuses that leaf list before any
+      step, naming the field and the class to use."""
+    steps = 2
+    extra = {"weight_lr": weight_lr} if weight_lr else {}
+    spec, data = _z3_setup(
+        tmp_path,
+        4,
+        steps,
+        eps=1.0,
+        save_every_step=True,
+        moe=True,
+        moe_config=SPLIT_MOE,
+        leaf=leaf,
+        scheme=PRESETS["fp8_static"].to_dict(),
+        deploy="vllm",
+        lr=1e-5,  # additive steps: the tiny model's fp8 scales are ~1e-4
+        **extra,
+    )
+    proc, _ = torchrun(Z3_WORKER, spec, tmp_path)
+    err = proc.stdout + proc.stderr
+    if leaf == EXPERT_LEAF and weight_lr:
+        assert proc.returncode != 0
+        assert "Zero3Error" in err and "zero_optimization.leaf_module.classes" in err, err[-3000:]
+        assert f"Name {LAYER_LEAF} instead" in err
+        assert "unknown parameter type" not in err
+        assert not (tmp_path / "run" / "steps").exists()  # refused before any step
+        return
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    if not weight_lr:
+        _assert_steps_match_reference(tmp_path, spec, data, steps)
+    from safetensors.torch import load_file
+
+    init = load_file(str(next(Path(spec["ptq"]).glob("*.safetensors"))))
+    got = _saved_scales(tmp_path / "run" / "saved")
+    shared = [k for k in got if ".layers.1.mlp.experts." in k and k.endswith("input_scale")]
+    w13 = {float(got[k]) for k in shared if "down_proj" not in k}
+    assert len(shared) == 8 * 3 and len(w13) == 1  # one gate/up input scale for the layer's 8 experts
+    assert all(not torch.equal(got[k], init[k]) for k in shared)  # and the shared scales trained
 
 
 @pytest.mark.slow

@@ -18,11 +18,11 @@ from typing import Any
 
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
-from qatlib.ds_config import with_defaults, zero_stage
+from qatlib.ds_config import expert_leaf_issue, with_defaults, zero_stage
 from qatlib.losses import LossConfig
 from qatlib.quant.linear import PrepareOptions
 from qatlib.quant.spec import QuantScheme
-from qatlib.runtime.tying import tie_for
+from qatlib.runtime.tying import tie_for, ties_across_experts
 from qatlib.trainers.blockwise import BlockwiseSettings
 from qatlib.trainers.params import Learnable
 from qatlib.yamlio import ConfigError, config_file_candidates, format_issues
@@ -182,10 +182,19 @@ class ExperimentConfig(Section):
                 qat.hf_args.get("deepspeed"), self._config_dir
             )
             if self._ds_config is not None:
-                # the file minus an all-auto optimizer block, plus qatlib's ZeRO-3 defaults
-                effective = with_defaults(_check_deepspeed(self._ds_config, self._ds_path))
+                # the file minus an all-auto optimizer block, plus qatlib's ZeRO-3 defaults (a whole
+                # layer's experts per gather where they share a scale and train their weights)
+                shared = self._scheme is not None and ties_across_experts(self.deploy.target, self._scheme)
+                shared = shared and qc.weight_lr is not None
+                effective = with_defaults(
+                    _check_deepspeed(self._ds_config, self._ds_path), whole_layer_experts=shared
+                )
                 self._ds_changed = effective is not self._ds_config
                 self._ds_config = effective
+                if shared and local_model_is_moe(self.model.model_path) is not False:
+                    if why_not := expert_leaf_issue(effective):
+                        where = self._ds_path or "the inline DeepSpeed config"
+                        issues.append((f"{P}.hf_args.deepspeed", f"{where}: {why_not}"))
         except Violation as v:
             issues.append((v.path, v.message))
 

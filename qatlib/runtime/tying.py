@@ -86,6 +86,19 @@ def _tieable(q: Quantizer | None) -> bool:
     )
 
 
+def ties_across_experts(target: str, scheme: QuantScheme) -> bool:
+    """Does ``target`` merge a scale over a MoE layer's experts for ``scheme`` (vLLM's one static
+    input scale per fused-MoE layer: the max over every expert's)? Such a tie makes one Parameter
+    that every expert of the layer uses; ZeRO-3 then gathers a layer's experts together
+    (`qatlib.ds_config.expert_leaf_issue` says why). Model-free: a dense model ties no experts."""
+    if target not in TARGETS or scheme.input is None:
+        return False
+    inp = scheme.input
+    if inp.dynamic or inp.granularity is not Granularity.TENSOR:
+        return False  # `_tieable`: only a static per-tensor scale is merged
+    return any(t is Transform.EXPERT_INPUT_SCALE_MAX for t, _ in transforms(target, layout_of(scheme)))
+
+
 def tie_plan(model: nn.Module, target: str, layout: Layout) -> list[TiedGroup]:
     """The quantizer groups ``target`` merges at load for an export of ``layout`` (the groups whose
     members all have a tieable scale; nothing for ``none``)."""

@@ -60,7 +60,7 @@ from ..moe import recompute_experts_one_by_one
 from ..quant import quantization_disabled
 from ..quant.calibration import calibrate_activations, static_quantizers
 from ..vocab_parallel import partition_vocab
-from ..zero3_io import PARTITION_BYTES, model_is_zero3
+from ..zero3_io import PARTITION_BYTES, check_leaf_modules, model_is_zero3
 from .guard import TrainingGuard
 from .log_scale import install_log_space_steps
 from .params import (
@@ -172,6 +172,10 @@ class QATTrainer(Trainer):
         else:
             freeze_all_but(model, trainable)
         self.trainable = trainable
+        if model_is_zero3(model):  # before DeepSpeed hooks the gradients (its engine is built in train)
+            hf_ds = getattr(args, "hf_deepspeed_config", None)
+            ds = hf_ds.config if hf_ds is not None else None
+            check_leaf_modules(model, ds, weights_train=bool(trainable.weight))
         if use_frozen_head(model):  # the frozen head's input gradient, fast on AVX2-only CPUs
             log.info("output head: FrozenLinear (its input gradient in fp32 chunks on the CPU)")
         self.loss_config = loss_config

@@ -9,7 +9,7 @@ is then the original model as an inference-only ZeRO-3 engine, `base_model_teach
 a killed run; its state at that moment is first saved to ``{out}/at_kill``), "gradient_checkpointing" (+ "use_reentrant"), "moe" (a Qwen3-MoE model; "others_gathered"
 in result.json: the most other experts of a block gathered while one is recomputed), "save_every_step" (the
 consolidated save after each optimizer step k in ``{out}/steps/k``), "resume_from" (a checkpoint
-directory) and "vocab_block_bytes" (QATTrainer's; "vocab_swapped" and "vocab_gathered" in
+directory) and "deploy" (a runtime whose merged scales are tied, `qatlib.runtime.tying`), "vocab_block_bytes" (QATTrainer's; "vocab_swapped" and "vocab_gathered" in
 result.json: which embeddings it computed from the partitions, and whether DeepSpeed's fetch
 gathered the embedding or head weights during training)}. Rank 0 writes ``{out}/result.json`` (log history, teacher forwards, trainable counts) and
 the consolidated save ``{out}/saved``.
@@ -57,7 +57,11 @@ def main() -> None:
 
     F.compiled = counting_compiled
     scheme = QuantScheme.from_dict(spec["scheme"])
-    options = PrepareOptions(compile_fake_quant=bool(spec.get("compile", False)))
+    from qatlib.runtime.tying import tie_for
+
+    options = PrepareOptions(
+        compile_fake_quant=bool(spec.get("compile", False)), deploy=tie_for(spec.get("deploy", "none"))
+    )
     model = zl.build_qat_model(spec["model"], ctx, scheme, from_ptq_ckpt=spec["ptq"], options=options)
     assert z.model_is_zero3(model)
     assert all(q.compile_fake_quant == options.compile_fake_quant for _, q in quantizers(model))
