@@ -71,6 +71,7 @@ def test_targets_read_each_qat_row_as_deployed():
         (["--formats", "nvfp4,fp5"], "--formats: unknown fp5"),
         (["--recipe", '{"stepz": 3}'], "--recipe: "),
         (["--recipe", "{"], "--recipe: "),
+        (["--recipe", '{"rows": ["two_phase", "3phase"]}'], "--recipe: rows: unknown 3phase"),
     ],
 )
 def test_bad_arguments_are_named_before_any_model_loads(argv, message, capsys, tmp_path):

@@ -868,6 +868,104 @@ def test_freeze_release_codes_keeps_the_codes_through_a_scale_change():
         torch.testing.assert_close(model(ids).logits, frozen, rtol=1e-6, atol=1e-6)
 
 
+E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _e2m1_nearest(v: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest E2M1 value by search over the grid (no tie in these random draws)."""
+    a = v.clamp(-6, 6)
+    idx = (a.abs()[..., None] - E2M1_GRID).abs().argmin(-1)
+    return E2M1_GRID[idx] * a.sign()
+
+
+def test_frozen_codes_nvfp4_train_both_scale_levels():
+    """NVFP4 frozen codes: the codes are held at the code scale of the freeze (E4M3-rounded group
+    scale over the FP32 global scale: ``q = e2m1(w / (e4m3(s0) / g0))``), the weight is
+    ``q * e4m3(s) / g`` with the current group scales and global scale (E4M3 rounding straight
+    through), and both levels get their gradients: value and grads against autograd on that
+    formula, E4M3 by torch's float8 cast, at scales far enough from the frozen ones that
+    re-rounding there would change many codes."""
+    from qatlib.quant.fq_linear import fake_quant_linear
+
+    spec = PRESETS["nvfp4"].weight
+    assert spec.has_global_scale and spec.group_size == 16
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(6, 32, generator=g), torch.randn(5, 32, generator=g)
+    g0 = 448 * 6 / w.abs().amax()
+    s0 = w.reshape(6, 2, 16).abs().amax(-1) / 6 * g0
+    code_s0 = s0.to(torch.float8_e4m3fn).float() / g0
+    codes = _e2m1_nearest(w.reshape(6, 2, 16) / code_s0[..., None])
+
+    def leaf(t):
+        return t.clone().requires_grad_(True)
+
+    s, gs = leaf(s0 * 1.3), leaf(g0.reshape(1) * 0.9)
+    y = fake_quant_linear(x, w, None, s, None, spec, global_scale=gs, frozen_at=(code_s0, None))
+    s_ref, g_ref = leaf(s0 * 1.3), leaf(g0.reshape(1) * 0.9)
+    s_r = s_ref + (s_ref.detach().to(torch.float8_e4m3fn).float() - s_ref.detach())
+    ref = x @ (codes * (s_r / g_ref)[..., None]).reshape(6, 32).T
+    torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-6)
+    gy = torch.randn(5, 6, generator=g)
+    y.backward(gy)
+    ref.backward(gy)
+    torch.testing.assert_close(s.grad, s_ref.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gs.grad, g_ref.grad, rtol=1e-5, atol=1e-9)
+    plain = fake_quant_linear(x, w, None, s.detach(), None, spec, global_scale=gs.detach())
+    assert not torch.allclose(plain, ref.detach(), atol=1e-3)  # re-rounding: another weight
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4_weight_only", "mxfp4_weight_only"])
+def test_freeze_release_fp4_codes_through_a_scale_change(fmt):
+    """FP4 freeze -> the group scales (and NVFP4's global scales) move -> release: the released
+    model computes what the frozen one did, its weights are ``codes * code scale`` and re-round to
+    the frozen codes, and the frozen model's first output is the calibrated model's (the codes are
+    held at the ROUNDED scale: E8M0 for MXFP4, a raw scale off its grid would give other codes)."""
+    from qatlib.ptq import calibrate
+    from qatlib.quant import functional as F
+    from qatlib.quant.codes import freeze_codes, release_codes
+
+    scheme = PRESETS[fmt]
+    model = build_model(tiny_qwen3_config())
+    calibrate(model, scheme, [])
+    qls = list(quant_linears(model))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # scales off their E4M3 / E8M0 grid, as training leaves them
+        for _, ql in qls:
+            sc = ql.weight_quantizer.scale
+            sc.mul_(0.9 + 0.2 * torch.rand(sc.shape, generator=g))
+        calibrated = model(_ids(0)).logits
+    assert freeze_codes(model) == len(qls)
+    with torch.no_grad():
+        torch.testing.assert_close(model(_ids(0)).logits, calibrated, rtol=0, atol=0)
+
+    def code_scale(ql):
+        wq = ql.weight_quantizer
+        return F.code_scale(wq.scale, wq.spec, wq.global_scale)
+
+    codes = {n: ql.weight_quantizer.frozen_at[0] for n, ql in qls}
+    codes = {
+        n: _e2m1_nearest(ql.weight.reshape(-1, ql.weight_quantizer.spec.group_size) / codes[n].reshape(-1, 1))
+        for n, ql in qls
+    }
+    with torch.no_grad():
+        for _, ql in qls:
+            wq = ql.weight_quantizer
+            wq.scale.mul_(0.7 + 0.6 * torch.rand(wq.scale.shape, generator=g))
+            if wq.global_scale is not None:
+                wq.global_scale.mul_(1.25)
+        frozen = model(_ids(0)).logits
+    assert not torch.allclose(frozen, calibrated)
+    assert release_codes(model) == len(qls)
+    for n, ql in qls:
+        gsz = ql.weight_quantizer.spec.group_size
+        s = code_scale(ql).reshape(-1, 1)
+        assert ql.weight_quantizer.frozen_at is None
+        torch.testing.assert_close(ql.weight.reshape(-1, gsz), codes[n] * s, rtol=0, atol=0)
+        torch.testing.assert_close(_e2m1_nearest(ql.weight.reshape(-1, gsz) / s), codes[n], rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(model(_ids(0)).logits, frozen, rtol=1e-6, atol=1e-6)
+
+
 def test_frozen_codes_release_under_the_w4a8_fp8_recast():
     """W4A8-FP8 recasts the dequantized int4 weight to FP8 at every forward: release_codes writes
     the grid values before the recast, so the released model computes what the frozen one did."""

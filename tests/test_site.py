@@ -123,7 +123,11 @@ def test_results_figures_come_from_the_json():
     if fp4.is_file():
         for row in json.loads(fp4.read_text())["formats"]:
             assert f"| {row['qat_ppl']:.3f} | {row['recovery_vs_rtn']:.3f} |" in page, row["format"]
-    for rows in (bench / "quality_low_bits.json", bench / "quality_w4a4.json"):
+    for rows in (
+        bench / "quality_low_bits.json",
+        bench / "quality_w4a4.json",
+        bench / "quality_w4a4_two_phase.json",
+    ):
         if not rows.is_file():
             continue
         for f in json.loads(rows.read_text())["formats"]:

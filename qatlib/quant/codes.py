@@ -1,4 +1,4 @@
-"""Frozen codes: train the weight scales with the integer (or FP8) codes held fixed.
+"""Frozen codes: train the weight scales with the integer (FP8, FP4) codes held fixed.
 
 EfficientQAT's second phase (E2E-QP) trains the step sizes end to end on fixed codes. qatlib's
 default QAT moves the scales of a continuous weight instead (LSQ: ``round(w / s)`` re-rounds as
@@ -23,6 +23,7 @@ from contextlib import AbstractContextManager as ContextManager
 import torch
 from torch import nn
 
+from . import functional as F
 from .fq_linear import _fake_quant_parts
 from .linear import quant_linears
 
@@ -46,8 +47,8 @@ def _frozen_candidates(model: nn.Module):
             continue
         if wq.scale is None or wq.uses_lwc:
             raise ValueError(f"frozen codes: {name} has no stored weight scale (LWC or uncalibrated)")
-        if wq.spec.has_global_scale:
-            raise ValueError(f"frozen codes: {name} ({wq.spec.describe()}) has a second scale level")
+        if wq.spec.subgroups:
+            raise ValueError(f"frozen codes: {name} ({wq.spec.describe()}) has sub-group scales")
         yield name, ql, wq
 
 
@@ -57,12 +58,19 @@ def freeze_codes(model: nn.Module, gather: Gather = _no_gather) -> int:
     the scales train; returns how many. Undo with `release_codes` before saving or exporting.
     ``gather``: under ZeRO-3 the gathering context (every rank records the whole scale)."""
     n = 0
-    for _, _, wq in _frozen_candidates(model):
-        with gather([wq.scale, wq.zero_point]):
+    for _, ql, wq in _frozen_candidates(model):
+        with gather([wq.scale, wq.zero_point, wq.global_scale]):
             z = None if wq.zero_point is None else wq.zero_point.detach().clone()
-            wq.frozen_at = (wq.scale.detach().clone(), z)
+            # the code scale (FP4: rounded, NVFP4: over the global scale): the codes the model
+            # computed until now, whatever the raw scale between two grid points
+            wq.frozen_at = (F.code_scale(wq.scale.detach(), wq.spec, _global(ql, wq)).clone(), z)
         n += 1
     return n
+
+
+def _global(ql, wq) -> torch.Tensor | None:
+    gs = wq.global_scale_for(ql.weight)
+    return None if gs is None else gs.detach()
 
 
 @torch.no_grad()
@@ -79,14 +87,13 @@ def release_codes(model: nn.Module, gather: Gather = _no_gather) -> int:
         # at every forward (re-rounding recast values at the scale could move a code at a tie)
         spec = wq.spec.replace(fp8_recast=False) if wq.spec.fp8_recast else wq.spec
         # ZeRO-3: every rank gathers and computes the same; rank 0's weight is re-partitioned
-        with gather([ql.weight, wq.scale, wq.zero_point], modifier_rank=0):
+        with gather([ql.weight, wq.scale, wq.zero_point, wq.global_scale], modifier_rank=0):
+            gs = _global(ql, wq)
             wqv, *_ = _fake_quant_parts(
-                ql.weight, wq.scale, wq.zero_point, spec, None, with_grad_terms=False, frozen_at=wq.frozen_at
+                ql.weight, wq.scale, wq.zero_point, spec, gs, with_grad_terms=False, frozen_at=wq.frozen_at
             )
             ql.weight.copy_(wqv)
-            again = _fake_quant_parts(ql.weight, wq.scale, wq.zero_point, spec, None, with_grad_terms=False)[
-                0
-            ]
+            again = _fake_quant_parts(ql.weight, wq.scale, wq.zero_point, spec, gs, with_grad_terms=False)[0]
         wq.frozen_at = None
         if not torch.equal(again, wqv):  # e.g. int8 codes near 127 in a bf16 weight (every rank)
             raise ValueError(

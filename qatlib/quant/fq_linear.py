@@ -323,16 +323,18 @@ def fake_quant_linear(
     """``TF.linear(x, F.fake_quantize(weight, ...), bias)`` with the same value and gradients,
     keeping no fake-quantized weight for backward (recomputed there). ``x`` in ``weight.dtype``.
 
-    ``frozen_at`` (`qatlib.quant.codes.freeze_codes`): ``(scale, zero_point)`` the codes are held
-    at, ``q = clamp(round(weight / s0) + round(z0))``; the weight is ``(q - round(z)) * s`` with the
-    current scale and zero point, so ``dW_q / ds = q - zr`` and ``dW_q / dz = -s`` (EfficientQAT's
-    end-to-end training of the step sizes on fixed codes)."""
+    ``frozen_at`` (`qatlib.quant.codes.freeze_codes`): ``(s0, zero_point)`` the codes are held
+    at, ``q = clamp(round(weight / s0) + round(z0))`` with ``s0`` the code scale then
+    (`functional.code_scale`: for NVFP4 the rounded group scale over the global scale); the weight
+    is ``(q - round(z)) * s`` with the current code scale and zero point, so ``dW_q / ds = q - zr``
+    and ``dW_q / dz = -s`` (EfficientQAT's end-to-end training of the step sizes on fixed codes),
+    and for NVFP4 both scale levels train through ``s = round(scale) / global``."""
     if clamp_grad not in ("mask", "pass"):
         raise ValueError(f"clamp_grad must be 'mask' or 'pass', got {clamp_grad!r}")
     if spec.dynamic:
         raise ValueError("fake_quant_linear quantizes a static weight; a dynamic spec has no stored scale")
-    if frozen_at is not None and (spec.has_global_scale or spec.subgroups):
-        raise ValueError(f"frozen codes: {spec.describe()} has a second scale level; not supported")
+    if frozen_at is not None and spec.subgroups:
+        raise ValueError(f"frozen codes: {spec.describe()} has sub-group scales; not supported")
     if bool(spec.subgroups) != (subgroup_scale is not None):
         raise ValueError(f"{spec.describe()}: sub-group scales given {subgroup_scale is not None}")
     return _FakeQuantLinear.apply(

@@ -250,20 +250,26 @@ def _fp4_round_ste(x: torch.Tensor) -> torch.Tensor:
     return round_e2m1(x.detach()) + _identity_grad(x)
 
 
-def _effective_scale(scale: torch.Tensor, spec: QuantSpec, global_scale: torch.Tensor | None) -> torch.Tensor:
-    """The scale that multiplies the codes, in the grouped view: FP4 group scales rounded to
-    their format and (NVFP4) divided by the global scale, in compressed-tensors' order
-    (``scale / global_scale``, then ``x / that``)."""
+def code_scale(scale: torch.Tensor, spec: QuantSpec, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """The scale that multiplies the codes, in the scale parameter's shape: FP4 group scales
+    rounded to their format and (NVFP4) divided by the global scale, in compressed-tensors' order
+    (``scale / global_scale``, then ``x / that``); the W4A8 kernel's scale; else the scale in fp32.
+    What frozen codes are held at (`qatlib.quant.codes`): the codes the model computed then."""
     if spec.w4a8_kernel:
-        return _expand(w4a8_kernel_scale(scale), spec)
+        return w4a8_kernel_scale(scale)
     if not spec.is_fp4:
-        return _expand(scale.float(), spec)
+        return scale.float()
     s = _round_scale_ste(scale.float(), spec)
     if spec.has_global_scale:
         if global_scale is None:
             raise ValueError(f"{spec.qtype} needs its global scale")
         s = s / global_scale.float().reshape(())
-    return _expand(s, spec)
+    return s
+
+
+def _effective_scale(scale: torch.Tensor, spec: QuantSpec, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """`code_scale` in the grouped view."""
+    return _expand(code_scale(scale, spec, global_scale), spec)
 
 
 def code_divisor(xg: torch.Tensor, s: torch.Tensor, subgroup_scale: torch.Tensor | None, spec: QuantSpec):

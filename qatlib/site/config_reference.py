@@ -164,7 +164,7 @@ MEANING: dict[str, str] = {
     "a relative step, no scale reaches 0); absent: `additive`, `log` for FP4 weights",
     f"{_QC}.e8m0_scale_lr": "lr of MXFP4's power-of-two scales; absent: 5 x `learning_rate` under `log`",
     f"{_QC}.weight_lr": "the quantized linears' weights train too, at this lr (teacher: a second copy)",
-    f"{_QC}.frozen_codes": "train the scales on the start's integer codes held fixed (EfficientQAT's E2E-QP)",
+    f"{_QC}.frozen_codes": "train the scales on the start's codes (integer, FP8, FP4) held fixed (EfficientQAT's E2E-QP)",
     f"{_QC}.q": "quantize the queries inside attention (after `q_norm` and RoPE)",
     f"{_QC}.k": "quantize the keys as the KV cache holds them (after `k_norm` and RoPE)",
     f"{_QC}.v": "quantize the values as the KV cache holds them",

@@ -376,8 +376,8 @@ def quality_low_bits_headline(r: Result) -> tuple[str, str]:
 
 # --------------------------------------------------------------------------- W4A4 4-bit floats
 def quality_w4a4(r: Result) -> list[str]:
-    """`benchmarks.quality_w4a4`: per format, RTN / QAT of the scales / QAT of scales and weights,
-    as trained and as deployed."""
+    """`benchmarks.quality_w4a4`: per format, RTN and the trained rows the run measured (QAT of
+    the scales, of scales and weights, two-phase), as trained and as deployed."""
     d = r.doc
     lines = [
         f"BF16 perplexity {_f(d.get('bf16_ppl'))} on {d.get('eval_windows', '?')} test windows; "
@@ -483,6 +483,7 @@ TITLES = {
     "quality_fp4": "4-bit floats: qatlib's and upstream FOCUS's recipes (default model)",
     "quality_low_bits": "3- and 2-bit weights (default model)",
     "quality_w4a4": "W4A4 4-bit floats at the issue's budget (default model)",
+    "quality_w4a4_two_phase": "W4A4 4-bit floats: the two-phase recipe (default model)",
     "moe_experiment": "The upcycled real-weight MoE, whole DAG",
 }
 RENDERERS: dict[str, tuple[Callable[[Result], list[str]], Callable[[Result], tuple[str, str]]]] = {
@@ -492,6 +493,7 @@ RENDERERS: dict[str, tuple[Callable[[Result], list[str]], Callable[[Result], tup
     "quality_fp4": (quality_formats, quality_formats_headline),
     "quality_low_bits": (quality_low_bits, quality_low_bits_headline),
     "quality_w4a4": (quality_w4a4, quality_w4a4_headline),
+    "quality_w4a4_two_phase": (quality_w4a4, quality_w4a4_headline),
     "moe_experiment": (moe_experiment, moe_experiment_headline),
 }
 ORDER = tuple(RENDERERS)
