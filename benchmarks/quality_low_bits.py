@@ -163,27 +163,9 @@ def one_format(lab, b: LowBitRows, fmt: str, bf16: dict) -> dict[str, Any]:
     )
     row("end-to-end (RTN's codes held, scales)", m, rec["train_s"], steps=b.steps, recipe=r)
     del m
-    bm, brec = lab.blockwise(scheme)
-    pm, prec = lab.qat(
-        scheme,
-        start=copy.deepcopy(bm),
-        steps=b.phase2_steps,
-        lr=b.phase2_lr,
-        teacher="base",
-        scale_update="log",
-        frozen_codes=True,
-        act_scale=False,
-    )
-    row("blockwise (phase 1 alone)", bm, brec["train_s"], windows=b.bw_windows)
-    row(
-        "two-phase: blockwise, then end-to-end on its codes",
-        pm,
-        brec["train_s"] + prec["train_s"],
-        windows=b.bw_windows,
-        phase2_steps=b.phase2_steps,
-        phase2_lr=b.phase2_lr,
-        blockwise=brec["settings"],
-    )
+    bm, pm, extra = two_phase(lab, scheme, b, act_scale=False)
+    row("blockwise (phase 1 alone)", bm, extra["phase1_s"], windows=b.bw_windows)
+    row(TWO_PHASE_ROW, pm, extra.pop("train_s"), **extra)
     del bm, pm
     out = {
         "format": fmt,
@@ -196,6 +178,36 @@ def one_format(lab, b: LowBitRows, fmt: str, bf16: dict) -> dict[str, Any]:
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     return out
+
+
+TWO_PHASE_ROW = "two-phase: blockwise, then end-to-end on its codes"
+
+
+def two_phase(lab, scheme, b, *, deploy_target: str = "none", act_scale: bool = True):
+    """EfficientQAT's two phases at ``b``'s budget (``bw_windows``, ``phase2_steps``, ``phase2_lr``):
+    blockwise training of weights and scales (the lab's ``bw_*`` settings, `rows_lab`), then the
+    scales end to end on its codes held (`qatlib.quant.codes`), log space, the untouched base model
+    as teacher. ``(phase 1 model, two-phase model, the row's fields)``; ``train_s`` is both phases'."""
+    bm, brec = lab.blockwise(scheme, deploy_target=deploy_target)
+    pm, prec = lab.qat(
+        scheme,
+        start=copy.deepcopy(bm),
+        steps=b.phase2_steps,
+        lr=b.phase2_lr,
+        teacher="base",
+        scale_update="log",
+        frozen_codes=True,
+        act_scale=act_scale,
+    )
+    extra = {
+        "train_s": brec["train_s"] + prec["train_s"],
+        "windows": b.bw_windows,
+        "phase2_steps": b.phase2_steps,
+        "phase2_lr": b.phase2_lr,
+        "blockwise": brec["settings"],
+        "phase1_s": round(brec["train_s"], 1),
+    }
+    return bm, pm, extra
 
 
 def targets_of(b: LowBitRows, done: list[dict]) -> list[dict]:
@@ -247,6 +259,56 @@ def kept_formats(path: Path, b: LowBitRows) -> list[dict]:
     return [f for f in old.get("formats", []) if f["format"] not in b.formats]
 
 
+def rows_lab(b, results: str, **overrides):
+    """The lab settings of a rows benchmark (this one, `benchmarks.quality_w4a4`): the FP4 lab's, the
+    evaluation windows, seed and blockwise phase of ``b`` (`BlockwiseRows`' recipe on
+    ``bw_windows`` windows once), the workflow's default base model; plus ``overrides``."""
+    bw = BlockwiseRows()
+    return replace(
+        FP4_ROWS,
+        formats=(),
+        eval_windows=b.eval_windows,
+        bw_epochs=1,
+        bw_train_size=b.bw_windows,
+        bw_val_size=b.bw_val_windows,
+        bw_weight_lr=bw.weight_lr,
+        bw_quant_lr=bw.quant_lr,
+        bw_loss=bw.loss,
+        base_model_path=str(default_base(results, DefaultModelSettings.base_model)),
+        seed=b.seed,
+        **overrides,
+    )
+
+
+def run_rows(b, s, *, one_format, targets_of, results, out, name, keep, lab_keys, train_tokens) -> dict:
+    """Measure ``b.formats`` with the lab ``s`` (``one_format(lab, b, fmt, bf16)``), rewriting
+    ``<out>/<name>.json`` after each format beside the ``keep`` ones; ``lab_keys``: the prefixes of
+    the lab settings recorded."""
+    torch.manual_seed(b.seed)
+    t0 = time.perf_counter()
+    done: list[dict] = list(keep or [])
+    body: dict[str, Any] = {}
+    with opened(s, results, f"bench-{name}-") as (lab, inputs):
+        bf16 = lab.eval(lab.base, mc=False)
+        for fmt in b.formats:
+            done.append(one_format(lab, b, fmt, bf16))
+            body = {
+                "machine": machine(),
+                "settings": asdict(b),
+                "lab": {k: v for k, v in asdict(s).items() if k.startswith(lab_keys)},
+                "inputs": {k: inputs[k] for k in ("base", "base_source", "corpus", "corpus_source")},
+                "bf16_ppl": round(bf16["ppl"], 4),
+                "eval_windows": bf16["windows"],
+                "train_tokens": train_tokens,
+                "formats": done,
+                "targets": targets_of(b, done),
+                "total_s": round(time.perf_counter() - t0, 1),
+            }
+            if out:
+                log(f"{name}: wrote {write_result(out, name, body)}")
+    return body
+
+
 def run(
     b: LowBitRows,
     *,
@@ -255,54 +317,26 @@ def run(
     name: str = "quality_low_bits",
     keep: list[dict] | None = None,
 ):
-    base = default_base(results, DefaultModelSettings.base_model)
-    bw = BlockwiseRows()
-    s = replace(
-        FP4_ROWS,
-        formats=(),
-        eval_windows=b.eval_windows,
+    s = rows_lab(
+        b,
+        results,
         qat_steps=max(b.steps, b.phase2_steps),
         warmup_steps=RECIPE["warmup_steps"],
         lr_scheduler=RECIPE["lr_scheduler_type"],
-        bw_epochs=1,
-        bw_train_size=b.bw_windows,
-        bw_val_size=b.bw_val_windows,
-        bw_weight_lr=bw.weight_lr,
-        bw_quant_lr=bw.quant_lr,
-        bw_loss=bw.loss,
-        base_model_path=str(base),
-        seed=b.seed,
     )
-    torch.manual_seed(b.seed)
-    t0 = time.perf_counter()
-    done: list[dict] = list(keep or [])
-    body: dict[str, Any] = {}
-    with opened(s, results, "bench-low-bits-") as (lab, inputs):
-        bf16 = lab.eval(lab.base, mc=False)
-        for fmt in b.formats:
-            done.append(one_format(lab, b, fmt, bf16))
-            body = {
-                "machine": machine(),
-                "settings": asdict(b),
-                "lab": {
-                    k: v
-                    for k, v in asdict(s).items()
-                    if k.startswith(("bw_", "calib", "seq", "lr", "warm", "loss"))
-                },
-                "inputs": {k: inputs[k] for k in ("base", "base_source", "corpus", "corpus_source")},
-                "bf16_ppl": round(bf16["ppl"], 4),
-                "eval_windows": bf16["windows"],
-                "train_tokens": {
-                    "end_to_end": b.steps * s.seq_len,
-                    "two_phase": (b.bw_windows + b.phase2_steps) * s.seq_len,
-                },
-                "formats": done,
-                "targets": targets_of(b, done),
-                "total_s": round(time.perf_counter() - t0, 1),
-            }
-            if out:
-                log(f"low_bits: wrote {write_result(out, name, body)}")
-    return body
+    tokens = {"end_to_end": b.steps * s.seq_len, "two_phase": (b.bw_windows + b.phase2_steps) * s.seq_len}
+    return run_rows(
+        b,
+        s,
+        one_format=one_format,
+        targets_of=targets_of,
+        results=results,
+        out=out,
+        name=name,
+        keep=keep,
+        lab_keys=("bw_", "calib", "seq", "lr", "warm", "loss"),
+        train_tokens=tokens,
+    )
 
 
 def rows_main(argv: list[str] | None, doc: str, rows_type: type, run_rows, name: str) -> int:

@@ -36,25 +36,19 @@ load_deployed`, the runtime emulator), against RTN as deployed (`quality_low_bit
 
 from __future__ import annotations
 
-import copy
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from .common import format_scheme, log, machine, target, write_result
-from .lab import DEPLOY_TARGET, opened
-from .lab_inputs import FP4_ROWS
-from .quality_default import BlockwiseRows, DefaultModelSettings, default_base
-from .quality_low_bits import RowTable, rows_main, runtimes_of
+from .common import format_scheme, log, target
+from .lab import DEPLOY_TARGET
+from .quality_low_bits import TWO_PHASE_ROW, RowTable, rows_lab, rows_main, run_rows, runtimes_of, two_phase
 
 SCALES_ROW = "QAT: scales"
 # deployed = trained for W4A4 holds in distribution, not bit for bit (the activation codes at a
 # rounding boundary flip with the kernel's summation order): within this many paired SEs
 BOUND_SE = 2.0
 WEIGHTS_ROW = "QAT: scales and weights"
-TWO_PHASE_ROW = "two-phase: blockwise, then end-to-end on its codes"
 ROWS = ("scales", "weights", "two_phase")
 
 
@@ -110,27 +104,9 @@ def one_format(lab, b: W4A4Rows, fmt: str, bf16: dict) -> dict[str, Any]:
         table.add(WEIGHTS_ROW, m, rec["train_s"], **_qat_record(rec))
         del m
     if "two_phase" in b.rows:
-        bm, brec = lab.blockwise(scheme, deploy_target=DEPLOY_TARGET)
-        pm, prec = lab.qat(
-            scheme,
-            start=copy.deepcopy(bm),
-            steps=b.phase2_steps,
-            lr=b.phase2_lr,
-            teacher="base",
-            scale_update="log",
-            frozen_codes=True,
-        )
+        bm, pm, extra = two_phase(lab, scheme, b, deploy_target=DEPLOY_TARGET)
         del bm
-        table.add(
-            TWO_PHASE_ROW,
-            pm,
-            brec["train_s"] + prec["train_s"],
-            windows=b.bw_windows,
-            phase2_steps=b.phase2_steps,
-            phase2_lr=b.phase2_lr,
-            blockwise=brec["settings"],
-            phase1_s=round(brec["train_s"], 1),
-        )
+        table.add(TWO_PHASE_ROW, pm, extra.pop("train_s"), **extra)
         del pm
     return {
         "format": fmt,
@@ -191,49 +167,19 @@ def run(
     name: str = "quality_w4a4",
     keep: list[dict] | None = None,
 ):
-    base = default_base(results, DefaultModelSettings.base_model)
-    bw = BlockwiseRows()
-    s = replace(
-        FP4_ROWS,
-        formats=(),
-        eval_windows=b.eval_windows,
-        qat_steps=b.steps,
-        bw_epochs=1,
-        bw_train_size=b.bw_windows,
-        bw_val_size=b.bw_val_windows,
-        bw_weight_lr=bw.weight_lr,
-        bw_quant_lr=bw.quant_lr,
-        bw_loss=bw.loss,
-        base_model_path=str(base),
-        seed=b.seed,
+    s = rows_lab(b, results, qat_steps=b.steps)
+    return run_rows(
+        b,
+        s,
+        one_format=one_format,
+        targets_of=targets_of,
+        results=results,
+        out=out,
+        name=name,
+        keep=keep,
+        lab_keys=("bw_", "calib", "seq", "lr", "warm", "loss", "scale_update", "mxfp4_lr"),
+        train_tokens=b.steps * s.qat_batch * s.seq_len,
     )
-    torch.manual_seed(b.seed)
-    t0 = time.perf_counter()
-    done: list[dict] = list(keep or [])
-    body: dict[str, Any] = {}
-    with opened(s, results, "bench-w4a4-") as (lab, inputs):
-        bf16 = lab.eval(lab.base, mc=False)
-        for fmt in b.formats:
-            done.append(one_format(lab, b, fmt, bf16))
-            body = {
-                "machine": machine(),
-                "settings": asdict(b),
-                "lab": {
-                    k: v
-                    for k, v in asdict(s).items()
-                    if k.startswith(("bw_", "calib", "seq", "lr", "warm", "loss", "scale_update", "mxfp4_lr"))
-                },
-                "inputs": {k: inputs[k] for k in ("base", "base_source", "corpus", "corpus_source")},
-                "bf16_ppl": round(bf16["ppl"], 4),
-                "eval_windows": bf16["windows"],
-                "train_tokens": b.steps * s.qat_batch * s.seq_len,
-                "formats": done,
-                "targets": targets_of(b, done),
-                "total_s": round(time.perf_counter() - t0, 1),
-            }
-            if out:
-                log(f"w4a4: wrote {write_result(out, name, body)}")
-    return body
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -105,13 +105,13 @@ def leaf_split_params(model: nn.Module, ds_config: dict | None) -> list[str]:
     experts) loses the gradients of the leaves whose backward runs later: `check_leaf_modules`."""
     wanted = {c.rsplit(".", 1)[-1] for c in leaf_classes(ds_config)} | set(leaf_classes(ds_config))
     owners: dict[int, set[str]] = {}
-    leaves: list[str] = []
+    inside = None  # the prefix of the leaf being walked (named_modules is pre-order)
     for name, m in model.named_modules():
-        if any(name.startswith(f"{leaf}.") for leaf in leaves):
+        if inside is not None and name.startswith(inside):
             continue  # inside a leaf: the outer one owns its parameters
         cls = type(m)
         if cls.__name__ in wanted or f"{cls.__module__}.{cls.__qualname__}" in wanted:
-            leaves.append(name)
+            inside = f"{name}."
             for p in m.parameters():
                 owners.setdefault(id(p), set()).add(name)
     return [n for n, p in model.named_parameters() if p.requires_grad and len(owners.get(id(p), ())) > 1]
