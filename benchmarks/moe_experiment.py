@@ -1,6 +1,8 @@
-"""The upcycled real-weight MoE's workflow runs (#40 build 3) as one benchmarks JSON.
+"""The upcycled real-weight MoE's workflow runs (#40 build 3) as one benchmarks JSON; any other
+finished experiment's with ``--name``.
 
     python -m benchmarks.moe_experiment results/smollm2-moe results/smollm2-moe-fp8 [--out results/bench]
+    python -m benchmarks.moe_experiment results/smollm2-135m-nvfp4-two-phase --name nvfp4_two_phase_experiment --target 0.8
 
 Each folder is a finished `snakemake results/<exp>/report.html` of a ``smollm2-moe*`` experiment:
 PTQ -> 2-rank ZeRO-3 QAT -> export -> evaluation (bf16 / ptq / qat / export / deployed). Per
@@ -9,7 +11,7 @@ own record (``upcycle_stats.json``: SmolLM2's and the MoE's perplexity on the sa
 variant's test perplexity, the recovery ``(PTQ - x) / (PTQ - BF16)`` of qat / export / deployed
 with its paired standard error over the evaluation windows (`qatlib.report.metrics.recovery`, the
 report's definition), every stage's wall time, and the target (#40: the deployed model recovers
->= 0.85 of the PTQ gap). Writes ``<out>/moe_experiment.json``.
+>= 0.85 of the PTQ gap). Writes ``<out>/<name>.json`` (default ``moe_experiment``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ TARGET = 0.85
 SETTINGS = {
     "format": "compression.quantization.name",
     "quant_method": "compression.quantization.quant_method",
+    "training_mode": "compression.QAT.training_mode",
+    "block_wise_config": "compression.QAT.block_wise_config",
     "loss_type": "compression.QAT.loss_type",
     "scale_update": "compression.QAT.plugin_config.quant_config.scale_update",
     "frozen_codes": "compression.QAT.plugin_config.quant_config.frozen_codes",
@@ -43,7 +47,9 @@ SETTINGS = {
 }
 
 
-def experiment_record(exp_dir: str | Path, results: str | Path = "results") -> dict[str, Any]:
+def experiment_record(
+    exp_dir: str | Path, results: str | Path = "results", floor: float = TARGET
+) -> dict[str, Any]:
     exp = Path(exp_dir)
     config = load_yaml(exp / "config.yaml")
     evals = {v: json.loads((exp / f"eval/{v}.json").read_text()) for v in VARIANTS}
@@ -102,7 +108,7 @@ def experiment_record(exp_dir: str | Path, results: str | Path = "results") -> d
         "target": target(
             f"deployed recovery of the PTQ gap [{exp.name}]",
             dep.get("recovery"),
-            TARGET,
+            floor,
             higher_is_better=True,
             note=f"SE {dep.get('recovery_se')}, PTQ gap {ppl['ptq']['ppl'] / ppl['bf16']['ppl'] - 1:+.2%}",
         ),
@@ -114,10 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("exp_dirs", nargs="+", help="finished results/<exp> folders")
     ap.add_argument("--results", default="results", help="the workflow's results folder (base models)")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--name", default="moe_experiment", help="the JSON's name (a renderer of qatlib.site)")
+    ap.add_argument("--target", type=float, default=TARGET, help="the deployed recovery aimed at")
     a = ap.parse_args(argv)
-    exps = [experiment_record(d, a.results) for d in a.exp_dirs]
+    exps = [experiment_record(d, a.results, a.target) for d in a.exp_dirs]
     body = {"machine": machine(), "experiments": exps, "targets": [e["target"] for e in exps]}
-    log(f"moe_experiment: wrote {write_result(a.out, 'moe_experiment', body)}")
+    log(f"{a.name}: wrote {write_result(a.out, a.name, body)}")
     return 0
 
 

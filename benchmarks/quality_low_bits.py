@@ -51,6 +51,7 @@ class LowBitRows:
     phase2_steps: int = 50  # ... 50 end-to-end steps: 100 x 256 tokens in all
     phase2_lr: float = 1e-3
     bw_val_windows: int = 8  # blockwise's validation windows (held apart, not trained on)
+    bw_epochs: int = 1  # passes of phase 1 over its windows (more compute, the same tokens)
     gptq: bool = True
     deployed: bool = True
     eval_windows: int = 32
@@ -202,6 +203,7 @@ def two_phase(lab, scheme, b, *, deploy_target: str = "none", act_scale: bool = 
     extra = {
         "train_s": brec["train_s"] + prec["train_s"],
         "windows": b.bw_windows,
+        "phase1_epochs": b.bw_epochs,
         "phase2_steps": b.phase2_steps,
         "phase2_lr": b.phase2_lr,
         "blockwise": brec["settings"],
@@ -262,13 +264,13 @@ def kept_formats(path: Path, b: LowBitRows) -> list[dict]:
 def rows_lab(b, results: str, **overrides):
     """The lab settings of a rows benchmark (this one, `benchmarks.quality_w4a4`): the FP4 lab's, the
     evaluation windows, seed and blockwise phase of ``b`` (`BlockwiseRows`' recipe on
-    ``bw_windows`` windows once), the workflow's default base model; plus ``overrides``."""
+    ``bw_windows`` windows, ``bw_epochs`` passes), the workflow's default base model; plus ``overrides``."""
     bw = BlockwiseRows()
     return replace(
         FP4_ROWS,
         formats=(),
         eval_windows=b.eval_windows,
-        bw_epochs=1,
+        bw_epochs=b.bw_epochs,
         bw_train_size=b.bw_windows,
         bw_val_size=b.bw_val_windows,
         bw_weight_lr=bw.weight_lr,

@@ -10,7 +10,9 @@ partitioned, rank 0 streams the weights and the PTQ scales in, the HF Trainer tr
 (LM + KD losses), and the consolidated checkpoint is saved by rank 0 (it loads without
 DeepSpeed). Without DeepSpeed the same runs in one process (scales from the PTQ checkpoint, or
 lazily calibrated on the first training samples). Blockwise (``training_mode: blockwise``) trains
-decoder block by decoder block in one process (``python scripts/qat.py ...``, no torchrun).
+decoder block by decoder block in one process (``python scripts/qat.py ...``, no torchrun);
+``two_phase`` runs blockwise, then end-to-end from its result, in one process
+(`qatlib.trainers.two_phase`; phase 1's records in ``blockwise_log.jsonl``).
 
 ``--save-path`` receives the QAT checkpoint (docs/design.md): the HF model folder, the scales +
 ``quant_scheme.json``, ``run_metadata.json``, ``train_log.jsonl`` and ``scale_load.json``. The
@@ -38,9 +40,9 @@ def main(argv=None) -> int:
     cfg = _common.load_experiment(args, extra)
     save = Path(cfg.global_.save_path)
     run_dir = Path(args.run_dir) if args.run_dir else save.with_name(save.name + "_run")
-    blockwise = cfg.qat.training_mode == "blockwise"
-    if blockwise and cfg.zero3_enabled:
-        ap.error("blockwise QAT runs in one process: remove the ZeRO-3 DeepSpeed config (hf_args.deepspeed)")
+    mode = cfg.qat.training_mode
+    if mode != "end2end" and cfg.zero3_enabled:
+        ap.error(f"{mode} QAT runs in one process: remove the ZeRO-3 DeepSpeed config (hf_args.deepspeed)")
     from qatlib.data import DataError, check_samples_for_ranks
     from qatlib.resume import ResumeError, check_resume_world_size
 
@@ -54,12 +56,13 @@ def main(argv=None) -> int:
 
     with _common.stage("zero3_qat", args) as record:
         from qatlib import zero3_io, zero3_save
-        from qatlib.checkpoint.layout import SCALE_LOAD_FILE, TRAIN_LOG_FILE
+        from qatlib.checkpoint.layout import BLOCKWISE_LOG_FILE, SCALE_LOAD_FILE, TRAIN_LOG_FILE
         from qatlib.data import training_data_from_config
         from qatlib.modeling import resolve_dtype
         from qatlib.models import load_prepared, load_tokenizer, resolve_model_dir
         from qatlib.trainers.blockwise import train_blockwise
         from qatlib.trainers.end2end import train_end2end
+        from qatlib.trainers.two_phase import train_two_phase
 
         ptq = cfg.qat.from_ptq_ckpt
         model_dir = resolve_model_dir(cfg.model.model_path, cache_dir=cfg.model.cache_dir)
@@ -78,14 +81,26 @@ def main(argv=None) -> int:
             model, _ = load_prepared(cfg, model_dir, scales=ptq, zero3=ctx, report_path=scale_report)
             tok = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
             data = training_data_from_config(cfg, tok)
-            if blockwise:
+            overrides = {"output_dir": str(run_dir)}
+            if args.no_progress:
+                overrides["disable_tqdm"] = True
+            if mode == "blockwise":
                 log_file = run_dir / TRAIN_LOG_FILE
                 res = train_blockwise(cfg, model, data, scales_loaded=bool(ptq), log_file=log_file)
                 done = {"blocks": res.blocks}
+            elif mode == "two_phase":
+                two = train_two_phase(
+                    cfg,
+                    model,
+                    tok,
+                    data,
+                    scales_loaded=bool(ptq),
+                    blockwise_log=run_dir / BLOCKWISE_LOG_FILE,
+                    args_overrides=overrides,
+                    scheme=scheme,
+                )
+                done = {"blocks": two.blockwise.blocks, "steps": two.trainer.state.global_step}
             else:
-                overrides = {"output_dir": str(run_dir)}
-                if args.no_progress:
-                    overrides["disable_tqdm"] = True
                 trainer = train_end2end(
                     cfg,
                     model,
@@ -100,7 +115,7 @@ def main(argv=None) -> int:
 
             def add_files(tmp: Path) -> None:  # in the save's temporary folder: one atomic commit
                 tok.save_pretrained(str(tmp))
-                for name in (TRAIN_LOG_FILE, SCALE_LOAD_FILE):
+                for name in (TRAIN_LOG_FILE, BLOCKWISE_LOG_FILE, SCALE_LOAD_FILE):
                     if (run_dir / name).is_file():
                         shutil.copyfile(run_dir / name, tmp / name)
 

@@ -948,3 +948,25 @@ def test_nvfp4_input_global_scale_is_a_learnable_activation_scale(monkeypatch):
     assert scheme.input.dynamic and scheme.input.has_global_scale
     with pytest.raises(ConfigError, match=r"quant_config.learnable.act_scale: there is no static activation"):
         load_config(exp, ["compression.quantization.name=mxfp4"])
+
+
+def test_two_phase_mode_is_one_process_starts_from_its_own_phase_and_keeps_its_kd_loss(
+    tmp_path: Path,
+) -> None:
+    """``training_mode: two_phase``: its end-to-end phase distils (the KD loss blockwise alone
+    refuses is accepted), ZeRO-3 is refused (phase 1 is one process), and so is a resume_ckpt_dir
+    (phase 2 starts from phase 1), each naming the field."""
+    p = _write(tmp_path, "c.yaml", ZERO3_YAML)
+    mode = {"compression.QAT.training_mode": "two_phase"}
+    with pytest.raises(ConfigError) as ei:
+        load_config(p, {**mode, "compression.QAT.hf_args.deepspeed": DS_ZERO3})
+    assert ("compression.QAT.training_mode",) == tuple(f for f, _ in ei.value.issues if "two_phase" in _)
+    one = {**mode, "compression.QAT.hf_args.deepspeed": None, "compression.QAT.loss_type": "kl"}
+    cfg = load_config(p, {**one, "compression.QAT.kd_loss_weight": 1.0})
+    assert cfg.qat.training_mode == "two_phase" and cfg.loss_config().kd_enabled and not cfg.zero3_enabled
+    with pytest.raises(ConfigError, match=r"compression\.QAT\.resume_ckpt_dir: two_phase starts"):
+        load_config(p, {**one, "compression.QAT.resume_ckpt_dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match=r"compression\.QAT\.loss_type: blockwise training fits"):
+        load_config(
+            p, {**one, "compression.QAT.training_mode": "blockwise", "compression.QAT.kd_loss_weight": 1.0}
+        )

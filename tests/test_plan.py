@@ -325,6 +325,10 @@ def test_constants_agree_with_the_modules_they_mirror():
     from qatlib.checkpoint.st_write import COPY_BYTES
 
     assert qp.COPY_BYTES == COPY_BYTES
+    from qatlib.plan.model import BW_WEIGHT_LR
+    from qatlib.trainers.blockwise import BlockwiseSettings
+
+    assert BW_WEIGHT_LR == BlockwiseSettings().weight_lr
 
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
@@ -334,6 +338,7 @@ def test_torch_free_inputs_agree_with_qatlib_config(path):
     from transformers import TrainingArguments
 
     from qatlib.config import load_config
+    from qatlib.trainers.two_phase import phase1_trains_weights
 
     sets = ["compression.QAT.from_ptq_ckpt=/tmp/ptq"]
     cfg = load_config(path, sets)
@@ -349,7 +354,9 @@ def test_torch_free_inputs_agree_with_qatlib_config(path):
     assert x.kd == cfg.loss_config().kd_enabled
     assert x.train_scales == (cfg.learnable().weight_scale or cfg.learnable().act_scale)
     assert x.train_weights == bool(cfg.qat.plugin_config.quant_config.weight_lr)
-    assert x.separate_teacher == (x.train_weights or cfg.learnable().norm)
+    two_phase_teacher = cfg.qat.training_mode == "two_phase" and phase1_trains_weights(cfg)
+    assert x.separate_teacher == (x.train_weights or cfg.learnable().norm or two_phase_teacher)
+    assert x.blockwise == (cfg.qat.training_mode != "end2end")  # one process
     assert x.zero3 == cfg.zero3_enabled
     assert (x.seq_len, x.calib_samples, x.calib_batch) == (
         cfg.dataset.max_seq_length,

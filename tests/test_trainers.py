@@ -802,6 +802,89 @@ def test_blockwise_cli_trains_and_saves_a_qat_checkpoint(tmp_path, tiny_tokenize
     assert stream_load_scales(fresh, tmp_path / "qat", scheme)["misses"] == 0
 
 
+def _loaded_qat(path: Path, seed: int = 9):
+    """A QAT checkpoint loaded into a fresh prepared tiny model."""
+    from qatlib.resume import load_saved_model
+
+    m = build_model(tiny_qwen3_config(), seed=seed)
+    prepare(m, QuantScheme.from_dict(json.loads((path / "quant_scheme.json").read_text())))
+    load_saved_model(m, path)
+    return m
+
+
+def test_two_phase_stage_equals_the_two_stages_chained_by_hand(tmp_path, tiny_tokenizer):
+    """``training_mode: two_phase`` (`qatlib.trainers.two_phase`) = a blockwise stage, then an
+    end2end stage resumed from its checkpoint with ``frozen_codes``: the same weights and scales
+    bit for bit, phase 1's codes kept while the scales moved, the original model as phase 2's KD
+    teacher (the hand chain gets it from `resume`'s rule), and each phase's records in its log."""
+    import subprocess
+    import sys
+
+    import safetensors.torch as st
+    import yaml
+
+    from qatlib.checkpoint.layout import BLOCKWISE_LOG_FILE, TRAIN_LOG_FILE
+
+    model_dir = tmp_path / "base"
+    build_model(tiny_qwen3_config(), seed=2).save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    bw = {
+        "epochs": 1,
+        "batch_size": 1,
+        "train_size": 2,
+        "val_size": 1,
+        "training_seqlen": 16,
+        "quant_lr": 1e-2,
+    }
+
+    def run(name: str, **qat) -> Path:
+        raw, _ = _experiment(tmp_path, model_dir, raw=True, block_wise_config=bw, **qat)
+        raw["compression"]["quantization"] = {"name": "int4_weight_only", "group_size": 16}
+        qc = raw["compression"]["QAT"]["plugin_config"]["quant_config"]
+        qc["learnable"] = {"act_scale": False}
+        qc["scale_update"] = "log"
+        raw["compression"]["QAT"]["hf_args"]["learning_rate"] = 3e-2
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw))
+        script = Path(__file__).resolve().parents[1] / "scripts" / "qat.py"
+        cmd = [
+            sys.executable,
+            str(script),
+            "-c",
+            str(tmp_path / f"{name}.yaml"),
+            "--save-path",
+            str(tmp_path / name),
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return tmp_path / name
+
+    kd = {"loss_type": "kl", "kd_loss_weight": 1.0}
+    frozen = {"plugin_config": {"quant_config": {"frozen_codes": True}}}
+    two = run("two", training_mode="two_phase", **kd, **frozen)
+    phase1 = run("phase1", training_mode="blockwise", loss_type="origin", kd_loss_weight=0.0)
+    chain = run("chain", training_mode="end2end", resume_ckpt_dir=str(phase1), **kd, **frozen)
+
+    for f in ("model.safetensors", "scales.safetensors"):
+        a, b = st.load_file(two / f), st.load_file(chain / f)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), (f, k)
+    assert read_log(two / BLOCKWISE_LOG_FILE) == read_log(phase1 / TRAIN_LOG_FILE)
+    assert [r["step"] for r in read_log(two / TRAIN_LOG_FILE)] == [1, 2]
+    # phase 2 moved the scales and kept phase 1's codes
+    m1, m2 = _loaded_qat(phase1), _loaded_qat(two)
+    moved = 0
+    for (n, q1), q2 in zip(
+        ((n, m) for n, m in m1.named_modules() if hasattr(m, "codes") and m.weight_quantizer is not None),
+        (m for m in m2.modules() if hasattr(m, "codes") and m.weight_quantizer is not None),
+    ):
+        c1, s1, _ = q1.codes()
+        c2, s2, _ = q2.codes()
+        assert torch.equal(c1, c2), n
+        moved += not torch.equal(s1, s2)
+    assert moved > 0
+
+
 # --------------------------------------------------------------------------- ZeRO-3, 2 ranks
 ROOT = Path(__file__).resolve().parents[1]
 DS_CPU = ROOT / "config" / "deepspeed" / "zero3_cpu.json"

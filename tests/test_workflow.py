@@ -124,7 +124,9 @@ def test_every_experiment_validates(path, monkeypatch):
 
     monkeypatch.chdir(REPO)  # DeepSpeed JSON paths are relative to the repository
     cfg = load_config(path)
-    assert cfg.zero3_enabled and cfg.qat.from_ptq_ckpt == f"results/{path.stem}/ptq"
+    # every end-to-end recipe runs under ZeRO-3; a blockwise phase is one process
+    assert cfg.zero3_enabled == (cfg.qat.training_mode == "end2end")
+    assert cfg.qat.from_ptq_ckpt == f"results/{path.stem}/ptq"
     assert cfg.global_.save_path == f"results/{path.stem}/qat"
 
 
@@ -190,9 +192,10 @@ def test_yaml_1e_minus_4_is_a_number_at_dag_time(tmp_path):
 
 
 @needs_snakemake
-def test_blockwise_qat_runs_in_one_process_without_torchrun(tmp_path):
+@pytest.mark.parametrize("mode", ["blockwise", "two_phase"])
+def test_blockwise_qat_runs_in_one_process_without_torchrun(tmp_path, mode):
     exps = _test_experiments(
-        tmp_path, lambda s: s.replace("training_mode: end2end", "training_mode: blockwise")
+        tmp_path, lambda s: s.replace("training_mode: end2end", f"training_mode: {mode}")
     )
     _, out = snakemake(
         [

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from .layout import (
+    BLOCKWISE_LOG_FILE,
     GGUF_SOURCE_FILE,
     PRETRAIN_STATS_FILE,
     RUN_METADATA_FILE,
@@ -35,6 +36,7 @@ RUN_FILES = frozenset(
         RUN_METADATA_FILE,
         SCALE_LOAD_FILE,
         TRAIN_LOG_FILE,
+        BLOCKWISE_LOG_FILE,
         PRETRAIN_STATS_FILE,
         GGUF_SOURCE_FILE,
         UPCYCLE_STATS_FILE,

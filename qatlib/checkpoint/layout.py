@@ -32,6 +32,8 @@ WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 KV_SCALES_FILE = "kv_cache_scales.safetensors"
 RUN_METADATA_FILE = "run_metadata.json"
 TRAIN_LOG_FILE = "train_log.jsonl"
+# two-phase QAT's first (blockwise) phase: its per-block records, beside phase 2's train log
+BLOCKWISE_LOG_FILE = "blockwise_log.jsonl"
 SCALE_LOAD_FILE = "scale_load.json"
 # The records the base-model stages write beside the weights (`qatlib.offline`): what was built and
 # how it scored, with wall times and host paths, so not part of the folder's content hash.

@@ -207,9 +207,12 @@ class ExperimentConfig(Section):
                         f"is required {why}: scales cannot be calibrated on sharded weights; run PTQ first",
                     )
                 )
-            if qat.training_mode == "blockwise":
+            if qat.training_mode != "end2end":
                 issues.append(
-                    (f"{P}.training_mode", f"blockwise training is single-process; not possible {why}")
+                    (
+                        f"{P}.training_mode",
+                        f"{qat.training_mode} training is single-process (blockwise); not possible {why}",
+                    )
                 )
             if self.model.device_map is not None:
                 issues.append(("model.device_map", f"must be None {why}: DeepSpeed places the shards"))
@@ -253,6 +256,14 @@ class ExperimentConfig(Section):
             dtype = local_model_dtype(self.model.model_path, self.model.torch_dtype_name)
             issues += deploy_issues(self.deploy, scheme, local_model_is_moe(self.model.model_path), dtype)
 
+        if qat.training_mode == "two_phase" and qat.resume_ckpt_dir:
+            issues.append(
+                (
+                    f"{P}.resume_ckpt_dir",
+                    "two_phase starts its end-to-end phase from its blockwise phase; resume a "
+                    "two-phase run's second phase as an end2end experiment instead",
+                )
+            )
         if qat.training_mode == "blockwise" and self.loss_config().kd_enabled:
             issues.append(
                 (

@@ -353,7 +353,10 @@ def hf_training_arg_names() -> frozenset[str]:
 class QATConfig(Section):
     """``compression.QAT``: training mode, losses, data, HF Trainer arguments, plugin settings."""
 
-    training_mode: Literal["end2end", "blockwise"] = "end2end"
+    # end2end: the HF Trainer (ZeRO-3 capable); blockwise: one decoder block at a time (one process);
+    # two_phase (not upstream): blockwise (block_wise_config), then end2end (hf_args, the loss) from
+    # its result in one process, EfficientQAT's recipe (qatlib.trainers.two_phase)
+    training_mode: Literal["end2end", "blockwise", "two_phase"] = "end2end"
     dist_mode: Literal["hf"] = "hf"
     do_train: bool = True
     # the export stage's format (default real): it reads the consolidated QAT checkpoint in one

@@ -330,6 +330,11 @@ def not_streamed(raw: dict[str, Any], stage: str) -> str | None:
     return None
 
 
+# `qatlib.trainers.blockwise.BlockwiseSettings.weight_lr`'s default (not imported: the plan runs
+# without torch; tests/test_plan.py checks the equality)
+BW_WEIGHT_LR = 1e-3
+
+
 def from_experiment(
     raw: dict[str, Any], ds: dict[str, Any] | None, model_dtype: str | None = None
 ) -> PlanInputs:
@@ -348,6 +353,7 @@ def from_experiment(
     use_act = bool(qc.get("use_activation_quant", True)) and "weight_only" not in str(quant.get("name", ""))
     zo = section(ds, "zero_optimization") or {}
     threshold = zo.get("stage3_param_persistence_threshold")
+    mode = g("compression.QAT.training_mode", "end2end")
     return PlanInputs(
         dtype_bytes=DTYPE_BYTES.get(dtype, 2),
         seq_len=int(g("dataset.max_seq_length", 2048)),
@@ -374,9 +380,14 @@ def from_experiment(
         act_quant=use_act,
         train_scales=bool(learn.get("weight_scale", True)) or bool(learn.get("act_scale", False)),
         train_weights=bool(qc.get("weight_lr")),
-        separate_teacher=bool(qc.get("weight_lr")) or bool(learn.get("norm", False)),
+        # two_phase: a phase 1 that trained the weights (`qatlib.trainers.two_phase`) too
+        separate_teacher=bool(qc.get("weight_lr"))
+        or bool(learn.get("norm", False))
+        or (
+            mode == "two_phase" and float(g("compression.QAT.block_wise_config.weight_lr", BW_WEIGHT_LR)) > 0
+        ),
         zero3=section(ds, "zero_optimization.stage") == 3,
-        blockwise=g("compression.QAT.training_mode", "end2end") == "blockwise",
+        blockwise=mode != "end2end",  # blockwise or two_phase: one process
         offload_optimizer=str(section(zo, "offload_optimizer.device") or "none") == "cpu",
         offload_param=str(section(zo, "offload_param.device") or "none") == "cpu",
         persistence_threshold=int(threshold) if isinstance(threshold, int | float) else None,

@@ -102,7 +102,9 @@ MEANING: dict[str, str] = {
     "compression.quantization.quant_talker": "Qwen3-Omni talker quantization: refused when true",
     # ------------------------------------------------------------------ compression.QAT
     "compression.QAT": "training mode, losses, data, Trainer arguments, the learnable-scale plugin",
-    "compression.QAT.training_mode": "`end2end` (HF Trainer, ZeRO-3 capable) or `blockwise` (one process)",
+    "compression.QAT.training_mode": "`end2end` (HF Trainer, ZeRO-3 capable), `blockwise` (one process) or "
+    "`two_phase` (blockwise, then end2end from its result, one process; with `frozen_codes` the "
+    "scales train on its codes: EfficientQAT's recipe)",
     "compression.QAT.dist_mode": "the distributed backend; only `hf` (HF Trainer + DeepSpeed)",
     "compression.QAT.do_train": "false: no training steps (prepare, load and save only)",
     "compression.QAT.save_format": "what the QAT save writes: `fake`, `real`, `save_kvcache_only`, "

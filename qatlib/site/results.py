@@ -408,19 +408,29 @@ def quality_w4a4_headline(r: Result) -> tuple[str, str]:
 
 # --------------------------------------------------------------------------- the upcycled MoE
 def moe_experiment(r: Result) -> list[str]:
-    """`benchmarks.moe_experiment`: the upcycled real-weight MoE's whole DAG, per format."""
+    """`benchmarks.moe_experiment`: finished workflow experiments' whole DAG (the upcycled real-weight
+    MoE's, per format; the two-phase NVFP4 recipe's)."""
     lines = [str(r.doc["note"]), ""] if r.doc.get("note") else []
     for e in r.doc.get("experiments") or []:
         s = e.get("settings") or {}
         up = e.get("upcycled_base_model") or {}
         ppl = e.get("ppl") or {}
         wall = e.get("stage_wall_s") or {}
+        mode = s.get("training_mode") or "end2end"
+        how = f"{s.get('max_steps')} steps, {s.get('deepspeed') or 'one process'}"
+        if mode == "two_phase":
+            bw = s.get("block_wise_config") or {}
+            how = f"two_phase: blockwise on {bw.get('train_size')} windows, then {how}"
+        base = (
+            f" Base model: SmolLM2 {_f(up.get('dense_ppl'))}, upcycled {_f(up.get('initial_ppl'))} before / "
+            f"{_f(up.get('upcycled_ppl'))} after router training."
+            if up
+            else ""
+        )
         lines += [
             f"**`{e.get('experiment')}`**: `{s.get('format')}`, QAT on {s.get('train_samples')} x "
-            f"{s.get('train_tokens_per_sample')} tokens ({s.get('max_steps')} steps, {s.get('deepspeed')}); "
-            f"{e.get('eval_windows', '?')} test windows. "
-            f"Base model: SmolLM2 {_f(up.get('dense_ppl'))}, upcycled {_f(up.get('initial_ppl'))} before / "
-            f"{_f(up.get('upcycled_ppl'))} after router training.",
+            f"{s.get('train_tokens_per_sample')} tokens ({how}); "
+            f"{e.get('eval_windows', '?')} test windows.{base}",
             "",
             "| " + " | ".join(LABELS[v] for v in VARIANTS) + " |",
             "|" + "---|" * len(VARIANTS),
@@ -443,7 +453,7 @@ def moe_experiment(r: Result) -> list[str]:
     return lines + targets(r)
 
 
-def moe_experiment_headline(r: Result) -> tuple[str, str]:
+def moe_experiment_headline(r: Result, what: str = "Upcycled real-weight MoE, whole DAG (2-rank ZeRO-3 QAT)"):
     parts = []
     for e in r.doc.get("experiments") or []:
         dep = next((x for x in e.get("rows") or [] if x.get("variant") == "deployed"), {})
@@ -452,7 +462,11 @@ def moe_experiment_headline(r: Result) -> tuple[str, str]:
             f"{(e.get('settings') or {}).get('format')}: BF16 {_f(ppl.get('bf16'))}, PTQ {_f(ppl.get('ptq'))}, "
             f"deployed {_f(ppl.get('deployed'))} (recovery {_pm(dep.get('recovery'), dep.get('recovery_se'))})"
         )
-    return "Upcycled real-weight MoE, whole DAG (2-rank ZeRO-3 QAT)", "; ".join(parts)
+    return what, "; ".join(parts)
+
+
+def nvfp4_two_phase_headline(r: Result) -> tuple[str, str]:
+    return moe_experiment_headline(r, "NVFP4 W4A4, `training_mode: two_phase`, whole DAG (default model)")
 
 
 # --------------------------------------------------------------------------- any other benchmark
@@ -485,6 +499,7 @@ TITLES = {
     "quality_w4a4": "W4A4 4-bit floats at the issue's budget (default model)",
     "quality_w4a4_two_phase": "W4A4 4-bit floats: the two-phase recipe (default model)",
     "moe_experiment": "The upcycled real-weight MoE, whole DAG",
+    "nvfp4_two_phase_experiment": "NVFP4 W4A4 with the two-phase recipe, whole DAG (default model)",
 }
 RENDERERS: dict[str, tuple[Callable[[Result], list[str]], Callable[[Result], tuple[str, str]]]] = {
     "default_experiment": (default_experiment, default_experiment_headline),
@@ -495,6 +510,7 @@ RENDERERS: dict[str, tuple[Callable[[Result], list[str]], Callable[[Result], tup
     "quality_w4a4": (quality_w4a4, quality_w4a4_headline),
     "quality_w4a4_two_phase": (quality_w4a4, quality_w4a4_headline),
     "moe_experiment": (moe_experiment, moe_experiment_headline),
+    "nvfp4_two_phase_experiment": (moe_experiment, nvfp4_two_phase_headline),
 }
 ORDER = tuple(RENDERERS)
 

@@ -326,10 +326,10 @@ class Experiments:
         return json.loads(path.read_text(encoding="utf-8")) if path else self.value(exp, DEEPSPEED_KEY)
 
     def distributed(self, exp: str) -> bool:
-        """Whether QAT runs on several processes (torchrun): end-to-end under ZeRO-3; blockwise
-        training, or training without ZeRO-3, is one process."""
+        """Whether QAT runs on several processes (torchrun): end-to-end under ZeRO-3; blockwise or
+        two-phase training, or training without ZeRO-3, is one process."""
         mode = self.value(exp, "compression.QAT.training_mode") or "end2end"
-        return mode != "blockwise" and zero3_enabled(self.deepspeed(exp))
+        return mode == "end2end" and zero3_enabled(self.deepspeed(exp))
 
     # ------------------------------------------------------------------ script arguments
     def stage_overrides(self, exp: str, stage: str) -> dict[str, Any]:
