@@ -453,20 +453,24 @@ def moe_experiment(r: Result) -> list[str]:
     return lines + targets(r)
 
 
-def moe_experiment_headline(r: Result, what: str = "Upcycled real-weight MoE, whole DAG (2-rank ZeRO-3 QAT)"):
+def moe_experiment_headline(
+    r: Result, what: str = "Upcycled real-weight MoE, whole DAG (2-rank ZeRO-3 QAT)", label: str = "format"
+):
+    """``label``: each experiment named by its format (``"format"``) or its training mode."""
     parts = []
     for e in r.doc.get("experiments") or []:
         dep = next((x for x in e.get("rows") or [] if x.get("variant") == "deployed"), {})
         ppl = e.get("ppl") or {}
+        name = (e.get("settings") or {}).get(label) or "end2end"
         parts.append(
-            f"{(e.get('settings') or {}).get('format')}: BF16 {_f(ppl.get('bf16'))}, PTQ {_f(ppl.get('ptq'))}, "
+            f"{name}: BF16 {_f(ppl.get('bf16'))}, PTQ {_f(ppl.get('ptq'))}, "
             f"deployed {_f(ppl.get('deployed'))} (recovery {_pm(dep.get('recovery'), dep.get('recovery_se'))})"
         )
     return what, "; ".join(parts)
 
 
 def nvfp4_two_phase_headline(r: Result) -> tuple[str, str]:
-    return moe_experiment_headline(r, "NVFP4 W4A4, `training_mode: two_phase`, whole DAG (default model)")
+    return moe_experiment_headline(r, "NVFP4 W4A4 recipes, whole DAG (default model)", label="training_mode")
 
 
 # --------------------------------------------------------------------------- any other benchmark
@@ -499,7 +503,7 @@ TITLES = {
     "quality_w4a4": "W4A4 4-bit floats at the issue's budget (default model)",
     "quality_w4a4_two_phase": "W4A4 4-bit floats: the two-phase recipe (default model)",
     "moe_experiment": "The upcycled real-weight MoE, whole DAG",
-    "nvfp4_two_phase_experiment": "NVFP4 W4A4 with the two-phase recipe, whole DAG (default model)",
+    "nvfp4_two_phase_experiment": "NVFP4 W4A4: the end-to-end and two-phase recipes, whole DAG (default model)",
 }
 RENDERERS: dict[str, tuple[Callable[[Result], list[str]], Callable[[Result], tuple[str, str]]]] = {
     "default_experiment": (default_experiment, default_experiment_headline),
