@@ -56,13 +56,11 @@ def main(argv=None) -> int:
 
     with _common.stage("zero3_qat", args) as record:
         from qatlib import zero3_io, zero3_save
-        from qatlib.checkpoint.layout import BLOCKWISE_LOG_FILE, SCALE_LOAD_FILE, TRAIN_LOG_FILE
+        from qatlib.checkpoint.layout import SCALE_LOAD_FILE
         from qatlib.data import training_data_from_config
         from qatlib.modeling import resolve_dtype
         from qatlib.models import load_prepared, load_tokenizer, resolve_model_dir
-        from qatlib.trainers.blockwise import train_blockwise
-        from qatlib.trainers.end2end import train_end2end
-        from qatlib.trainers.two_phase import train_two_phase
+        from qatlib.trainers.modes import LOG_FILES, train
 
         ptq = cfg.qat.from_ptq_ckpt
         model_dir = resolve_model_dir(cfg.model.model_path, cache_dir=cfg.model.cache_dir)
@@ -84,38 +82,21 @@ def main(argv=None) -> int:
             overrides = {"output_dir": str(run_dir)}
             if args.no_progress:
                 overrides["disable_tqdm"] = True
-            if mode == "blockwise":
-                log_file = run_dir / TRAIN_LOG_FILE
-                res = train_blockwise(cfg, model, data, scales_loaded=bool(ptq), log_file=log_file)
-                done = {"blocks": res.blocks}
-            elif mode == "two_phase":
-                two = train_two_phase(
-                    cfg,
-                    model,
-                    tok,
-                    data,
-                    scales_loaded=bool(ptq),
-                    blockwise_log=run_dir / BLOCKWISE_LOG_FILE,
-                    args_overrides=overrides,
-                    scheme=scheme,
-                )
-                done = {"blocks": two.blockwise.blocks, "steps": two.trainer.state.global_step}
-            else:
-                trainer = train_end2end(
-                    cfg,
-                    model,
-                    tok,
-                    data,
-                    scales_loaded=bool(ptq),
-                    args_overrides=overrides,
-                    scheme=scheme,
-                    zero3_ctx=ctx,
-                )
-                done = {"steps": trainer.state.global_step}
+            done = train(
+                cfg,
+                model,
+                tok,
+                data,
+                run_dir=run_dir,
+                scales_loaded=bool(ptq),
+                args_overrides=overrides,
+                scheme=scheme,
+                zero3_ctx=ctx,
+            )
 
             def add_files(tmp: Path) -> None:  # in the save's temporary folder: one atomic commit
                 tok.save_pretrained(str(tmp))
-                for name in (TRAIN_LOG_FILE, BLOCKWISE_LOG_FILE, SCALE_LOAD_FILE):
+                for name in (*LOG_FILES, SCALE_LOAD_FILE):
                     if (run_dir / name).is_file():
                         shutil.copyfile(run_dir / name, tmp / name)
 
