@@ -96,7 +96,7 @@ def main(argv=None) -> int:
 
             def add_files(tmp: Path) -> None:  # in the save's temporary folder: one atomic commit
                 tok.save_pretrained(str(tmp))
-                for name in (*LOG_FILES, SCALE_LOAD_FILE):
+                for name in (*LOG_FILES[cfg.qat.training_mode], SCALE_LOAD_FILE):
                     if (run_dir / name).is_file():
                         shutil.copyfile(run_dir / name, tmp / name)
 

@@ -862,7 +862,10 @@ def test_two_phase_stage_equals_the_two_stages_chained_by_hand(tmp_path, tiny_to
     frozen = {"plugin_config": {"quant_config": {"frozen_codes": True}}}
     two = run("two", training_mode="two_phase", **kd, **frozen)
     phase1 = run("phase1", training_mode="blockwise", loss_type="origin", kd_loss_weight=0.0)
+    (tmp_path / "chain_run").mkdir()  # a run folder reused after a two-phase run: its stale phase-1 log
+    (tmp_path / "chain_run" / BLOCKWISE_LOG_FILE).write_text('{"block": 0}\n')
     chain = run("chain", training_mode="end2end", resume_ckpt_dir=str(phase1), **kd, **frozen)
+    assert not (chain / BLOCKWISE_LOG_FILE).exists()  # an end2end checkpoint carries its own log only
 
     for f in ("model.safetensors", "scales.safetensors"):
         a, b = st.load_file(two / f), st.load_file(chain / f)

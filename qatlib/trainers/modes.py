@@ -13,8 +13,13 @@ from .blockwise import train_blockwise
 from .end2end import train_end2end
 from .two_phase import train_two_phase
 
-# the records a QAT run writes into its run folder, copied into the QAT checkpoint
-LOG_FILES = (TRAIN_LOG_FILE, BLOCKWISE_LOG_FILE)
+# the records each mode writes into its run folder, copied into the QAT checkpoint: only its own,
+# so a run folder reused after a mode change does not carry the other mode's stale log along
+LOG_FILES = {
+    "end2end": (TRAIN_LOG_FILE,),
+    "blockwise": (TRAIN_LOG_FILE,),
+    "two_phase": (BLOCKWISE_LOG_FILE, TRAIN_LOG_FILE),
+}
 
 
 def train(
