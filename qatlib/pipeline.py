@@ -74,8 +74,10 @@ def run_ptq(
 
     Weight scales come from the weights (round-to-nearest), or from GPTQ for upstream's
     ``int4_gptq`` (the rounded weights are saved with the scales); static activation scales are
-    calibrated on the experiment's data. Streamed (the model never loaded) unless ``whole_model``
-    or `qatlib.plan.streamed` says otherwise (GPTQ; a static input scale on the head)."""
+    calibrated on the experiment's data. ``quant_helpers: [smooth]`` smooths the loaded model first
+    (`qatlib.quant.smoothing`) and saves its weights likewise. Streamed (the model never loaded)
+    unless ``whole_model`` or `qatlib.plan.streamed` says otherwise (GPTQ, smoothing, a static
+    input scale on the head)."""
     from .checkpoint.layout import CheckpointError
     from .models import load_model, load_tokenizer, resolve_model_dir
     from .ptq import calibrate, calibrate_from_checkpoint, save_ptq_checkpoint
@@ -97,7 +99,8 @@ def run_ptq(
         for r in ("input", "q", "k", "v")
         if (sp := getattr(scheme, r)) is not None and (not sp.dynamic or sp.has_global_scale)
     ]
-    needs_data = bool(static_act or gptq)
+    alpha = cfg.smooth_alpha  # SmoothQuant first (upstream's quant_helpers: [smooth]): it changes the weights
+    needs_data = bool(static_act or gptq or alpha is not None)
     batches = _calibration_batches(cfg, tok, progress) if needs_data else []
     if not needs_data:
         log.info("%s: no static activation scale, weight scales need no calibration data", scheme.name)
@@ -125,6 +128,12 @@ def run_ptq(
             log.warning("%s: not streamed (%s); loading the whole model", model_dir, str(e).splitlines()[0])
             layerwise = False
             model = load_model(model_dir, device_map=device_map, **common)
+    smoothed = None
+    if alpha is not None:  # never streamed (`qatlib.plan.model.not_streamed`): the model is loaded
+        from .quant.smoothing import smooth_model
+
+        smoothed = smooth_model(model, batches, alpha)
+        log.info("smoothed %d norms and their readers (smooth_alpha %s)", smoothed, alpha)
     if not gptq and not layerwise:
         report = calibrate(model, scheme, batches, **kw)
     save = cfg.global_.save_path
@@ -132,13 +141,21 @@ def run_ptq(
         model,
         scheme,
         save,
-        calibration=report,
-        save_weights=gptq,
+        calibration=report
+        if smoothed is None
+        else {**report.to_dict(), "smooth_alpha": alpha, "smoothed": smoothed},
+        save_weights=cfg.ptq_saves_weights,  # the weights QAT must start from
         tokenizer=tok,
         overwrite=overwrite,
         scales=scales,
     )
-    return dict(scheme=scheme.name, batches=report.num_batches, tokens=report.num_tokens, streamed=layerwise)
+    return dict(
+        scheme=scheme.name,
+        batches=report.num_batches,
+        tokens=report.num_tokens,
+        streamed=layerwise,
+        smoothed=smoothed,
+    )
 
 
 def run_export(

@@ -32,6 +32,7 @@ VARIANTS = [
     ("smollm2-135m", [], True),
     ("tiny-qwen3-moe", [], True),
     ("tiny-qwen3-moe", ["compression.quantization.name=int4_gptq"], False),  # GPTQ changes the weights
+    ("tiny-qwen3-moe", ["compression.quantization.quant_helpers=[smooth]"], False),  # so does SmoothQuant
     # a static input scale on the head: the streamed calibration never runs it
     ("qwen3-4b", ['compression.quantization.ignore_layers=["embed_tokens"]'], False),
     ("qwen3-4b", [], True),  # fp8_static with lm_head ignored
@@ -65,7 +66,7 @@ def test_streamed_is_what_the_scripts_can_stream(exp, sets, ptq):
     static_head = (
         s.input is not None and not s.input.dynamic and not matches_any("lm_head", cfg.ignore_layers)
     )
-    assert ptq is (cfg.ptq_algorithm != "gptq" and not static_head)
+    assert ptq is (cfg.ptq_algorithm != "gptq" and cfg.smooth_alpha is None and not static_head)
     # the plan models the stage the rule runs
     x = qp.from_experiment(raw, None)
     assert x.ptq_streamed is ptq

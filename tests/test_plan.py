@@ -355,7 +355,9 @@ def test_torch_free_inputs_agree_with_qatlib_config(path):
     assert x.train_scales == (cfg.learnable().weight_scale or cfg.learnable().act_scale)
     assert x.train_weights == bool(cfg.qat.plugin_config.quant_config.weight_lr)
     two_phase_teacher = cfg.qat.training_mode == "two_phase" and phase1_trains_weights(cfg)
-    assert x.separate_teacher == (x.train_weights or cfg.learnable().norm or two_phase_teacher)
+    # a PTQ checkpoint with its own weights (GPTQ, SmoothQuant): KD aims at the original model
+    ptq_teacher = x.kd and cfg.ptq_saves_weights
+    assert x.separate_teacher == (x.train_weights or cfg.learnable().norm or two_phase_teacher or ptq_teacher)
     assert x.blockwise == (cfg.qat.training_mode != "end2end")  # one process
     assert x.zero3 == cfg.zero3_enabled
     assert (x.seq_len, x.calib_samples, x.calib_batch) == (

@@ -152,7 +152,7 @@ def test_algorithm_names_map_to_qatlib_algorithms():
         ("compression.quantization.quant_method.mse_range", True, "mse_range (AWQ's MSE"),
         ("compression.quantization.cpu_convert", True, "cpu_convert"),
         ("compression.quantization.quant_analyse", True, "quant_analyse"),
-        ("compression.quantization.smooth_alpha", 0.8, "smooth_alpha"),
+        ("compression.quantization.quant_helpers", ["awq"], "quant_helpers 'awq'"),
         ("compression.quantization.quant_method.weight", "per-block", "per-block granularity"),
         ("compression.quantization.name", "fp8_blockwise", "block-wise FP8"),
     ],
@@ -173,6 +173,25 @@ def test_feature_keys_at_their_off_value_are_accepted():
         },
     )
     assert cfg.quant_scheme().name == "fp8_static"
+
+
+def test_smooth_is_upstream_s_helper_with_its_alpha():
+    """``quant_helpers: [smooth]`` with ``smooth_alpha`` (upstream's only PTQ helper) is accepted;
+    an alpha outside [0, 1] and the helper with GPTQ (which upstream skips it for) are refused,
+    each naming its key."""
+    rel = "configs/qwen3/ptq/smooth_int8/qwen3-0_6b_int8_dynamic_smooth.yaml"
+    assert uc.load(rel).smooth_alpha == 0.5  # upstream's default
+    assert uc.load(rel, **{"compression.quantization.smooth_alpha": 0.8}).smooth_alpha == 0.8
+    assert uc.load("configs/qwen3/ptq/fp8_static/qwen3-0_6b_fp8_static.yaml").smooth_alpha is None
+    for key, value, fragment in (
+        ("compression.quantization.smooth_alpha", 1.5, "less than or equal to 1"),
+        ("compression.quantization.name", "int4_gptq", "GPTQ (int4_gptq) sets its own weights"),
+    ):
+        with pytest.raises(ConfigError) as ei:
+            uc.load(rel, **{key: value})
+        path, msg = ei.value.issues[0]
+        assert fragment in msg, msg
+        assert path == (key if key.endswith("alpha") else "compression.quantization.quant_helpers")
 
 
 def test_a_real_typo_is_still_a_typo():

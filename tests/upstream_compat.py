@@ -20,7 +20,6 @@ TABLE = REPO / "docs" / "upstream-compat.md"
 COMMIT = "67394ce55f6b6cfae702575fbc3c7a05c13fdd74"
 
 AWQ = ("compression.quantization.name", "upstream AngelSlim feature AWQ")
-SMOOTH = ("compression.quantization.quant_helpers", "upstream AngelSlim feature quant_helpers (SmoothQuant")
 SPIN = ("transform", "upstream AngelSlim feature transform (SpinQuant")
 LEPTO = ("compression.quantization.name", "upstream AngelSlim feature LeptoQuant (fp8_lepto)")
 HY3_DS = (
@@ -48,9 +47,6 @@ for _m in ("0_6b", "4b", "8b"):
 for _m in ("0_6b", "14b", "1_7b", "1_7b_int4_awq_low_memory", "32b", "4b", "8b", "a22b", "a3b"):
     name = f"qwen3-{_m}.yaml" if _m.endswith("low_memory") else f"qwen3-{_m}_int4_awq.yaml"
     REFUSED[f"configs/qwen3/ptq/int4_awq/{name}"] = AWQ
-for _m in ("0_6b", "14b", "1_7b", "32b", "4b", "8b", "a22b"):
-    if _m != "a22b":
-        REFUSED[f"configs/qwen3/ptq/smooth_int8/qwen3-{_m}_int8_dynamic_smooth.yaml"] = SMOOTH
 
 # Upstream FOCUS (configs/qwen3/fp4): NVFP4 / MXFP4 W4A4 QAT with learned sub-group scales and (MXFP4)
 # ceil-rounded E8M0 scales; tests/test_focus.py runs each one's PTQ, a few QAT steps and its export on
@@ -77,6 +73,8 @@ RUNS: list[str] = [
     "configs/qwen3/ptq/int8_dynamic/qwen3-0_6b_int8_dynamic.yaml",
     "configs/qwen3/ptq/int4_gptq/qwen3-0_6b_int4_gptq.yaml",
     "configs/qwen3/ptq/int4_gptq/qwen3-a3b_int4_gptq.yaml",
+    # quant_helpers: [smooth] (SmoothQuant before the PTQ, `qatlib.quant.smoothing`)
+    "configs/qwen3/ptq/smooth_int8/qwen3-0_6b_int8_dynamic_smooth.yaml",
     # upstream's low_memory (qatlib's streamed calibration) and save_name: fp8 (vLLM's / SGLang's fp8 format)
     "configs/qwen3/ptq/fp8_static/qwen3-a22b_fp8_static_low_memroy.yaml",
     "configs/qwen3/ptq/fp8_dynamic/qwen3-a3b_fp8_dynamic.yaml",

@@ -256,6 +256,14 @@ class ExperimentConfig(Section):
             dtype = local_model_dtype(self.model.model_path, self.model.torch_dtype_name)
             issues += deploy_issues(self.deploy, scheme, local_model_is_moe(self.model.model_path), dtype)
 
+        if self.smooth_alpha is not None and self.ptq_algorithm == "gptq":
+            issues.append(
+                (
+                    "compression.quantization.quant_helpers",
+                    "smooth runs before round-to-nearest calibration; GPTQ (int4_gptq) sets its own "
+                    "weights (upstream skips the helper there too): remove 'smooth'",
+                )
+            )
         if qat.training_mode == "two_phase" and qat.resume_ckpt_dir:
             issues.append(
                 (
@@ -423,6 +431,20 @@ class ExperimentConfig(Section):
         name = self.quantization.name
         algo = resolve_name(name) if name is not None else None
         return algo.ptq if isinstance(algo, upstream.Algorithm) else "rtn"
+
+    @property
+    def smooth_alpha(self) -> float | None:
+        """SmoothQuant's migration strength when ``quant_helpers`` has ``smooth`` (the PTQ stage
+        smooths before calibrating: `qatlib.pipeline.run_ptq`), else None."""
+        q = self.quantization
+        return q.smooth_alpha if "smooth" in q.quant_helpers else None
+
+    @property
+    def ptq_saves_weights(self) -> bool:
+        """Whether the PTQ checkpoint carries its own weights (GPTQ rounds them, SmoothQuant
+        rescales them): every later stage loads the model from it, and a KD teacher is then
+        ``model.model_path``'s model (`qatlib.trainers.end2end`)."""
+        return self.ptq_algorithm == "gptq" or self.smooth_alpha is not None
 
     @property
     def export_format(self) -> str:

@@ -156,9 +156,12 @@ class QuantizationConfig(Section):
     # upstream: calibrate layer by layer: qatlib's default wherever `qatlib.plan.streamed` says so; where it
     # cannot (GPTQ, a static input scale on lm_head) the PTQ stage refuses before any work (qatlib.pipeline)
     low_memory: bool = False
-    # upstream feature keys qatlib has no feature for (refused unless at their off value)
+    # upstream: PTQ helpers run before calibration; qatlib has ``smooth`` (SmoothQuant,
+    # `qatlib.quant.smoothing`: the activation range moved into the weights, the smoothed weights
+    # saved with the PTQ checkpoint) at migration strength ``smooth_alpha`` (upstream's default 0.5)
     quant_helpers: list[str] = Field(default_factory=list)
-    smooth_alpha: float = 0.5
+    smooth_alpha: float = Field(0.5, ge=0.0, le=1.0)
+    # upstream feature keys qatlib has no feature for (refused unless at their off value)
     cpu_convert: bool = False
     modules_to_quantize: list[str] = Field(default_factory=list)
     quant_analyse: bool = False
@@ -167,6 +170,16 @@ class QuantizationConfig(Section):
 
     _gs = field_validator("group_size")(_group_size_value)
     _features = _feature_off(upstream.QUANTIZATION_FEATURES)
+
+    @field_validator("quant_helpers")
+    @classmethod
+    def _helpers(cls, v: list[str]) -> list[str]:
+        if unknown := [h for h in v if h not in upstream.PTQ_HELPERS]:
+            raise upstream.unsupported(
+                f"quant_helpers {', '.join(map(repr, unknown))}",
+                f"qatlib runs {', '.join(map(repr, upstream.PTQ_HELPERS))}",
+            )
+        return v
 
     @field_validator("save_name")
     @classmethod

@@ -78,14 +78,15 @@ def resolve_algorithm(name: str, presets: Any) -> Algorithm | str | None:
 # Upstream keys of a section that name a feature qatlib lacks: key -> (off value, feature).
 # The key is accepted at its off value and refused with `unsupported` otherwise.
 QUANTIZATION_FEATURES: dict[str, tuple[Any, str]] = {
-    "quant_helpers": ([], "quant_helpers (SmoothQuant and the other PTQ helpers)"),
-    "smooth_alpha": (0.5, "smooth_alpha (SmoothQuant migration strength)"),
     "cpu_convert": (False, "cpu_convert (conversion on the CPU)"),
     "modules_to_quantize": ([], "modules_to_quantize (quantizing by module type)"),
     "quant_analyse": (False, "quant_analyse (the quantization-analysis report)"),
     "quant_vit": (False, "quant_vit (vision tower quantization)"),
     "quant_talker": (False, "quant_talker (Qwen3-Omni talker quantization)"),
 }
+# ``compression.quantization.quant_helpers`` entries qatlib runs (upstream's only one, ``smooth``:
+# angelslim/compressor/quant/ptq.py; `qatlib.quant.smoothing`)
+PTQ_HELPERS = ("smooth",)
 QUANT_METHOD_FEATURES: dict[str, tuple[Any, str]] = {
     "mse_range": (False, "mse_range (AWQ's MSE clipping-range search)"),
 }

@@ -160,6 +160,7 @@ class PlanInputs:
     calib_samples: int = 256
     calib_batch: int = 1
     gptq: bool = False
+    smooth: bool = False  # quant_helpers: [smooth]: PTQ changes the weights on the loaded model
     ptq_streamed: bool = True  # `streamed(raw, "ptq_calibrate")`: scripts/ptq.py streams by default
     eval_seq: int = 2048
     eval_batch: int = 1
@@ -284,6 +285,11 @@ def _gptq(raw: dict[str, Any]) -> bool:
     return "gptq" in str(section(raw, "compression.quantization.name") or "").lower()
 
 
+def _smooth(raw: dict[str, Any]) -> bool:
+    """SmoothQuant before PTQ (`qatlib.config.ExperimentConfig.smooth_alpha`)."""
+    return "smooth" in (section(raw, "compression.quantization.quant_helpers") or [])
+
+
 def streamed(raw: dict[str, Any], stage: str) -> bool:
     """Whether ``stage`` runs streamed, one decoder layer at a time, for the experiment ``raw``
     (raw, validated config: `ExperimentConfig.raw`). The one owner of that choice: scripts/ptq.py
@@ -320,6 +326,11 @@ def not_streamed(raw: dict[str, Any], stage: str) -> str | None:
         return (
             "GPTQ changes the weights, each layer's from the outputs of the layers it already rounded, so it "
             "runs on the loaded model (one decoder layer on the device at a time), not from the shards"
+        )
+    if _smooth(raw):
+        return (
+            "quant_helpers: [smooth] changes the weights (SmoothQuant folds each norm's factors into the "
+            "linears that read it) on the loaded model before calibrating, and saves them"
         )
     ignore = list(section(raw, "compression.quantization.ignore_layers") or []) or [HEAD]
     if _static_input(raw) and not matches_any(HEAD, ignore):
@@ -373,6 +384,7 @@ def from_experiment(
         calib_samples=int(g("dataset.num_samples", 256)),
         calib_batch=int(g("dataset.batch_size", 1)),
         gptq=_gptq(raw),
+        smooth=_smooth(raw),
         ptq_streamed=streamed(raw, "ptq_calibrate"),
         eval_seq=int(g("evaluation.max_seq_length", 2048)),
         eval_batch=int(g("evaluation.batch_size", 1)),
@@ -383,6 +395,9 @@ def from_experiment(
         # two_phase: a phase 1 that trained the weights (`qatlib.trainers.two_phase`) too
         separate_teacher=bool(qc.get("weight_lr"))
         or bool(learn.get("norm", False))
+        # a PTQ checkpoint with its own weights (GPTQ, SmoothQuant): KD aims at model.model_path's
+        # model (`qatlib.trainers.end2end`), loaded beside the student
+        or (loss != "origin" and kd_w > 0 and (_gptq(raw) or _smooth(raw)))
         or (
             mode == "two_phase" and float(g("compression.QAT.block_wise_config.weight_lr", BW_WEIGHT_LR)) > 0
         ),

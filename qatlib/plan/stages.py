@@ -149,10 +149,17 @@ def _ptq(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
             f"layer {m.largest_layer:,} / embed_tokens {emb:,} params",
         )
     else:
-        why = "GPTQ changes the weights" if x.gptq else "a static input scale on the head"
+        why = (
+            "GPTQ changes the weights"
+            if x.gptq
+            else "SmoothQuant changes the weights"
+            if x.smooth
+            else "a static input scale on the head"
+        )
         first = Term("the model, loaded whole (not streamed)", m.total_params * d, why)
     work = [first]
-    if x.calib or x.gptq:
+    reads_data = x.calib or x.gptq or x.smooth
+    if reads_data:
         tok = x.calib_batch * x.seq_len
         if x.ptq_streamed or x.gptq:  # layer by layer: every sample's layer input is kept
             carried = 2 * x.calib_samples * x.seq_len * m.hidden * d
@@ -172,7 +179,7 @@ def _ptq(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
     work.append(Term("scales being written (fp32)", _n_scales(m, x.weight, x.act_quant) * 4))
     # GPU: a layer is read into host memory, then copied to the device; CPU: it is read in place
     host = [Term("read staging (one layer from the shards)", layer)] if run.gpus and x.ptq_streamed else []
-    tokens = x.calib_samples * x.seq_len if x.calib or x.gptq else 0
+    tokens = x.calib_samples * x.seq_len if reads_data else 0
     mins = _minutes(2 * m.active_params * tokens, run, 1, m.total_params * d)
     return _place("ptq_calibrate", work, host, [], 1, run, True, mins, [])
 

@@ -93,8 +93,11 @@ MEANING: dict[str, str] = {
     "error instead of a warning",
     "compression.quantization.save_name": "the export's checkpoint format; only `compressed-tensors`",
     "compression.quantization.low_memory": "layer-by-layer PTQ (GPTQ is; refused for static RTN)",
-    "compression.quantization.quant_helpers": "SmoothQuant and the other PTQ helpers: refused unless `[]`",
-    "compression.quantization.smooth_alpha": "SmoothQuant migration strength: refused unless 0.5",
+    "compression.quantization.quant_helpers": "`[smooth]`: SmoothQuant before PTQ (each norm's per-channel "
+    "activation range moved into the linears that read it; the smoothed weights saved with the PTQ checkpoint, "
+    "`qatlib.quant.smoothing`); upstream's only helper",
+    "compression.quantization.smooth_alpha": "SmoothQuant's migration strength in [0, 1]: "
+    "each channel's factor is (activation max)^alpha / (weight column max)^(1 - alpha) (with `quant_helpers: [smooth]`)",
     "compression.quantization.cpu_convert": "conversion on the CPU: refused when true",
     "compression.quantization.modules_to_quantize": "quantizing by module type: refused unless `[]`",
     "compression.quantization.quant_analyse": "the quantization-analysis report: refused when true",
