@@ -206,13 +206,18 @@ class Lab:
         m.eval()
         return m
 
-    def rtn(self, scheme, *, lwc_init: float | None = None, deploy_target: str = "none"):
-        """RTN PTQ; ``deploy_target`` ties the scales that runtime merges (`qatlib.runtime.tying`)."""
+    def rtn(self, scheme, *, lwc_init: float | None = None, deploy_target: str = "none", smooth: bool = True):
+        """RTN PTQ; ``deploy_target`` ties the scales that runtime merges (`qatlib.runtime.tying`);
+        SmoothQuant first (`qatlib.quant.smoothing.smooth_model`, the PTQ stage's) when the lab's
+        ``smooth_alpha`` is set, unless ``smooth`` is False."""
         from qatlib.ptq import calibrate
         from qatlib.quant.linear import PrepareOptions
+        from qatlib.quant.smoothing import smooth_model
         from qatlib.runtime.tying import tie_for
 
         m = self.fresh()
+        if smooth and self.s.smooth_alpha is not None:
+            smooth_model(m, self.calib, self.s.smooth_alpha)
         options = PrepareOptions(lwc_init=lwc_init, deploy=tie_for(deploy_target))
         calibrate(m, scheme, self.calib, ignore=IGNORE, options=options)
         return m
@@ -383,7 +388,7 @@ class Lab:
         res = BlockwiseTrainer(
             m,
             bs,
-            learnable=Learnable(act_scale=True, weight_scale=True),
+            learnable=Learnable(act_scale=True, weight_scale=True, norm=s.bw_norm),
             calibrate_activations=False,
             seed=s.seed,
             scale_update=s.scale_update,

@@ -92,6 +92,8 @@ class QualitySettings:
     bw_quant_lr: float = 1e-4
     bw_weight_lr: float = 1e-3
     bw_loss: str = "mse"  # qatlib.trainers.blockwise.BLOCK_LOSSES
+    smooth_alpha: float | None = None  # SmoothQuant before RTN (`qatlib.quant.smoothing`); None: off
+    bw_norm: bool = False  # blockwise also trains the blocks' RMSNorm weights (``learnable.norm``)
     # phase 2 of the two-phase recipe (blockwise, then end-to-end scales from its result): at the
     # main lr (2e-4) phase 2 lost blockwise's gain on the micro model (int2 g32: 0.92 -> 0.86-0.89),
     # at 2e-5 it added to it (0.94-0.98); EfficientQAT's E2E-QP trains step sizes at ~1e-5 too

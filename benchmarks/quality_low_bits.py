@@ -104,6 +104,9 @@ class RowTable:
     deployed: bool = True
     rows: list[dict] = field(default_factory=list)
     rtn_dep: dict = field(default_factory=dict)
+    # with a smoothed PTQ start (``smooth_alpha``): plain RTN's evaluation and its deployed one, the
+    # issue's baseline; each row then also records its recovery of plain RTN's gap
+    plain: tuple[dict, dict | None] | None = None
 
     def add(self, name: str, m, train_s: float, q=None, **extra) -> dict:
         """Evaluate ``m`` (``q``: its evaluation, when already made), append its row; returns ``q``."""
@@ -127,6 +130,14 @@ class RowTable:
                 r["deployed_equals_trained"] = bool(torch.equal(dep["_nll"], q["_nll"]))
                 r.update(deployed_minus_trained(dep, q))
                 r["deployed_applied"] = dep["applied"]
+                if self.plain and self.plain[1] and "refused" not in self.plain[1]:
+                    pr = recovery_record(self.bf16, self.plain[1], dep)
+                    r["deployed_plain_rtn_recovery"] = pr["recovery"]
+                    r["deployed_plain_rtn_recovery_se"] = pr["recovery_se"]
+        if self.plain:
+            pr = recovery_record(self.bf16, self.plain[0], q)
+            r["plain_rtn_ppl"] = round(self.plain[0]["ppl"], 4)
+            r["plain_rtn_recovery"], r["plain_rtn_recovery_se"] = pr["recovery"], pr["recovery_se"]
         r.update(train_s=round(train_s, 1), **extra)
         self.rows.append(r)
         log(
@@ -276,6 +287,8 @@ def rows_lab(b, results: str, **overrides):
         bw_weight_lr=bw.weight_lr,
         bw_quant_lr=bw.quant_lr,
         bw_loss=bw.loss,
+        bw_norm=getattr(b, "bw_norm", False),
+        smooth_alpha=getattr(b, "smooth_alpha", None),
         base_model_path=str(default_base(results, DefaultModelSettings.base_model)),
         seed=b.seed,
         **overrides,

@@ -71,6 +71,8 @@ class W4A4Rows:
     # Block-AP makes 2; here 2 gave NVFP4 0.712 as deployed against 1's 0.780 (probe, 2026-12-06:
     # phase 1 overfits its 50 windows)
     bw_epochs: int = 1
+    smooth_alpha: float | None = None  # SmoothQuant before RTN (`qatlib.quant.smoothing`); None: off
+    bw_norm: bool = False  # phase 1 trains the blocks' RMSNorm weights too (``learnable.norm``)
     deployed: bool = True
     eval_windows: int = 32
     seed: int = 0
@@ -97,7 +99,12 @@ def one_format(lab, b: W4A4Rows, fmt: str, bf16: dict) -> dict[str, Any]:
     rtn_m = lab.rtn(scheme, deploy_target=DEPLOY_TARGET)
     rtn = lab.eval(rtn_m, mc=False)
     log(f"w4a4 {fmt}: bf16 {bf16['ppl']:.3f} rtn {rtn['ppl']:.3f}")
-    table = RowTable(lab, scheme, fmt, bf16, rtn, b.deployed)
+    plain = None
+    if b.smooth_alpha is not None:  # the issue's baseline stays plain RTN: recorded beside
+        pm = lab.rtn(scheme, deploy_target=DEPLOY_TARGET, smooth=False)
+        plain = (lab.eval(pm, mc=False), lab.deployed_eval(pm, scheme) if b.deployed else None)
+        del pm
+    table = RowTable(lab, scheme, fmt, bf16, rtn, b.deployed, plain=plain)
     table.add("rtn", rtn_m, 0.0, q=rtn)
     del rtn_m
     if "scales" in b.rows:
@@ -139,13 +146,22 @@ def targets_of(b: W4A4Rows, done: list[dict]) -> list[dict]:
                 continue
             value = r.get("deployed_recovery", r["recovery"])
             how = "as deployed" if "deployed_recovery" in r else "as trained (the runtime refuses it)"
+            rtn = "RTN's"
+            if "deployed_plain_rtn_recovery" in r:  # a smoothed PTQ start: the issue's gap is plain RTN's
+                value, rtn = r["deployed_plain_rtn_recovery"], "plain (unsmoothed) RTN's"
             tg.append(
                 target(
-                    f"{r['variant']}: recovery of RTN's perplexity gap, {how} [{fmt}]",
+                    f"{r['variant']}: recovery of {rtn} perplexity gap, {how} [{fmt}]",
                     value,
                     floor,
                     higher_is_better=True,
-                    note=f"SE {r.get('deployed_recovery_se', r['recovery_se'])}; as trained {r['recovery']}",
+                    note=f"SE {r.get('deployed_plain_rtn_recovery_se', r.get('deployed_recovery_se', r['recovery_se']))}; "
+                    f"as trained {r.get('plain_rtn_recovery', r['recovery'])}"
+                    + (
+                        f"; of the smoothed PTQ's gap {r['deployed_recovery']}"
+                        if "deployed_plain_rtn_recovery" in r
+                        else ""
+                    ),
                 )
             )
             if r.get("deployed_equals_trained") or r.get("deployed_minus_trained_nll_se"):

@@ -124,6 +124,15 @@ def test_a_block_of_another_shape_is_refused_by_name():
         smooth_groups(m)
     with pytest.raises(ValueError, match="smooth_alpha must be in"):
         smooth_model(_model("dense"), _ids(), 1.5)
+    # a norm computing x * (1 + weight) (Gemma's) cannot take the factors in its weight
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    g = Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16))  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.0\.input_layernorm \(Gemma3RMSNorm\) does not scale"
+    ):
+        smooth_groups(g)
     # transformers' fused experts read the normed input through a 3-D tensor: refused, not skipped
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj .*fused experts"):
         smooth_groups(build_model(tiny_qwen3_moe_config()))

@@ -37,7 +37,6 @@ from .calibration import run_batch
 
 _QKV = ("q_proj", "k_proj", "v_proj")
 _NORMS = ("input_layernorm", "post_attention_layernorm")
-SMOOTH_HELPER = "smooth"  # upstream's ``quant_helpers`` entry
 
 
 @dataclass(frozen=True)
@@ -63,6 +62,26 @@ def _reads_input(m: nn.Module, hidden: int) -> bool:
     return isinstance(w, nn.Parameter) and w.dim() == 2 and w.shape[1] == hidden
 
 
+@torch.no_grad()
+def _scales_with_weight(norm: nn.Module, hidden: int) -> bool:
+    """Whether halving the norm's weight (and bias) halves its output, the fold `smooth` makes:
+    true of RMSNorm / LayerNorm, false of a ``x * (1 + weight)`` norm (Gemma's). Checked on a probe
+    vector, by what the module computes rather than by its class."""
+    w = norm.weight
+    x = torch.linspace(-2.0, 3.0, hidden, dtype=w.dtype, device=w.device)[None]
+    y = norm(x)
+    params = [q for q in (w, getattr(norm, "bias", None)) if isinstance(q, nn.Parameter)]
+    kept = [q.detach().clone() for q in params]
+    try:
+        for q in params:
+            q.mul_(0.5)
+        y2 = norm(x)
+    finally:
+        for q, v in zip(params, kept):
+            q.copy_(v)
+    return bool(torch.allclose(y2.float(), 0.5 * y.float(), rtol=1e-3, atol=1e-6))
+
+
 def smooth_groups(model: nn.Module) -> list[SmoothGroup]:
     """Every block's two groups, in model order; a ValueError naming the block where its structure
     is not the one described in the module docstring."""
@@ -83,6 +102,12 @@ def smooth_groups(model: nn.Module) -> list[SmoothGroup]:
                 f"{' / '.join(_NORMS)}, an attention with {' / '.join(_QKV)} and an mlp"
             )
         hidden = norms[0].weight.shape[-1]
+        for nname, n in zip(_NORMS, norms):
+            if not _scales_with_weight(n, hidden):
+                raise ValueError(
+                    f"smoothing: {where}.{nname} ({type(n).__name__}) does not scale its output by its "
+                    "weight (a 1 + weight norm?): the factors cannot fold into it"
+                )
         qkv = tuple((f"{where}.{attn[0]}.{a}", getattr(attn[1], a)) for a in _QKV)
         readers = tuple(
             (f"{where}.mlp.{n}" if n else f"{where}.mlp", m)
