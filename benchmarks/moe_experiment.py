@@ -11,12 +11,16 @@ own record (``upcycle_stats.json``: SmolLM2's and the MoE's perplexity on the sa
 variant's test perplexity, the recovery ``(PTQ - x) / (PTQ - BF16)`` of qat / export / deployed
 with its paired standard error over the evaluation windows (`qatlib.report.metrics.recovery`, the
 report's definition), every stage's wall time, and the target (#40: the deployed model recovers
->= 0.85 of the PTQ gap). Writes ``<out>/<name>.json`` (default ``moe_experiment``).
+>= 0.85 of the PTQ gap). ``--baseline-ptq results/<exp>/eval/ptq.json`` of another PTQ of the same
+model on the same windows (plain RTN, where the experiments start from SmoothQuant + RTN): each row's
+recovery of that gap too, with its paired SE, which the targets then read; the file's path, perplexity
+and sha256 are recorded. Writes ``<out>/<name>.json`` (default ``moe_experiment``).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,8 @@ TARGET = 0.85
 SETTINGS = {
     "format": "compression.quantization.name",
     "quant_method": "compression.quantization.quant_method",
+    "quant_helpers": "compression.quantization.quant_helpers",
+    "smooth_alpha": "compression.quantization.smooth_alpha",
     "training_mode": "compression.QAT.training_mode",
     "block_wise_config": "compression.QAT.block_wise_config",
     "loss_type": "compression.QAT.loss_type",
@@ -47,14 +53,32 @@ SETTINGS = {
 }
 
 
+def sha256_of(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def baseline_ptq(path: str | Path, data: str, windows: int) -> dict[str, Any]:
+    """The perplexity record (``data``'s) of another PTQ of the same model, evaluated on the same
+    ``windows`` (an ``eval/ptq.json`` of the experiment without a PTQ helper: plain RTN against a
+    SmoothQuant start); a ValueError naming the file where it is not comparable."""
+    p = Path(path)
+    rec = (json.loads(p.read_text()).get("ppl") or {}).get(data)
+    if rec is None or rec.get("windows") != windows:
+        raise ValueError(f"{p}: no {data!r} perplexity on {windows} windows; not the same evaluation")
+    return rec
+
+
 def experiment_record(
-    exp_dir: str | Path, results: str | Path = "results", floor: float = TARGET
+    exp_dir: str | Path, results: str | Path = "results", floor: float = TARGET, baseline: str | None = None
 ) -> dict[str, Any]:
+    """One finished experiment's figures; ``baseline``: another PTQ's ``eval/ptq.json``
+    (`baseline_ptq`) whose gap each row's recovery is also measured against, and the target reads."""
     exp = Path(exp_dir)
     config = load_yaml(exp / "config.yaml")
     evals = {v: json.loads((exp / f"eval/{v}.json").read_text()) for v in VARIANTS}
     data = next(iter(evals["bf16"]["ppl"]))
     ppl = {v: e["ppl"][data] for v, e in evals.items() if "skipped" not in e}
+    base_ptq = baseline_ptq(baseline, data, ppl["bf16"]["windows"]) if baseline else None
     rows = []
     for v in ("qat", "export", "deployed"):
         if v not in ppl:
@@ -73,6 +97,11 @@ def experiment_record(
                 "wall_s": evals[v].get("wall_s"),
             }
         )
+        if base_ptq is not None:
+            nll = (ppl["bf16"]["window_nll"], base_ptq["window_nll"], ppl[v]["window_nll"])
+            bv = recovery(bf16, base_ptq["ppl"], ppl[v]["ppl"], min_gap=MIN_REL_GAP * bf16, nll=nll)
+            rows[-1]["baseline_recovery"] = None if bv.value is None else round(bv.value, 4)
+            rows[-1]["baseline_recovery_se"] = None if bv.se is None else round(bv.se, 4)
     timings = {}
     for f in sorted((exp / "timings").glob("*.json")):
         timings[f.stem] = json.loads(f.read_text()).get("wall_s")
@@ -96,6 +125,13 @@ def experiment_record(
         if shared.is_file():
             timings[f"base_model-{base.name}"] = json.loads(shared.read_text()).get("wall_s")
     dep = next(r for r in rows if r["variant"] == "deployed")
+    what, value, se = "the PTQ gap", dep.get("recovery"), dep.get("recovery_se")
+    if base_ptq is not None:
+        what, value, se = (
+            "the baseline PTQ's gap",
+            dep.get("baseline_recovery"),
+            dep.get("baseline_recovery_se"),
+        )
     return {
         "experiment": exp.name,
         "settings": {k: section(config, key) for k, key in SETTINGS.items()},
@@ -103,14 +139,18 @@ def experiment_record(
         "ppl": {v: round(p["ppl"], 4) for v, p in ppl.items()},
         "eval_windows": ppl["bf16"]["windows"],
         "ptq_rel_gap": round(ppl["ptq"]["ppl"] / ppl["bf16"]["ppl"] - 1, 5),
+        "baseline_ptq": None
+        if base_ptq is None
+        else {"source": str(baseline), "ppl": round(base_ptq["ppl"], 4), "sha256": sha256_of(baseline)},
         "rows": rows,
         "stage_wall_s": timings,
         "target": target(
-            f"deployed recovery of the PTQ gap [{exp.name}]",
-            dep.get("recovery"),
+            f"deployed recovery of {what} [{exp.name}]",
+            value,
             floor,
             higher_is_better=True,
-            note=f"SE {dep.get('recovery_se')}, PTQ gap {ppl['ptq']['ppl'] / ppl['bf16']['ppl'] - 1:+.2%}",
+            note=f"SE {se}, PTQ gap {ppl['ptq']['ppl'] / ppl['bf16']['ppl'] - 1:+.2%}"
+            + ("" if base_ptq is None else f"; of its own PTQ's gap {dep.get('recovery')}"),
         ),
     }
 
@@ -122,8 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--name", default="moe_experiment", help="the JSON's name (a renderer of qatlib.site)")
     ap.add_argument("--target", type=float, default=TARGET, help="the deployed recovery aimed at")
+    ap.add_argument(
+        "--baseline-ptq",
+        default=None,
+        help="another PTQ's eval/ptq.json on the same windows (plain RTN against a SmoothQuant start): "
+        "each row's recovery of its gap too, which the targets read",
+    )
     a = ap.parse_args(argv)
-    exps = [experiment_record(d, a.results, a.target) for d in a.exp_dirs]
+    try:
+        exps = [experiment_record(d, a.results, a.target, a.baseline_ptq) for d in a.exp_dirs]
+    except (OSError, ValueError) as e:
+        ap.error(str(e))
     body = {"machine": machine(), "experiments": exps, "targets": [e["target"] for e in exps]}
     log(f"{a.name}: wrote {write_result(a.out, a.name, body)}")
     return 0

@@ -382,3 +382,33 @@ def test_fused_prototype_takes_what_fake_quantize_takes():
     assert list(inspect.signature(fused_fake_quantize).parameters) == list(
         inspect.signature(fake_quantize).parameters
     )
+
+
+def test_an_experiment_record_against_a_baseline_ptq(tmp_path):
+    """`benchmarks.moe_experiment` with ``--baseline-ptq``: each row's recovery of the other PTQ's
+    gap, on the same windows, computed here by hand in perplexity space; a baseline evaluated on
+    other windows is refused naming its file."""
+    from benchmarks import moe_experiment
+
+    exp = tmp_path / "exp"
+    (exp / "eval").mkdir(parents=True)
+    (exp / "config.yaml").write_text("model:\n  model_path: results/base/m\n")
+
+    def ev(nll: float, windows: int = 2) -> dict:
+        rec = {"ppl": math.exp(nll), "nll": nll, "window_nll": [nll] * windows, "windows": windows}
+        return {"ppl": {"corpus/test": rec}, "wall_s": 1.0}
+
+    for v, nll in {"bf16": 1.0, "ptq": 1.8, "qat": 1.5, "export": 1.5, "deployed": 1.5}.items():
+        (exp / f"eval/{v}.json").write_text(json.dumps(ev(nll)))
+    (tmp_path / "plain.json").write_text(json.dumps(ev(2.0)))
+    rec = moe_experiment.experiment_record(exp, tmp_path, 0.6, str(tmp_path / "plain.json"))
+    dep = next(r for r in rec["rows"] if r["variant"] == "deployed")
+    e = math.e
+    assert dep["baseline_recovery"] == round((e**2 - e**1.5) / (e**2 - e), 4)  # 0.6224
+    assert dep["recovery"] == round((e**1.8 - e**1.5) / (e**1.8 - e), 4)
+    assert rec["baseline_ptq"]["ppl"] == round(e**2, 4)
+    assert rec["target"]["value"] == dep["baseline_recovery"] and rec["target"]["met"] is True
+    assert "baseline PTQ's gap" in rec["target"]["target"]
+    (tmp_path / "other.json").write_text(json.dumps(ev(2.0, windows=3)))
+    with pytest.raises(ValueError, match="other.json: no 'corpus/test' perplexity on 2 windows"):
+        moe_experiment.experiment_record(exp, tmp_path, 0.6, str(tmp_path / "other.json"))

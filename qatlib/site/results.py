@@ -421,6 +421,10 @@ def moe_experiment(r: Result) -> list[str]:
         if mode == "two_phase":
             bw = s.get("block_wise_config") or {}
             how = f"two_phase: blockwise on {bw.get('train_size')} windows, then {how}"
+        if s.get("quant_helpers"):
+            how += f"; PTQ helpers {', '.join(s['quant_helpers'])} (smooth_alpha {s.get('smooth_alpha')})"
+        bp = e.get("baseline_ptq")
+        base_cols = bp is not None
         base = (
             f" Base model: SmolLM2 {_f(up.get('dense_ppl'))}, upcycled {_f(up.get('initial_ppl'))} before / "
             f"{_f(up.get('upcycled_ppl'))} after router training."
@@ -436,12 +440,22 @@ def moe_experiment(r: Result) -> list[str]:
             "|" + "---|" * len(VARIANTS),
             "| " + " | ".join(_f(ppl.get(v)) for v in VARIANTS) + " |",
             "",
-            "| variant | recovery of the PTQ gap | ± SE |",
-            "|---|---|---|",
+        ]
+        if base_cols:
+            lines += [f"Baseline PTQ (`{bp.get('source')}`, the same windows): {_f(bp.get('ppl'))} PPL.", ""]
+        lines += [
+            "| variant | recovery of the PTQ gap | ± SE |"
+            + (" of the baseline PTQ's gap | ± SE |" if base_cols else ""),
+            "|---|---|---|" + ("---|---|" if base_cols else ""),
         ]
         for row in e.get("rows") or []:
+            extra = (
+                f" {_f(row.get('baseline_recovery'))} | {_f(row.get('baseline_recovery_se'))} |"
+                if base_cols
+                else ""
+            )
             lines.append(
-                f"| {row.get('variant')} | {_f(row.get('recovery'))} | {_f(row.get('recovery_se'))} |"
+                f"| {row.get('variant')} | {_f(row.get('recovery'))} | {_f(row.get('recovery_se'))} |" + extra
             )
         lines += [
             "",
@@ -462,9 +476,15 @@ def moe_experiment_headline(
         dep = next((x for x in e.get("rows") or [] if x.get("variant") == "deployed"), {})
         ppl = e.get("ppl") or {}
         name = (e.get("settings") or {}).get(label) or "end2end"
+        bp = e.get("baseline_ptq")
+        of_base = (
+            f"; of the baseline PTQ's {_f(bp.get('ppl'))}: {_pm(dep.get('baseline_recovery'), dep.get('baseline_recovery_se'))}"
+            if bp
+            else ""
+        )
         parts.append(
             f"{name}: BF16 {_f(ppl.get('bf16'))}, PTQ {_f(ppl.get('ptq'))}, "
-            f"deployed {_f(ppl.get('deployed'))} (recovery {_pm(dep.get('recovery'), dep.get('recovery_se'))})"
+            f"deployed {_f(ppl.get('deployed'))} (recovery {_pm(dep.get('recovery'), dep.get('recovery_se'))}{of_base})"
         )
     return what, "; ".join(parts)
 
