@@ -22,7 +22,10 @@ with an E8M0 scale per 32; weights and inputs both, inputs dynamic per group):
   ``phase2_lr``, cosine.
 
 ``rows`` picks the trained rows a run measures (RTN always): ``--recipe '{"rows": ["two_phase"]}'
---name quality_w4a4_two_phase`` writes the two-phase rows beside the others' JSON.
+--name quality_w4a4_two_phase`` writes the two-phase rows beside the others' JSON. ``smooth_alpha``
+starts every row from SmoothQuant + RTN (the recipes' ``quant_helpers: [smooth]``) and records each
+row's recovery of plain RTN's gap too, which the targets read (the issue's baseline):
+``--recipe '{"rows": ["two_phase"], "smooth_alpha": 0.5} --name quality_w4a4_smooth``.
 
 Every row: test perplexity on the same 32 spread windows, recovery ``(RTN - x) / (RTN - BF16)``
 with its paired standard error (`qatlib.report.metrics.recovery`), and the same as deployed: the
@@ -71,8 +74,14 @@ class W4A4Rows:
     # Block-AP makes 2; here 2 gave NVFP4 0.712 as deployed against 1's 0.780 (probe, 2026-12-06:
     # phase 1 overfits its 50 windows)
     bw_epochs: int = 1
-    smooth_alpha: float | None = None  # SmoothQuant before RTN (`qatlib.quant.smoothing`); None: off
-    bw_norm: bool = False  # phase 1 trains the blocks' RMSNorm weights too (``learnable.norm``)
+    # SmoothQuant before RTN (`qatlib.quant.smoothing`, the PTQ stage's ``quant_helpers: [smooth]``);
+    # None: off. NVFP4 at 0.5 (probes, 2026-12-06; recovery of plain RTN's gap as deployed, RTN 34.006
+    # deployed): RTN 33.91 -> 29.20 PPL; "QAT: scales" deployed 25.52 (0.757, against 0.676 without);
+    # two-phase deployed 25.04 (0.800, against 0.780): results/bench/quality_w4a4_smooth.json
+    smooth_alpha: float | None = None
+    # phase 1 trains the blocks' RMSNorm weights too (``learnable.norm``): NVFP4 two-phase 0.743 as
+    # deployed against 0.780 without (probe, 2026-12-06)
+    bw_norm: bool = False
     deployed: bool = True
     eval_windows: int = 32
     seed: int = 0

@@ -385,6 +385,20 @@ def quality_w4a4(r: Result) -> list[str]:
         "test perplexity ± its paired standard error; deployed: the real export as vLLM computes it, "
         "against RTN as deployed.",
     ]
+    alpha = (d.get("settings") or {}).get("smooth_alpha")
+    if alpha is not None:  # the rows start from SmoothQuant + RTN; the baseline is plain RTN
+        lines += ["", f"RTN here is SmoothQuant (alpha {alpha}) + RTN; against plain RTN:", ""]
+        lines += [
+            "| format | variant | plain RTN | recovery of its gap, as deployed | ± SE |",
+            "|---|---|---|---|---|",
+        ]
+        for f in d.get("formats") or []:
+            for x in f.get("rows") or []:
+                lines.append(
+                    f"| {f.get('format')} | {x.get('variant')} | {_f(x.get('plain_rtn_ppl'))} | "
+                    f"{_f(x.get('deployed_plain_rtn_recovery'))} | {_f(x.get('deployed_plain_rtn_recovery_se'))} |"
+                )
+        lines.append("")
     return lines + format_tables(r)
 
 
@@ -396,6 +410,13 @@ def quality_w4a4_headline(r: Result) -> tuple[str, str]:
             key=lambda x: x.get("deployed_recovery", x.get("recovery")) or float("-inf"),
             default={},
         )
+        if "deployed_plain_rtn_recovery" in best:  # a SmoothQuant start: the gap of plain RTN
+            parts.append(
+                f"{f.get('format')}: SmoothQuant + {best.get('variant')} "
+                f"{_pm(best['deployed_plain_rtn_recovery'], best.get('deployed_plain_rtn_recovery_se'))} of plain "
+                f"RTN's gap ({_f(best.get('deployed_ppl'))} PPL, plain RTN {_f(best.get('plain_rtn_ppl'))})"
+            )
+            continue
         parts.append(
             f"{f.get('format')}: {best.get('variant')} "
             f"{_pm(best.get('deployed_recovery', best.get('recovery')), best.get('deployed_recovery_se', best.get('recovery_se')))}"
@@ -522,6 +543,7 @@ TITLES = {
     "quality_low_bits": "3- and 2-bit weights (default model)",
     "quality_w4a4": "W4A4 4-bit floats at the issue's budget (default model)",
     "quality_w4a4_two_phase": "W4A4 4-bit floats: the two-phase recipe (default model)",
+    "quality_w4a4_smooth": "W4A4 4-bit floats: SmoothQuant, then the two-phase recipe (default model)",
     "moe_experiment": "The upcycled real-weight MoE, whole DAG",
     "nvfp4_two_phase_experiment": "NVFP4 W4A4: the end-to-end and two-phase recipes, whole DAG (default model)",
 }
@@ -533,6 +555,7 @@ RENDERERS: dict[str, tuple[Callable[[Result], list[str]], Callable[[Result], tup
     "quality_low_bits": (quality_low_bits, quality_low_bits_headline),
     "quality_w4a4": (quality_w4a4, quality_w4a4_headline),
     "quality_w4a4_two_phase": (quality_w4a4, quality_w4a4_headline),
+    "quality_w4a4_smooth": (quality_w4a4, quality_w4a4_headline),
     "moe_experiment": (moe_experiment, moe_experiment_headline),
     "nvfp4_two_phase_experiment": (moe_experiment, nvfp4_two_phase_headline),
 }
