@@ -7,6 +7,7 @@ Everything is built locally in seconds; nothing touches the hub.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import json
 import os
@@ -135,6 +136,18 @@ def tiny_qwen3():
 @pytest.fixture
 def tiny_qwen3_moe():
     return build_model(tiny_qwen3_moe_config())
+
+
+def stage_script(name: str):
+    """``scripts/<name>.py`` imported as a module, so a test calls a stage's ``main(argv)`` as the
+    workflow's rule runs it. The stage CLIs import their sibling ``_common`` at module level, so
+    scripts/ is on ``sys.path`` only while they import (later calls use the bound modules)."""
+    folder = str(Path(__file__).resolve().parents[1] / "scripts")
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(folder)
 
 
 # --------------------------------------------------------------------------- multi-rank

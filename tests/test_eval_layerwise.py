@@ -4,14 +4,12 @@ it cannot evaluate is refused by name before anything is loaded."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_model, local_texts, tiny_qwen3_moe_config
+from conftest import build_model, local_texts, stage_script, tiny_qwen3_moe_config
 
 REPO = Path(__file__).resolve().parents[1]
 EXP = REPO / "config/experiments/tiny-qwen3-moe.yaml"
@@ -19,11 +17,7 @@ EXP = REPO / "config/experiments/tiny-qwen3-moe.yaml"
 
 @pytest.fixture(scope="module")
 def evaluate_script():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        yield importlib.import_module("evaluate")
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
+    return stage_script("evaluate")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ computes from the export (the emulator, and vLLM's own load for NVFP4) is the tr
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import sys
@@ -16,7 +15,7 @@ import sys
 import pytest
 import torch
 import upstream_compat as uc
-from conftest import build_model, local_texts, tiny_qwen3_config
+from conftest import build_model, local_texts, stage_script, tiny_qwen3_config
 
 from qatlib.quant import QuantScheme, QuantSpec, prepare
 from qatlib.quant import functional as F
@@ -264,8 +263,7 @@ def focus_runs(tiny_tokenizer, tmp_path_factory):
     tiny_tokenizer.save_pretrained(model)
     data = root / "data.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in local_texts(20)))
-    sys.path.insert(0, str(uc.REPO / "scripts"))
-    qat, export = importlib.import_module("qat"), importlib.import_module("export")
+    qat, export = stage_script("qat"), stage_script("export")
     out = {}
     for rel in uc.FOCUS_RUNS:
         d = root / rel.rsplit("/", 1)[1].removesuffix(".yaml")
@@ -286,7 +284,6 @@ def focus_runs(tiny_tokenizer, tmp_path_factory):
         assert qat.main([*argv(model, d / "qat"), "--from-ptq-ckpt", str(d / "ptq")]) == 0
         assert export.main(argv(d / "qat", d / "export")) == 0
         out[rel] = (cfg, d)
-    sys.path.remove(str(uc.REPO / "scripts"))
     return out
 
 
@@ -413,11 +410,7 @@ def test_focus_file_as_shipped_trains_under_zero3_on_two_ranks(rel, tiny_tokeniz
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     meta = json.loads((tmp_path / "qat" / "run_metadata.json").read_text())
     assert meta["world_size"] == 2 and meta["zero_stage"] == 3
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
-    try:
-        assert importlib.import_module("export").main(argv(tmp_path / "qat", tmp_path / "export")) == 0
-    finally:
-        sys.path.remove(str(REPO_ROOT / "scripts"))
+    assert stage_script("export").main(argv(tmp_path / "qat", tmp_path / "export")) == 0
     _, trained = _trained(cfg, tmp_path)
     dep = emulate_export(tmp_path / "export", "vllm")
     n = 0

@@ -7,7 +7,6 @@ and architectures (SmolLM2's tied Llama, the tiny Qwen3-MoE)."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 import shutil
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_model, local_texts, tiny_llama_config, tiny_qwen3_moe_config
+from conftest import build_model, local_texts, stage_script, tiny_llama_config, tiny_qwen3_moe_config
 
 from qatlib import plan as qp
 from qatlib.yamlio import apply_overrides, load_yaml, yaml_value
@@ -123,11 +122,7 @@ def test_the_dag_passes_layerwise_exactly_where_streamed_says(tmp_path):
 # ----------------------------------------------------------------------------- the scripts
 @pytest.fixture(scope="module")
 def scripts():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        yield importlib.import_module("ptq"), importlib.import_module("export")
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
+    return stage_script("ptq"), stage_script("export")
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:

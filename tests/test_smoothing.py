@@ -4,14 +4,12 @@ the router included), and the PTQ stage that saves the smoothed weights every la
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_model, local_texts, tiny_llama_config, tiny_qwen3_moe_config
+from conftest import build_model, local_texts, stage_script, tiny_llama_config, tiny_qwen3_moe_config
 
 from qatlib.quant.smoothing import input_absmax, smooth, smooth_groups, smooth_model
 
@@ -141,11 +139,7 @@ def test_a_block_of_another_shape_is_refused_by_name():
 # ----------------------------------------------------------------------------- the PTQ stage
 @pytest.fixture(scope="module")
 def ptq_script():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        yield importlib.import_module("ptq")
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
+    return stage_script("ptq")
 
 
 def test_the_ptq_stage_saves_the_smoothed_model_later_stages_load(

@@ -6,15 +6,13 @@ compatibility table (docs/upstream-compat.md), checked fresh here."""
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import logging
-import sys
 
 import pytest
 import torch
 import upstream_compat as uc
-from conftest import build_model, local_texts, tiny_qwen3_config, tiny_qwen3_moe_config
+from conftest import build_model, local_texts, stage_script, tiny_qwen3_config, tiny_qwen3_moe_config
 from safetensors.torch import load_file
 
 from qatlib.config import ConfigError, load_config, parse_config
@@ -318,11 +316,7 @@ def local_models(tiny_tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ptq_script():
-    sys.path.insert(0, str(uc.REPO / "scripts"))
-    try:
-        yield importlib.import_module("ptq")
-    finally:
-        sys.path.remove(str(uc.REPO / "scripts"))
+    return stage_script("ptq")
 
 
 @pytest.mark.parametrize("rel", uc.RUNS, ids=[f.rsplit("/", 1)[-1] for f in uc.RUNS])
