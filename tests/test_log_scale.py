@@ -50,7 +50,8 @@ def test_log_steps_equal_a_hand_written_adam_on_log_scale():
         torch.optim.AdamW([{"params": [p], "lr": 0.1, "weight_decay": 0.0, LOG_SPACE: True}])
     )
     for g in grads:
-        p.grad = g.clone()
+        opt.zero_grad()
+        (g * p).sum().backward()  # d L / d s = g
         opt.step()
     want = torch.tensor(hand_adam_log(s0.tolist(), [g.tolist() for g in grads], 0.1), dtype=torch.float32)
     torch.testing.assert_close(p.detach(), want, rtol=1e-6, atol=0)
@@ -59,11 +60,50 @@ def test_log_steps_equal_a_hand_written_adam_on_log_scale():
     opt = install_log_space_steps(
         torch.optim.AdamW([{"params": [q], "lr": 0.1, "weight_decay": 0.0, LOG_SPACE: True}])
     )
-    q.grad = grads[0].clone()
+    (grads[0] * q).sum().backward()
+    # the gradient is d L / d log s as soon as backward ends (what clipping and ZeRO-3 see)
+    torch.testing.assert_close(q.grad, grads[0] * s0)
     opt.step()
     torch.testing.assert_close(q.detach() / s0, torch.exp(-0.1 * torch.sign(grads[0])), rtol=1e-5, atol=0)
-    # the gradient Adam saw was d L / d log s (it is left so; HF zeroes it before the next step)
-    torch.testing.assert_close(q.grad, grads[0] * s0)
+
+
+def test_gradient_clipping_sees_the_gradient_in_log_units():
+    """The norm a trainer clips (HF's ``max_grad_norm``, DeepSpeed's ``gradient_clipping``) is taken
+    between backward and step: over d L / d log s for log-space scales. A scale of 2e-8 (the upcycled
+    MoE's q_proj input scales) with d L / d s = 1e5 is 2e-3 in log units; taken in scale units it was a
+    norm of 1e5 that clipping to 1 divided every gradient by, the weight's too."""
+    s = torch.nn.Parameter(torch.tensor([2e-8, 1e-3]))
+    w = torch.nn.Parameter(torch.tensor([0.5]))
+    opt = install_log_space_steps(
+        torch.optim.AdamW(
+            [
+                {"params": [s], "lr": 1e-2, "weight_decay": 0.0, LOG_SPACE: True},
+                {"params": [w], "lr": 1e-4, "weight_decay": 0.0},
+            ]
+        )
+    )
+    (torch.tensor([1e5, 2.0]) * s).sum().add(3.0 * w.sum()).backward()
+    torch.testing.assert_close(s.grad, torch.tensor([2e-3, 2e-3]))
+    norm = torch.nn.utils.clip_grad_norm_([s, w], max_norm=1.0)
+    want = math.sqrt(2 * 2e-3**2 + 3.0**2)  # 3.0000013: the weight's gradient dominates
+    assert norm.item() == pytest.approx(want, rel=1e-6)
+    torch.testing.assert_close(w.grad, torch.tensor([3.0 / want]))
+    opt.step()
+    assert s.detach()[0].item() == pytest.approx(2e-8 * math.exp(-1e-2), rel=1e-5)  # a relative step
+
+
+def test_the_latest_optimizer_decides_the_gradient_units():
+    """A two-phase run builds several optimizers over the same scales: the chain rule is applied
+    once however many log-space optimizers held the scale, and not at all once an additive one does."""
+    p = torch.nn.Parameter(torch.tensor([0.25, 4.0]))
+    for _ in range(2):
+        install_log_space_steps(torch.optim.AdamW([{"params": [p], "weight_decay": 0.0, LOG_SPACE: True}]))
+    (torch.tensor([1.0, 1.0]) * p).sum().backward()
+    torch.testing.assert_close(p.grad, torch.tensor([0.25, 4.0]))
+    install_log_space_steps(torch.optim.AdamW([{"params": [p], "weight_decay": 0.0}]))
+    p.grad = None
+    (torch.tensor([1.0, 1.0]) * p).sum().backward()
+    torch.testing.assert_close(p.grad, torch.tensor([1.0, 1.0]))
 
 
 def test_groups_without_the_flag_step_as_plain_adamw():
@@ -199,7 +239,8 @@ def test_e8m0_rate_crosses_the_power_of_two_bucket_the_common_rate_cannot():
         )
         opt = install_log_space_steps(torch.optim.AdamW(groups, eps=1e-30))
         for _ in range(30):
-            p.grad = 1 / p.detach()  # L = log s: the scale wants to shrink, d L / d log s = 1
+            opt.zero_grad()
+            torch.log(p).sum().backward()  # L = log s: the scale wants to shrink, d L / d log s = 1
             opt.step()
         return p.detach()
 

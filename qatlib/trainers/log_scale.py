@@ -8,13 +8,22 @@ scales ~1e-4, NVFP4's E4M3 group scales ~64 (lr 2e-4 left QAT = PTQ to every dig
 the same for every format and every element of a tensor, and a scale can never reach 0 or below.
 
 How: the optimizer stays the stock ``torch.optim.AdamW`` (DeepSpeed ZeRO-3 accepts it and hands it
-its flat fp32 partitions, one param group at a time); the groups marked ``log_space`` are moved
-into log space around each ``step`` by the optimizer's public step hooks: before, the gradient
-becomes ``dL/du = scale * dL/ds`` and the tensor ``log(scale)``; after, ``exp`` again. All of it is
-elementwise, so it is the same on a flat ZeRO-3 partition as on the full tensor (ZeRO-3 parity),
-and the checkpoint keeps the scale itself (layout unchanged). Adam's moments are in log units;
-decoupled weight decay would pull ``log(scale)`` toward 0 (scale 1), so these groups have none.
-Zero points are not positive and stay in an ordinary (additive) group.
+its flat fp32 partitions, one param group at a time). The gradient of each scale in a group marked
+``log_space`` is ``dL/du = scale * dL/ds`` from the start: a gradient hook on the parameter applies
+the chain rule as autograd computes it, so everything between backward and the step (the
+trainer's ``max_grad_norm`` / DeepSpeed's ``gradient_clipping``, the ZeRO-3 reduction) sees the
+gradient the optimizer steps on. The tensor itself moves into log space around each ``step`` (the
+optimizer's public step hooks: ``log(scale)`` before, ``exp`` after). All of it is elementwise, so
+it is the same on a flat ZeRO-3 partition as on the full tensor (ZeRO-3 parity), and the checkpoint
+keeps the scale itself (layout unchanged). Adam's moments are in log units; decoupled weight decay
+would pull ``log(scale)`` toward 0 (scale 1), so these groups have none. Zero points are not
+positive and stay in an ordinary (additive) group.
+
+Why in the backward and not in the pre-step hook (as until 2026-12): the clipping norm was then
+taken over ``dL/ds``, which grows as ``1/scale``. On the upcycled MoE (fp8_static), whose q_proj
+inputs are ~1e-5 (scales ~2e-8), those raw gradients were ~1e5 and the global norm 2.3e5: clipping
+to 1 divided every gradient by 2.3e5, below Adam's ``eps``, and the scales and weights barely moved
+(scales-only QAT recovered -0.05 +- 0.25 of the PTQ gap). In log units the same gradients are ~1e-3.
 
 E8M0 scales (MXFP4's power-of-two group scales) get their own rate, `e8m0_lr`: the forward
 rounds a master to the nearest power of two, so in log space its rounding bucket is ln 2 wide, and
@@ -39,6 +48,8 @@ _TINY = torch.finfo(torch.float32).tiny
 # log space: E8M0 scales step at this multiple of the scales' relative lr (module docstring: the
 # measured 5e-2 against 1e-2); additive steps keep one absolute lr (E8M0 scales are ~2^-4 there)
 E8M0_LOG_LR_FACTOR = 5.0
+# the attribute a log-space scale keeps its gradient hook's handle in (`_set_log_gradient`)
+_HOOK_ATTR = "_qatlib_log_gradient_hook"
 
 
 def e8m0_lr(lr: float, scale_update: str, explicit: float | None = None) -> float:
@@ -60,8 +71,6 @@ def _to_log(optimizer: torch.optim.Optimizer, *_args) -> None:
     with torch.no_grad():
         for g in _log_groups(optimizer):
             for p in g["params"]:
-                if p.grad is not None:
-                    p.grad.mul_(p)  # chain rule: d L / d log s = s * d L / d s
                 p.clamp_(min=_TINY).log_()
 
 
@@ -81,6 +90,27 @@ def install_log_space_steps(optimizer: torch.optim.Optimizer) -> torch.optim.Opt
                 f"param group {g.get('name', '?')!r} is stepped in log space: weight decay there would "
                 "pull every scale toward 1; set its weight_decay to 0"
             )
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            _set_log_gradient(p, bool(g.get(LOG_SPACE)))
     optimizer.register_step_pre_hook(_to_log)
     optimizer.register_step_post_hook(_from_log)
     return optimizer
+
+
+def _chain_rule(p: torch.nn.Parameter):
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        return grad * p.detach()  # d L / d log s = s * d L / d s, with s as the forward used it
+
+    return hook
+
+
+def _set_log_gradient(p: torch.nn.Parameter, on: bool) -> None:
+    """``p``'s gradient in log units (``on``) or its own: the latest optimizer that holds ``p``
+    decides (a two-phase run builds several over the same scales; a second hook would square it)."""
+    handle = getattr(p, _HOOK_ATTR, None)
+    if handle is not None:
+        handle.remove()
+        delattr(p, _HOOK_ATTR)
+    if on and p.requires_grad:
+        setattr(p, _HOOK_ATTR, p.register_hook(_chain_rule(p)))
