@@ -14,7 +14,8 @@ report's definition), every stage's wall time, and the target (#40: the deployed
 >= 0.85 of the PTQ gap). ``--baseline-ptq results/<exp>/eval/ptq.json`` of another PTQ of the same
 model on the same windows (plain RTN, where the experiments start from SmoothQuant + RTN): each row's
 recovery of that gap too, with its paired SE, which the targets then read; the file's path, perplexity
-and sha256 are recorded. Writes ``<out>/<name>.json`` (default ``moe_experiment``).
+and sha256 are recorded. ``--note TEXT``: recorded as the JSON's note (the results page prints it).
+Writes ``<out>/<name>.json`` (default ``moe_experiment``).
 """
 
 from __future__ import annotations
@@ -168,12 +169,20 @@ def main(argv: list[str] | None = None) -> int:
         help="another PTQ's eval/ptq.json on the same windows (plain RTN against a SmoothQuant start): "
         "each row's recovery of its gap too, which the targets read",
     )
+    ap.add_argument(
+        "--note",
+        default=None,
+        help="what a reader needs beside the numbers (the probes that chose the recipe, a model's history): "
+        "recorded as the JSON's note, which the results page prints above the tables",
+    )
     a = ap.parse_args(argv)
     try:
         exps = [experiment_record(d, a.results, a.target, a.baseline_ptq) for d in a.exp_dirs]
     except (OSError, ValueError) as e:
         ap.error(str(e))
     body = {"machine": machine(), "experiments": exps, "targets": [e["target"] for e in exps]}
+    if a.note:
+        body["note"] = a.note
     log(f"{a.name}: wrote {write_result(a.out, a.name, body)}")
     return 0
 

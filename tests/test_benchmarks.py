@@ -412,3 +412,11 @@ def test_an_experiment_record_against_a_baseline_ptq(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps(ev(2.0, windows=3)))
     with pytest.raises(ValueError, match="other.json: no 'corpus/test' perplexity on 2 windows"):
         moe_experiment.experiment_record(exp, tmp_path, 0.6, str(tmp_path / "other.json"))
+
+    # the CLI: the note recorded beside the experiments, where the results page reads it
+    argv = [str(exp), "--results", str(tmp_path), "--out", str(tmp_path / "bench"), "--name", "x"]
+    assert moe_experiment.main([*argv, "--note", "chosen by a probe"]) == 0
+    doc = json.loads((tmp_path / "bench" / "x.json").read_text())
+    assert doc["note"] == "chosen by a probe" and doc["experiments"][0]["ppl"]["ptq"] == round(e**1.8, 4)
+    assert moe_experiment.main(argv) == 0
+    assert "note" not in json.loads((tmp_path / "bench" / "x.json").read_text())
