@@ -45,6 +45,7 @@ SETTINGS = {
     "frozen_codes": "compression.QAT.plugin_config.quant_config.frozen_codes",
     "learnable": "compression.QAT.plugin_config.quant_config.learnable",
     "learning_rate": "compression.QAT.hf_args.learning_rate",
+    "weight_lr": "compression.QAT.plugin_config.quant_config.weight_lr",
     "max_steps": "compression.QAT.hf_args.max_steps",
     "deepspeed": "compression.QAT.hf_args.deepspeed",
     "train_tokens_per_sample": "dataset.max_seq_length",
