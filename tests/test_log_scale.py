@@ -124,6 +124,18 @@ def test_weight_decay_in_a_log_group_is_refused():
         )
 
 
+def test_a_frozen_scale_in_a_log_group_is_refused():
+    """The chain rule is a gradient hook, which torch registers only on a tensor that requires grad:
+    a scale frozen when the optimizer is built and unfrozen later would step its raw d L / d s."""
+    s, t = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    with pytest.raises(ValueError, match="'scale'.*1 parameter.*requires_grad=False"):
+        install_log_space_steps(
+            torch.optim.AdamW([{"params": [s, t], "weight_decay": 0.0, LOG_SPACE: True, "name": "scale"}])
+        )
+    # a frozen tensor in an additive group is the optimizer's business, not ours
+    install_log_space_steps(torch.optim.AdamW([{"params": [t], "weight_decay": 0.0}]))
+
+
 def test_param_groups_put_positive_scales_in_log_space_and_zero_points_additive():
     asym = QuantScheme("asym-w4", weight=QuantSpec("int4", Granularity.GROUP, group_size=16, symmetric=False))
     model = prepare(build_model(tiny_qwen3_config()), asym, options=PrepareOptions())

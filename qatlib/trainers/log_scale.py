@@ -90,6 +90,13 @@ def install_log_space_steps(optimizer: torch.optim.Optimizer) -> torch.optim.Opt
                 f"param group {g.get('name', '?')!r} is stepped in log space: weight decay there would "
                 "pull every scale toward 1; set its weight_decay to 0"
             )
+        if frozen := sum(not p.requires_grad for p in g["params"]):
+            # the chain rule is a gradient hook, which torch registers only on a tensor that
+            # requires grad: unfrozen later, such a scale would step its raw dL/ds in log space
+            raise ValueError(
+                f"param group {g.get('name', '?')!r} is stepped in log space but holds {frozen} "
+                "parameter(s) with requires_grad=False: unfreeze the scales before building the optimizer"
+            )
     for g in optimizer.param_groups:
         for p in g["params"]:
             _set_log_gradient(p, bool(g.get(LOG_SPACE)))
@@ -112,5 +119,5 @@ def _set_log_gradient(p: torch.nn.Parameter, on: bool) -> None:
     if handle is not None:
         handle.remove()
         delattr(p, _HOOK_ATTR)
-    if on and p.requires_grad:
+    if on:
         setattr(p, _HOOK_ATTR, p.register_hook(_chain_rule(p)))
