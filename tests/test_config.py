@@ -602,6 +602,8 @@ BAD_CASES: list[tuple[str, dict[str, Any] | str, str]] = [
     ("unknown-key-deep", {f"{QC}.learnable.lwcc": True}, f"{QC}.learnable.lwcc"),
     ("frozen-codes-weights", {f"{QC}.frozen_codes": True, f"{QC}.weight_lr": 1e-5}, f"{QC}.frozen_codes"),
     ("frozen-codes-lwc", {f"{QC}.frozen_codes": True, f"{QC}.lwc.enable_lwc": True}, f"{QC}.frozen_codes"),
+    ("weight-update-without-weights", {f"{QC}.weight_update": "relative"}, f"{QC}.weight_update"),
+    ("weight-update-unknown", {f"{QC}.weight_update": "log", f"{QC}.weight_lr": 1e-5}, f"{QC}.weight_update"),
     ("unknown-section", {"modle": {"name": "x"}}, "modle"),
     ("unknown-key-model", {"model.cache_dirr": "/x"}, "model.cache_dirr"),
     (

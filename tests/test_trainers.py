@@ -536,8 +536,12 @@ def test_train_end2end_from_config_with_lazy_init_and_saved_resume(tmp_path, tin
     )
 
 
-def test_config_weight_lr_trains_weights_against_the_original_teacher(tmp_path, tiny_tokenizer):
-    """``quant_config.weight_lr`` from the config: the weights train at that rate (their own group),
+@pytest.mark.parametrize("weight_update", ["additive", "relative"])
+def test_config_weight_lr_trains_weights_against_the_original_teacher(
+    tmp_path, tiny_tokenizer, weight_update
+):
+    """``quant_config.weight_lr`` from the config: the weights train at that rate (their own group;
+    ``weight_update: relative``: one group per unit c at weight_lr x c, `qatlib.trainers.weight_units`),
     the scales at learning_rate in log space, and the KD teacher is model.model_path's model, a
     separate copy whose weights stay the original's."""
     from qatlib.data import training_data_from_config
@@ -547,14 +551,21 @@ def test_config_weight_lr_trains_weights_against_the_original_teacher(tmp_path, 
     tiny_tokenizer.save_pretrained(tok_dir)
     model = build_model(tiny_qwen3_config())
     model.save_pretrained(tok_dir)  # model.model_path: the teacher
-    qc = {"lazy_init_samples": 2, "weight_lr": 3e-3, "scale_update": "log"}
+    qc = {"lazy_init_samples": 2, "weight_lr": 3e-3, "scale_update": "log", "weight_update": weight_update}
     cfg, _ = _experiment(tmp_path, tok_dir, plugin_config={"quant_config": qc})
     scheme = cfg.quant_scheme()
     prepare(model, scheme)
     before = snapshot(model)
     tr = train_end2end(cfg, model, tiny_tokenizer, training_data_from_config(cfg, tiny_tokenizer))
     groups = {g["name"]: g for g in tr.optimizer.param_groups}
-    assert groups["weight"]["initial_lr"] == pytest.approx(3e-3) and groups["scale"].get("log_space") is True
+    assert groups["scale"].get("log_space") is True
+    if weight_update == "additive":
+        assert groups["weight"]["initial_lr"] == pytest.approx(3e-3)
+    else:  # the tiny model's linears: RMS ~0.02, unit 2^-6
+        units = {n: g["weight_unit"] for n, g in groups.items() if n.startswith("weight@")}
+        assert units and "weight" not in groups
+        for n, c in units.items():
+            assert n == f"weight@2^{int(math.log2(c))}" and groups[n]["initial_lr"] == pytest.approx(3e-3 * c)
     assert tr.teacher is not None and tr.teacher is not model
     moved = changed(before, model)
     assert any(n.endswith("proj.weight") for n in moved) and any(
@@ -924,7 +935,16 @@ def _z3_setup(tmp_path: Path, n_samples: int, steps: int, **extra) -> tuple[dict
         ds_config.write_text(json.dumps(ds))
     else:
         config = tiny_qwen3_config(initializer_range=0.1)
-    build_model(config, seed=1).save_pretrained(model_dir)
+    base = build_model(config, seed=1)
+    if extra.get("sizes_apart"):
+        # weights whose sizes differ by orders of magnitude (`weight_units`' case, the upcycled MoE's
+        # o_proj): layer 1's o_proj 2^10 x, and the first half of layer 0's (rank 0's ZeRO-3 slice)
+        # 2^6 x, so a unit taken from one partition alone differs between the ranks
+        with torch.no_grad():
+            base.model.layers[1].self_attn.o_proj.weight.mul_(1024.0)
+            flat = base.model.layers[0].self_attn.o_proj.weight.view(-1)
+            flat[: flat.numel() // 2].mul_(64.0)
+    base.save_pretrained(model_dir)
     with one_thread():
         pm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         prepare(pm, scheme, options=PrepareOptions(deploy=tie_for(extra.get("deploy", "none"))))
@@ -1099,21 +1119,27 @@ def test_zero3_two_ranks_lm_plus_cakld_matches_single_process(tmp_path, compile_
 
 @pytest.mark.slow
 @pytest.mark.multirank
-def test_zero3_weight_training_with_a_partitioned_original_teacher_matches_single_process(tmp_path):
+@pytest.mark.parametrize("weight_update", ["additive", "relative"])
+def test_zero3_weight_training_with_a_partitioned_original_teacher_matches_single_process(
+    tmp_path, weight_update
+):
     """``quant_config.weight_lr`` under ZeRO-3: the linear weights train with the scales, and the KD
     teacher is the ORIGINAL model, partitioned in an inference-only DeepSpeed engine. On 2 ranks
     (batch 1 each) vs one process (batch 1 x 2 accumulation steps, a plain copy of the original as
     teacher): the step's losses, the trained weights and the scales agree (one step: with the
     weights training, ulp differences flip weight codes from step 2 on, see `_z3_reference`; Adam
     eps = 1 as there). After training, the teacher engine computes the original model's logits,
-    which the student's own weights with quantizers off no longer do."""
+    which the student's own weights with quantizers off no longer do. ``relative``
+    (`qatlib.trainers.weight_units`): on weights whose sizes differ by 2^10 and whose halves differ
+    by 2^6, the units summed from the partitions are the whole tensors' (the same groups)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from qatlib import zero3_load as zl
 
     steps, wlr = 1, 0.1
-    spec, data = _z3_setup(tmp_path, 2, steps, eps=1.0, weight_lr=wlr)
+    rel = {"weight_update": "relative", "sizes_apart": True} if weight_update == "relative" else {}
+    spec, data = _z3_setup(tmp_path, 2, steps, eps=1.0, weight_lr=wlr, **rel)
     proc, _ = torchrun(Z3_WORKER, spec, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     res = json.loads((tmp_path / "run" / "result.json").read_text())
@@ -1127,7 +1153,7 @@ def test_zero3_weight_training_with_a_partitioned_original_teacher_matches_singl
         prepare(ref, Z3_SCHEME, options=PrepareOptions(init_from_weight=False))
         zl.stream_load_scales(ref, spec["ptq"], Z3_SCHEME)
         learnable = Learnable(weight_scale=True, act_scale=True)
-        QATTrainer(
+        ref_tr = QATTrainer(
             ref,
             targs(
                 tmp_path / "ref",
@@ -1142,10 +1168,16 @@ def test_zero3_weight_training_with_a_partitioned_original_teacher_matches_singl
             loss_config=LossConfig(loss_type="cakld", lm_loss_weight=1.0, kd_loss_weight=1.0),
             trainable=select_trainable(ref, learnable, weights=True),
             weight_lr=wlr,
+            weight_update=weight_update,
             teacher=original,
             train_dataset=data,
             data_collator=PadCollator(0),
-        ).train()
+        )
+        ref_tr.train()
+    ref_groups = [g["name"] for g in ref_tr.optimizer.param_groups]
+    assert res["groups"] == ref_groups
+    if weight_update == "relative":  # 2^-3 (most), 2^2 (layer 0 o_proj: RMS 4.5 whole, 0.07 in one half), 2^7
+        assert {"weight@2^2", "weight@2^7"} <= set(ref_groups) and "weight" not in ref_groups
     ref_lines = read_log(tmp_path / "ref" / "out" / LOG_FILE)
     assert [x["step"] for x in lines] == [x["step"] for x in ref_lines] == [1]
     for a, b in zip(lines, ref_lines):

@@ -290,6 +290,10 @@ class QuantConfig(Section):
     # AdamW lr; the KD teacher is then the original model, a second copy (ZeRO-3: partitioned, M /
     # world more per rank), since the student's own weights with quantizers off no longer are it
     weight_lr: float | None = Field(None, gt=0)
+    # not upstream: how weight_lr moves the weights. "additive": an absolute AdamW step; "relative":
+    # a step in units of each weight tensor's size (the power of two nearest its RMS), for models
+    # whose linears differ in size by orders of magnitude (qatlib.trainers.weight_units)
+    weight_update: Literal["additive", "relative"] = "additive"
     # not upstream: the scales train on the start's codes held fixed (EfficientQAT's E2E-QP;
     # qatlib.quant.codes): for a start whose codes carry a solution (GPTQ's from_ptq_ckpt, a
     # blockwise phase), which scales re-rounding a continuous weight would undo
@@ -304,6 +308,10 @@ class QuantConfig(Section):
             # Upstream silently trains nothing: the clip factors are only created with enable_lwc.
             raise issues_error(
                 [("learnable.lwc", "is true but lwc.enable_lwc is false: there are no clip factors to learn")]
+            )
+        if self.weight_update != "additive" and not self.weight_lr:
+            raise issues_error(
+                [("weight_update", f"is {self.weight_update!r} but weight_lr is not set: no weight trains")]
             )
         if self.frozen_codes and (self.weight_lr or self.lwc.enable_lwc):
             what = "weight_lr (the weights train)" if self.weight_lr else "lwc.enable_lwc (no stored scale)"

@@ -71,6 +71,7 @@ from .params import (
     param_groups,
     select_trainable,
 )
+from .weight_units import WEIGHT_UPDATES, install_weight_unit_steps, weight_units
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +134,9 @@ class QATTrainer(Trainer):
 
     Keyword arguments beyond the Trainer's: ``loss_config`` (`LossConfig`), ``learnable``
     (`Learnable`, default weight scales only) or an explicit ``trainable`` selection, ``lwc_lr``,
-    ``norm_lr``, ``weight_lr``, ``scale_update`` (``"additive"``, or ``"log"``:
-    `qatlib.trainers.log_scale`), ``e8m0_scale_lr`` (MXFP4's E8M0 scales; None:
+    ``norm_lr``, ``weight_lr``, ``weight_update`` (``"additive"``, or ``"relative"``: ``weight_lr``
+    in units of each weight tensor's size, `qatlib.trainers.weight_units`), ``scale_update``
+    (``"additive"``, or ``"log"``: `qatlib.trainers.log_scale`), ``e8m0_scale_lr`` (MXFP4's E8M0 scales; None:
     `qatlib.trainers.log_scale.e8m0_lr` of ``learning_rate``), ``subgroup_lr`` (FOCUS's sub-group
     scale logits; None: ``learning_rate``), ``teacher`` (a separate teacher model; None = the model itself with quantization
     disabled), ``log_file`` (default ``<output_dir>/train_log.jsonl``; False = none),
@@ -154,6 +156,7 @@ class QATTrainer(Trainer):
         lwc_lr: float | None = None,
         norm_lr: float | None = None,
         weight_lr: float | None = None,
+        weight_update: str = "additive",
         scale_update: str = "additive",
         e8m0_scale_lr: float | None = None,
         subgroup_lr: float | None = None,
@@ -167,6 +170,8 @@ class QATTrainer(Trainer):
                 "QATTrainer builds its own optimizer from the learnable selection; do not pass optimizers"
             )
         _refuse_deepspeed_optimizer(args)
+        if weight_update not in WEIGHT_UPDATES:
+            raise ValueError(f"weight_update must be one of {WEIGHT_UPDATES}; got {weight_update!r}")
         if trainable is None:
             trainable = apply_learnable(model, learnable or Learnable())
         else:
@@ -182,6 +187,7 @@ class QATTrainer(Trainer):
         self.lwc_lr = lwc_lr
         self.norm_lr = norm_lr
         self.weight_lr = weight_lr
+        self.weight_update = weight_update
         self.scale_update = scale_update
         self.e8m0_scale_lr = e8m0_scale_lr
         self.subgroup_lr = subgroup_lr
@@ -228,6 +234,10 @@ class QATTrainer(Trainer):
     # ------------------------------------------------------------------ optimizer
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
+            units = None
+            if self.weight_update == "relative" and self.trainable.weight:
+                # collective under ZeRO-3 (one all-reduce): every rank builds its optimizer here
+                units = weight_units([p for _, p in self.trainable.weight])
             groups = param_groups(
                 self.trainable,
                 lr=self.args.learning_rate,
@@ -238,15 +248,18 @@ class QATTrainer(Trainer):
                 scale_update=self.scale_update,
                 e8m0_scale_lr=self.e8m0_scale_lr,
                 subgroup_lr=self.subgroup_lr,
+                weight_units=units,
             )
             if not groups:
                 raise ValueError("QAT optimizer has no trainable parameters")
-            self.optimizer = install_log_space_steps(
-                torch.optim.AdamW(
-                    groups,
-                    lr=self.args.learning_rate,
-                    betas=(self.args.adam_beta1, self.args.adam_beta2),
-                    eps=self.args.adam_epsilon,
+            self.optimizer = install_weight_unit_steps(
+                install_log_space_steps(
+                    torch.optim.AdamW(
+                        groups,
+                        lr=self.args.learning_rate,
+                        betas=(self.args.adam_beta1, self.args.adam_beta2),
+                        eps=self.args.adam_epsilon,
+                    )
                 )
             )
             log.info(
@@ -503,7 +516,11 @@ def train_end2end(
     learnable = cfg.learnable()
     pick: dict[str, Any] = {"learnable": learnable}
     if qc.weight_lr:
-        pick = {"trainable": select_trainable(model, learnable, weights=True), "weight_lr": qc.weight_lr}
+        pick = {
+            "trainable": select_trainable(model, learnable, weights=True),
+            "weight_lr": qc.weight_lr,
+            "weight_update": qc.weight_update,
+        }
     # trained weights or norms change the model with its quantizers off too: that is no longer the
     # original model, so it cannot be the teacher (it would drift with the student)
     if (qc.weight_lr or learnable.norm) and loss_cfg.kd_enabled and teacher is None:

@@ -35,6 +35,7 @@ from ..quant.linear import attention_role
 from ..quant.quantizer import PARAM_ROLES, POSITIVE_PARAMS, ROLE_LWC, ROLE_SCALE, ROLE_SUBGROUP, Quantizer
 from ..quant.spec import ScaleFormat
 from .log_scale import LOG_SPACE, SCALE_UPDATES, e8m0_lr
+from .weight_units import unit_groups
 
 NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
 
@@ -244,11 +245,15 @@ def param_groups(
     scale_update: str = "additive",
     e8m0_scale_lr: float | None = None,
     subgroup_lr: float | None = None,
+    weight_units: list[float] | None = None,
 ) -> list[dict]:
     """AdamW groups (empty groups left out), each named for logs: ``scale`` at ``lr`` (laid out by
     `quantizer_groups`: log space, zero points, E8M0 scales at `log_scale.e8m0_lr`, explicit
     ``e8m0_scale_lr`` first), ``subgroup`` (FOCUS's logits, additive) at ``subgroup_lr``, ``lwc``
     at ``lwc_lr``, ``norm`` at ``norm_lr``, ``weight`` at ``weight_lr`` (defaults: ``lr``).
+    ``weight_units`` (one per ``trainable.weight``, `weight_units.weight_units`): the weights step
+    in those units instead, one group per unit (`weight_units.unit_groups`; the optimizer must then
+    go through `weight_units.install_weight_unit_steps`).
 
     With ``scale_update="log"`` the optimizer must go through
     `qatlib.trainers.log_scale.install_log_space_steps`. A bad ``scale_update`` is refused by
@@ -266,6 +271,10 @@ def param_groups(
                 e8m0_scale_lr=e8m0_scale_lr,
                 weight_decay=weight_decay,
             )
+        elif g == "weight" and ps and weight_units is not None:
+            if len(weight_units) != len(ps):
+                raise ValueError(f"{len(weight_units)} weight units for {len(ps)} weights")
+            groups += unit_groups([p for _, p in ps], weight_units, lr=glr, weight_decay=weight_decay, name=g)
         elif ps:
             groups.append(
                 {"params": [p for _, p in ps], "lr": float(glr), "weight_decay": weight_decay, "name": g}

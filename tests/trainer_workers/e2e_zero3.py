@@ -5,7 +5,8 @@ Usage: torchrun --standalone --nproc_per_node=2 e2e_zero3.py SPEC.json
 
 SPEC: {"out", "model", "ptq", "ds_config", "scheme", "data" (list of {"input_ids", "labels"}),
 "steps", "lr", optional "eps" (Adam's), "weight_lr" (the linear weights train too; the KD teacher
-is then the original model as an inference-only ZeRO-3 engine, `base_model_teacher`), "save_steps", "crash_at" (raise after that optimizer step, on every rank:
+is then the original model as an inference-only ZeRO-3 engine, `base_model_teacher`) with
+"weight_update" (`qatlib.trainers.weight_units`), "save_steps", "crash_at" (raise after that optimizer step, on every rank:
 a killed run; its state at that moment is first saved to ``{out}/at_kill``), "gradient_checkpointing" (+ "use_reentrant"), "moe" (a Qwen3-MoE model; "others_gathered"
 in result.json: the most other experts of a block gathered while one is recomputed), "save_every_step" (the
 consolidated save after each optimizer step k in ``{out}/steps/k``), "resume_from" (a checkpoint
@@ -154,6 +155,7 @@ def main() -> None:
         pick = {
             "trainable": select_trainable(model, learnable, weights=True),
             "weight_lr": spec["weight_lr"],
+            "weight_update": spec.get("weight_update", "additive"),
             "teacher": base_model_teacher(SimpleNamespace(model=mcfg), ctx),
         }
     if "vocab_block_bytes" in spec:
@@ -194,6 +196,7 @@ def main() -> None:
                     "vocab_gathered": vocab_gathered[0],
                     "checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
                     "teacher": type(trainer.teacher).__name__,
+                    "groups": [g.get("name") for g in trainer.optimizer.param_groups],
                     "teacher_partitioned": trainer.teacher is not None
                     and all(hasattr(p, "ds_id") for p in trainer.teacher.parameters()),
                 }
