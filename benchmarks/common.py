@@ -19,7 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,20 +38,30 @@ def _version(name: str) -> str | None:
         return None
 
 
-def git_state(cwd: str | os.PathLike = REPO) -> dict[str, Any]:
+def git_state(cwd: str | os.PathLike = REPO, exclude: Iterable[str | os.PathLike] = ()) -> dict[str, Any]:
     """``{"commit", "dirty", "changed_files"}`` of the repository (None when git is absent); dirty
-    counts modified, staged and untracked (not ignored) files."""
+    counts modified, staged and untracked (not ignored) files, except the paths in ``exclude`` (a
+    benchmark's own output, which it rewrites after each row: the run did not use it)."""
 
     def run(*args: str) -> str | None:
         try:
             r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=20)
         except (OSError, subprocess.TimeoutExpired):
             return None
-        return r.stdout.strip() if r.returncode == 0 else None
+        return r.stdout.rstrip("\n") if r.returncode == 0 else None  # porcelain lines start with a space
 
     commit = run("rev-parse", "HEAD")
     status = run("status", "--porcelain")  # untracked files count: the run used them too
-    changed = None if status is None else [line[3:] for line in status.splitlines() if line.strip()]
+    top = run("rev-parse", "--show-toplevel")
+    skip = set()
+    for p in exclude:
+        with contextlib.suppress(ValueError):
+            skip.add(Path(p).resolve().relative_to(Path(top or cwd).resolve()).as_posix())
+    changed = (
+        None
+        if status is None
+        else [f for line in status.splitlines() if line.strip() and (f := line[3:]) not in skip]
+    )
     return {
         "commit": commit,
         "dirty": None if changed is None else bool(changed),
@@ -347,6 +357,11 @@ def write_result(out_dir: str | os.PathLike, name: str, payload: Mapping[str, An
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
     doc = {"benchmark": name, "schema_version": SCHEMA_VERSION, **payload}
+    mach = doc.get("machine")
+    if isinstance(mach, Mapping) and isinstance(mach.get("git"), Mapping):
+        # the tree as this run used it: the record itself (rewritten after each row of a multi-row
+        # benchmark) is not a change the run ran with
+        doc["machine"] = {**mach, "git": git_state(exclude=[path])}
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
     os.replace(tmp, path)

@@ -420,3 +420,26 @@ def test_an_experiment_record_against_a_baseline_ptq(tmp_path):
     assert doc["note"] == "chosen by a probe" and doc["experiments"][0]["ppl"]["ptq"] == round(e**1.8, 4)
     assert moe_experiment.main(argv) == 0
     assert "note" not in json.loads((tmp_path / "bench" / "x.json").read_text())
+
+
+def test_git_state_leaves_the_benchmarks_own_output_out_of_the_changes(tmp_path):
+    """A multi-row benchmark rewrites its JSON after each row: that file is not a change the run
+    used, so the record of a clean tree must not read dirty because of it."""
+    import subprocess
+
+    def git(*a):
+        subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "bench.json").write_text("{}\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    (tmp_path / "out" / "bench.json").write_text('{"rows": 1}\n')
+    assert common.git_state(tmp_path)["changed_files"] == 1
+    clean = common.git_state(tmp_path, exclude=[tmp_path / "out" / "bench.json"])
+    assert clean["dirty"] is False and clean["changed_files"] == 0
+    (tmp_path / "code.py").write_text("x = 2\n")  # a real change still counts
+    (tmp_path / "new.py").write_text("y = 1\n")  # and an untracked file
+    assert common.git_state(tmp_path, exclude=[tmp_path / "out" / "bench.json"])["changed_files"] == 2
