@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import torch
 
+from .grad_hook import set_gradient_hook
+
 LOG_SPACE = "log_space"  # the param-group key marking a group trained in log space
 SCALE_UPDATES = ("additive", "log")
 # padding of a flat ZeRO-3 partition is 0: log would make it -inf (harmless but noisy); a scale
@@ -114,10 +116,5 @@ def _chain_rule(p: torch.nn.Parameter):
 
 def _set_log_gradient(p: torch.nn.Parameter, on: bool) -> None:
     """``p``'s gradient in log units (``on``) or its own: the latest optimizer that holds ``p``
-    decides (a two-phase run builds several over the same scales; a second hook would square it)."""
-    handle = getattr(p, _HOOK_ATTR, None)
-    if handle is not None:
-        handle.remove()
-        delattr(p, _HOOK_ATTR)
-    if on:
-        setattr(p, _HOOK_ATTR, p.register_hook(_chain_rule(p)))
+    decides (`grad_hook.set_gradient_hook`)."""
+    set_gradient_hook(p, _HOOK_ATTR, _chain_rule(p) if on else None)

@@ -34,6 +34,7 @@ import torch
 
 from ..device import collective_device
 from ..zero3_io import is_zero3_param, sliced_evenly
+from .grad_hook import set_gradient_hook
 
 WEIGHT_UPDATES = ("additive", "relative")
 WEIGHT_UNIT = "weight_unit"  # the param-group key holding its weights' unit c
@@ -100,19 +101,14 @@ def install_weight_unit_steps(optimizer: torch.optim.Optimizer) -> torch.optim.O
     earlier optimizer installed on a parameter this one steps otherwise). Returns the optimizer."""
     for g in optimizer.param_groups:
         c = g.get(WEIGHT_UNIT)
+        on = c is not None and c != 1.0
+        if on and any(not p.requires_grad for p in g["params"]):
+            raise ValueError(
+                f"param group {g.get('name', '?')!r} steps in weight units but holds a parameter "
+                "with requires_grad=False: unfreeze the weights before building the optimizer"
+            )
         for p in g["params"]:
-            handle = getattr(p, _HOOK_ATTR, None)
-            if handle is not None:
-                handle.remove()
-                delattr(p, _HOOK_ATTR)
-            if c is None or c == 1.0:
-                continue
-            if not p.requires_grad:
-                raise ValueError(
-                    f"param group {g.get('name', '?')!r} steps in weight units but holds a parameter "
-                    "with requires_grad=False: unfreeze the weights before building the optimizer"
-                )
-            setattr(p, _HOOK_ATTR, p.register_hook(_times(float(c))))
+            set_gradient_hook(p, _HOOK_ATTR, _times(float(c)) if on else None)
     return optimizer
 
 
