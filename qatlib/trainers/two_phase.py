@@ -5,7 +5,7 @@ Phase 1 is `blockwise.train_blockwise` (``block_wise_config``: each decoder bloc
 scales fitted to the unquantized block's output); phase 2 is `end2end.train_end2end` from phase 1's
 model (``hf_args``, the loss, ``quant_config``; with ``frozen_codes`` the scales train on phase 1's
 codes held, EfficientQAT's E2E-QP). Measured on SmolLM2-135M NVFP4 W4A4 at 100 x 256 tokens:
-recovery of RTN's gap 0.780 as deployed, against 0.690 end to end alone (`benchmarks.quality_w4a4`).
+recovery of RTN's gap 0.780 as deployed, against 0.676 end to end alone (`benchmarks.quality_w4a4`, its best NVFP4 row).
 
 The rule between the phases lives here: when phase 1 trained the weights (``block_wise_config.
 weight_lr > 0``), phase 2's KD teacher is the original model (`end2end.base_model_teacher`), not
