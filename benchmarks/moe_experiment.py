@@ -85,6 +85,7 @@ def experiment_record(
     ppl = {v: e["ppl"][data] for v, e in evals.items() if "skipped" not in e}
     base_ptq = baseline_ptq(baseline, data, ppl["bf16"]["windows"]) if baseline else None
     rows = []
+    exact: dict[str, float | None] = {}  # unrounded: a value rounded onto the floor has not reached it
     for v in ("qat", "export", "deployed"):
         if v not in ppl:
             rows.append({"variant": v, "skipped": evals[v].get("skipped")})
@@ -92,6 +93,7 @@ def experiment_record(
         nll = tuple(ppl[k]["window_nll"] for k in ("bf16", "ptq", v))
         bf16 = ppl["bf16"]["ppl"]
         rv = recovery(bf16, ppl["ptq"]["ppl"], ppl[v]["ppl"], min_gap=MIN_REL_GAP * bf16, nll=nll)
+        exact[v] = rv.value
         rows.append(
             {
                 "variant": v,
@@ -105,6 +107,7 @@ def experiment_record(
         if base_ptq is not None:
             nll = (ppl["bf16"]["window_nll"], base_ptq["window_nll"], ppl[v]["window_nll"])
             bv = recovery(bf16, base_ptq["ppl"], ppl[v]["ppl"], min_gap=MIN_REL_GAP * bf16, nll=nll)
+            exact[v] = bv.value
             rows[-1]["baseline_recovery"] = None if bv.value is None else round(bv.value, 4)
             rows[-1]["baseline_recovery_se"] = None if bv.se is None else round(bv.se, 4)
     timings = {}
@@ -130,13 +133,10 @@ def experiment_record(
         if shared.is_file():
             timings[f"base_model-{base.name}"] = json.loads(shared.read_text()).get("wall_s")
     dep = next(r for r in rows if r["variant"] == "deployed")
-    what, value, se = "the PTQ gap", dep.get("recovery"), dep.get("recovery_se")
+    what, se = "the PTQ gap", dep.get("recovery_se")
     if base_ptq is not None:
-        what, value, se = (
-            "the baseline PTQ's gap",
-            dep.get("baseline_recovery"),
-            dep.get("baseline_recovery_se"),
-        )
+        what, se = "the baseline PTQ's gap", dep.get("baseline_recovery_se")
+    value = exact.get("deployed")
     return {
         "experiment": exp.name,
         "settings": {k: section(config, key) for k, key in SETTINGS.items()},

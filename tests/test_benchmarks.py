@@ -407,11 +407,19 @@ def test_an_experiment_record_against_a_baseline_ptq(tmp_path):
     assert dep["baseline_recovery"] == round((e**2 - e**1.5) / (e**2 - e), 4)  # 0.6224
     assert dep["recovery"] == round((e**1.8 - e**1.5) / (e**1.8 - e), 4)
     assert rec["baseline_ptq"]["ppl"] == round(e**2, 4)
-    assert rec["target"]["value"] == dep["baseline_recovery"] and rec["target"]["met"] is True
+    assert rec["target"]["value"] == pytest.approx((e**2 - e**1.5) / (e**2 - e), rel=1e-12)
+    assert rec["target"]["met"] is True
     assert "baseline PTQ's gap" in rec["target"]["target"]
     (tmp_path / "other.json").write_text(json.dumps(ev(2.0, windows=3)))
     with pytest.raises(ValueError, match="other.json: no 'corpus/test' perplexity on 2 windows"):
         moe_experiment.experiment_record(exp, tmp_path, 0.6, str(tmp_path / "other.json"))
+
+    # the target compares the unrounded recovery: 0.470665... is recorded as 0.4707, and does not
+    # reach a floor of 0.47067
+    own = moe_experiment.experiment_record(exp, tmp_path, 0.47067)
+    assert next(r for r in own["rows"] if r["variant"] == "deployed")["recovery"] == 0.4707
+    assert own["target"]["met"] is False and own["target"]["value"] == pytest.approx(0.4706654, abs=1e-7)
+    assert moe_experiment.experiment_record(exp, tmp_path, 0.47066)["target"]["met"] is True
 
     # the CLI: the note recorded beside the experiments, where the results page reads it
     argv = [str(exp), "--results", str(tmp_path), "--out", str(tmp_path / "bench"), "--name", "x"]
