@@ -183,10 +183,10 @@ def paired_ratio(num: Sequence[float], den: Sequence[float]) -> dict[str, float]
     ratios = sorted(a / b for a, b in zip(num, den))
     q = _quartiles(ratios)
     return {
-        "ratio": round(statistics.median(ratios), 4),
-        "ratio_q1": round(q[0], 4),
-        "ratio_q3": round(q[1], 4),
-        "ratio_of_medians": round(statistics.median(num) / statistics.median(den), 4),
+        "ratio": rounded(statistics.median(ratios)),
+        "ratio_q1": rounded(q[0]),
+        "ratio_q3": rounded(q[1]),
+        "ratio_of_medians": rounded(statistics.median(num) / statistics.median(den)),
         "rounds": len(ratios),
     }
 
@@ -376,6 +376,36 @@ def _json_default(o: Any) -> Any:
     return str(o)
 
 
+class Rounded(float):
+    """A figure rounded for the record that remembers the value it was rounded from: as a float it
+    is the rounded value (what the JSON writes, what ``==`` and the reports see), ``exact`` is the
+    unrounded one, which `target` compares. ``round()`` keeps ``exact``; arithmetic gives a plain
+    float of the rounded values, so a value computed from rows must be computed from their `exact`."""
+
+    exact: float
+
+    def __new__(cls, value: float, exact: float) -> Rounded:
+        self = super().__new__(cls, value)
+        self.exact = float(exact)
+        return self
+
+    def __round__(self, ndigits: int | None = None):  # type: ignore[override]
+        return round(float(self)) if ndigits is None else rounded(self, ndigits)
+
+    def __reduce__(self):
+        return Rounded, (float(self), self.exact)
+
+
+def rounded(x: float | None, ndigits: int = 4) -> Rounded | None:
+    """``round(x, ndigits)`` for a record, as a `Rounded` that keeps x's exact value; None stays None."""
+    return None if x is None else Rounded(round(float(x), ndigits), exact(x))
+
+
+def exact(x: Any) -> Any:
+    """The unrounded value of a `Rounded`; anything else as it is."""
+    return x.exact if isinstance(x, Rounded) else x
+
+
 def target(
     name: str,
     value: float | None,
@@ -385,7 +415,9 @@ def target(
     unit: str = "",
     note: str = "",
 ) -> dict[str, Any]:
-    """One target row: ``met`` is None when the value could not be measured."""
+    """One target row: ``met`` is None when the value could not be measured. A `Rounded` value is
+    compared, and recorded, unrounded (`exact`): 0.84999 recorded as 0.85 does not meet 0.85."""
+    value = exact(value)
     met = None if value is None else (value >= threshold if higher_is_better else value <= threshold)
     op = ">=" if higher_is_better else "<="
     return {"target": f"{name} {op} {threshold}{unit}", "value": value, "met": met, "note": note}

@@ -345,6 +345,22 @@ def run_fake_quant(dev: torch.device, *, tiny: bool, n: int, repeats: int) -> li
     return rows
 
 
+def step_targets(rows: list[dict]) -> dict[str, dict]:
+    """Per `run_steps` row (eager, and compiled where measured): the QAT step over the plain one
+    against `TARGET_STEP`, its `paired_ratio` compared unrounded."""
+    return {
+        f"{r['format']}{suffix}": target(
+            f"QAT step / quantizers off, {r['format']}{suffix}",
+            r[key]["ratio"],
+            TARGET_STEP,
+            higher_is_better=False,
+        )
+        for r in rows
+        for key, suffix in (("qat_vs_plain", ""), ("qat_compiled_vs_plain", " compiled"))
+        if key in r
+    }
+
+
 # --------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -393,17 +409,7 @@ def main(argv=None) -> int:
     )
     log("gpu_check: fake-quant op")
     out["fake_quant"] = run_fake_quant(dev, tiny=args.tiny, n=args.fq_size, repeats=args.repeats)
-    out["targets"] = {
-        f"{r['format']}{suffix}": target(
-            f"QAT step / quantizers off, {r['format']}{suffix}",
-            r[key]["ratio"],
-            TARGET_STEP,
-            higher_is_better=False,
-        )
-        for r in out["step"]
-        for key, suffix in (("qat_vs_plain", ""), ("qat_compiled_vs_plain", " compiled"))
-        if key in r
-    }
+    out["targets"] = step_targets(out["step"])
     out["wall_s"] = round(time.perf_counter() - t_all, 1)
     path = write_result(args.out, "gpu_check", out)
     print(summary(out))

@@ -36,7 +36,7 @@ import torch
 
 from qatlib.report.metrics import MIN_REL_GAP, recovery
 
-from .common import FOCUS, IGNORE, load_base
+from .common import FOCUS, IGNORE, load_base, rounded
 from .lab_inputs import MC_TASK, QualitySettings, resolve_inputs
 
 DEPLOY_TARGET = "vllm"  # the runtime the deployed rows are emulated for (`qatlib.runtime.facts.TARGETS`)
@@ -142,7 +142,8 @@ def paired(a: torch.Tensor, b: torch.Tensor, tokens_per_window: int) -> tuple[fl
 
 def recovery_record(bf16: dict, ptq: dict, qat: dict) -> dict[str, Any]:
     """``(PTQ - QAT) / (PTQ - BF16)`` in perplexity, its paired standard error over the test windows
-    (per-window NLLs) and the noise flag: `qatlib.report.metrics.recovery`, the report's definition."""
+    (per-window NLLs) and the noise flag: `qatlib.report.metrics.recovery`, the report's definition.
+    The figures are `benchmarks.common.rounded`: recorded to 4 digits, compared by `target` unrounded."""
     rv = recovery(
         bf16["ppl"],
         ptq["ppl"],
@@ -151,9 +152,9 @@ def recovery_record(bf16: dict, ptq: dict, qat: dict) -> dict[str, Any]:
         nll=(bf16["_nll"], ptq["_nll"], qat["_nll"]),
     )
     return {
-        "recovery": None if rv.value is None else round(rv.value, 4),
-        "recovery_se": None if rv.se is None else round(rv.se, 4),
-        "ptq_rel_gap": round((ptq["ppl"] - bf16["ppl"]) / bf16["ppl"], 5),
+        "recovery": rounded(rv.value),
+        "recovery_se": rounded(rv.se),
+        "ptq_rel_gap": rounded((ptq["ppl"] - bf16["ppl"]) / bf16["ppl"], 5),
         "noise": rv.noise,
     }
 

@@ -29,7 +29,7 @@ from typing import Any
 from qatlib.report.metrics import MIN_REL_GAP, recovery
 from qatlib.yamlio import load_yaml, section
 
-from .common import DEFAULT_OUT, log, machine, target, write_result
+from .common import DEFAULT_OUT, log, machine, rounded, target, write_result
 
 VARIANTS = ("bf16", "ptq", "qat", "export", "deployed")
 TARGET = 0.85
@@ -85,7 +85,6 @@ def experiment_record(
     ppl = {v: e["ppl"][data] for v, e in evals.items() if "skipped" not in e}
     base_ptq = baseline_ptq(baseline, data, ppl["bf16"]["windows"]) if baseline else None
     rows = []
-    exact: dict[str, float | None] = {}  # unrounded: a value rounded onto the floor has not reached it
     for v in ("qat", "export", "deployed"):
         if v not in ppl:
             rows.append({"variant": v, "skipped": evals[v].get("skipped")})
@@ -93,22 +92,22 @@ def experiment_record(
         nll = tuple(ppl[k]["window_nll"] for k in ("bf16", "ptq", v))
         bf16 = ppl["bf16"]["ppl"]
         rv = recovery(bf16, ppl["ptq"]["ppl"], ppl[v]["ppl"], min_gap=MIN_REL_GAP * bf16, nll=nll)
-        exact[v] = rv.value
         rows.append(
             {
                 "variant": v,
                 "ppl": round(ppl[v]["ppl"], 4),
-                "recovery": None if rv.value is None else round(rv.value, 4),
+                "recovery": rounded(rv.value),  # the target compares it unrounded (`rounded`)
                 "recovery_se": None if rv.se is None else round(rv.se, 4),
                 "noise": rv.noise,
                 "wall_s": evals[v].get("wall_s"),
             }
         )
+        if evals[v].get("not_applied"):  # `qatlib.eval.variants.not_applied`: not the runtime's number
+            rows[-1]["not_applied"] = evals[v]["not_applied"]
         if base_ptq is not None:
             nll = (ppl["bf16"]["window_nll"], base_ptq["window_nll"], ppl[v]["window_nll"])
             bv = recovery(bf16, base_ptq["ppl"], ppl[v]["ppl"], min_gap=MIN_REL_GAP * bf16, nll=nll)
-            exact[v] = bv.value
-            rows[-1]["baseline_recovery"] = None if bv.value is None else round(bv.value, 4)
+            rows[-1]["baseline_recovery"] = rounded(bv.value)
             rows[-1]["baseline_recovery_se"] = None if bv.se is None else round(bv.se, 4)
     timings = {}
     for f in sorted((exp / "timings").glob("*.json")):
@@ -136,7 +135,7 @@ def experiment_record(
     what, se = "the PTQ gap", dep.get("recovery_se")
     if base_ptq is not None:
         what, se = "the baseline PTQ's gap", dep.get("baseline_recovery_se")
-    value = exact.get("deployed")
+    value = dep.get("recovery") if base_ptq is None else dep.get("baseline_recovery")
     return {
         "experiment": exp.name,
         "settings": {k: section(config, key) for k, key in SETTINGS.items()},

@@ -48,11 +48,13 @@ from . import quality_default as qd
 from .common import (
     DEFAULT_OUT,
     FORMATS,
+    exact,
     find_base_model,
     format_scheme,
     load_avg,
     log,
     machine,
+    rounded,
     target,
     write_result,
 )
@@ -96,6 +98,64 @@ def _public(rec: dict) -> dict:
     return _rounded({k: v for k, v in rec.items() if not k.startswith("_")})
 
 
+def targets_of(s: QualitySettings, rows: list[dict]) -> list[dict]:
+    """The issue's targets from the format rows (`format_row`: their figures compared unrounded)."""
+    tg = []
+    by = {r["format"]: r for r in rows}
+    for f in s.recovery_targets:
+        if f not in by:
+            continue
+        r = by[f]
+        note = f"RTN gap {r['rtn_rel_gap']:.2%}, SE {r['recovery_vs_rtn_se']}"
+        if r["noise_vs_rtn"]:
+            note += " - NOISE: the PTQ gap is too small to measure recovery"
+        if r.get("recovery_vs_gptq") is not None:
+            note += f"; vs GPTQ: {r['recovery_vs_gptq']} (gap {r['gptq_rel_gap']:.2%})"
+        tg.append(
+            target(
+                f"QAT recovery of RTN's perplexity loss [{f}]",
+                r["recovery_vs_rtn"],
+                s.target_recovery,
+                higher_is_better=True,
+                note=note,
+            )
+        )
+    if "fp8_static" in by:
+        r = by["fp8_static"]
+        tg.append(
+            target(
+                "FP8 QAT perplexity relative to BF16 [fp8_static]",
+                r["qat_rel_to_bf16"],
+                TARGET_FP8_REL,
+                higher_is_better=False,
+                note=f"RTN: {r['rtn_rel_gap']:+.3%}",
+            )
+        )
+    for r in rows:  # QAT against GPTQ, where both ran (the issue: QAT beats GPTQ at int4 and int3)
+        if r.get("gptq_ppl") is not None and not r.get("qat_skipped"):
+            tg.append(
+                target(
+                    f"GPTQ perplexity minus QAT's [{r['format']}]",
+                    exact(r["gptq_ppl"]) - exact(r["qat_ppl"]),
+                    0.0,
+                    higher_is_better=True,
+                    note=f"GPTQ {r['gptq_ppl']}, QAT {r['qat_ppl']}, RTN {r['rtn_ppl']}",
+                )
+            )
+        if r.get("gptq_qat_ppl") is not None:  # GPTQ-initialised QAT against the better of the two
+            tg.append(
+                target(
+                    f"min(GPTQ, QAT) perplexity minus GPTQ-initialised QAT's [{r['format']}]",
+                    min(exact(r["gptq_ppl"]), exact(r["rtn_ppl" if r.get("qat_skipped") else "qat_ppl"]))
+                    - exact(r["gptq_qat_ppl"]),
+                    0.0,
+                    higher_is_better=True,
+                    note=f"GPTQ-initialised QAT {r['gptq_qat_ppl']}",
+                )
+            )
+    return tg
+
+
 # --------------------------------------------------------------------------- driver
 def _guarded(errors: list[dict], what: str, fn, *args, **kw):
     """``fn(*args, **kw)``; on failure record the error (and traceback on stderr) and return None, so
@@ -110,7 +170,8 @@ def _guarded(errors: list[dict], what: str, fn, *args, **kw):
 
 
 def _rounded(row: dict) -> dict:
-    return {k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()}
+    """Floats to 5 digits for the record, each keeping its exact value for the targets (`rounded`)."""
+    return {k: (rounded(v, 5) if isinstance(v, float) else v) for k, v in row.items()}
 
 
 def format_row(
@@ -131,7 +192,7 @@ def format_row(
         row[f"{vs}_rel_gap"], row[f"noise_vs_{vs}"] = rv["ptq_rel_gap"], rv["noise"]
     d, se = paired(qat["_nll"], rtn["_nll"], tpw)
     row["qat_minus_rtn_nll"], row["qat_minus_rtn_nll_se"] = round(d, 6), round(se, 6)
-    row["qat_rel_to_bf16"] = round(qat["ppl"] / bf16["ppl"] - 1, 5)
+    row["qat_rel_to_bf16"] = rounded(qat["ppl"] / bf16["ppl"] - 1, 5)
     if mc:
         row.update(
             bf16_mc_acc=bf16.get("mc_acc"),
@@ -350,63 +411,7 @@ def run(settings: QualitySettings | None = None, *, results: str = "results") ->
             _guarded(errors, "ablation blockwise", blockwise_ablation)
 
     # ------------------------------------------------------------------ targets
-    tg = []
-    by = {r["format"]: r for r in rows}
-    for f in s.recovery_targets:
-        if f not in by:
-            continue
-        r = by[f]
-        note = f"RTN gap {r['rtn_rel_gap']:.2%}, SE {r['recovery_vs_rtn_se']}"
-        if r["noise_vs_rtn"]:
-            note += " - NOISE: the PTQ gap is too small to measure recovery"
-        if r.get("recovery_vs_gptq") is not None:
-            note += f"; vs GPTQ: {r['recovery_vs_gptq']} (gap {r['gptq_rel_gap']:.2%})"
-        tg.append(
-            target(
-                f"QAT recovery of RTN's perplexity loss [{f}]",
-                r["recovery_vs_rtn"],
-                s.target_recovery,
-                higher_is_better=True,
-                note=note,
-            )
-        )
-    if "fp8_static" in by:
-        r = by["fp8_static"]
-        tg.append(
-            target(
-                "FP8 QAT perplexity relative to BF16 [fp8_static]",
-                r["qat_rel_to_bf16"],
-                TARGET_FP8_REL,
-                higher_is_better=False,
-                note=f"RTN: {r['rtn_rel_gap']:+.3%}",
-            )
-        )
-    for r in rows:  # QAT against GPTQ, where both ran (the issue: QAT beats GPTQ at int4 and int3)
-        if r.get("gptq_ppl") is not None and not r.get("qat_skipped"):
-            gap = round(r["gptq_ppl"] - r["qat_ppl"], 4)
-            tg.append(
-                target(
-                    f"GPTQ perplexity minus QAT's [{r['format']}]",
-                    gap,
-                    0.0,
-                    higher_is_better=True,
-                    note=f"GPTQ {r['gptq_ppl']}, QAT {r['qat_ppl']}, RTN {r['rtn_ppl']}",
-                )
-            )
-        if r.get("gptq_qat_ppl") is not None:  # GPTQ-initialised QAT against the better of the two
-            tg.append(
-                target(
-                    f"min(GPTQ, QAT) perplexity minus GPTQ-initialised QAT's [{r['format']}]",
-                    round(
-                        min(r["gptq_ppl"], r["rtn_ppl" if r.get("qat_skipped") else "qat_ppl"])
-                        - r["gptq_qat_ppl"],
-                        4,
-                    ),
-                    0.0,
-                    higher_is_better=True,
-                    note=f"GPTQ-initialised QAT {r['gptq_qat_ppl']}",
-                )
-            )
+    tg = targets_of(s, rows)
     wall = time.perf_counter() - t_start
     out = {
         "settings": asdict(s),

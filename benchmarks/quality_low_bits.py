@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .common import DEFAULT_OUT, format_scheme, log, machine, target, write_result
+from .common import DEFAULT_OUT, exact, format_scheme, log, machine, rounded, target, write_result
 from .lab import opened, recovery_record
 from .lab_inputs import FP4_ROWS
 from .quality_default import RECIPE, BlockwiseRows, DefaultModelSettings, default_base
@@ -85,8 +85,8 @@ def deployed_minus_trained(dep: dict, q: dict) -> dict[str, float | None]:
     a, b = (dep["_nll"] / per).tolist(), (q["_nll"] / per).tolist()
     se = paired_diff_se(a, b)
     return {
-        "deployed_minus_trained_nll": round(dep["nll"] - q["nll"], 6),
-        "deployed_minus_trained_nll_se": None if se is None else round(se, 6),
+        "deployed_minus_trained_nll": rounded(dep["nll"] - q["nll"], 6),
+        "deployed_minus_trained_nll_se": rounded(se, 6),
     }
 
 
@@ -113,7 +113,7 @@ class RowTable:
         q = q if q is not None else self.lab.eval(m, mc=False)
         r: dict[str, Any] = {
             "variant": name,
-            "ppl": round(q["ppl"], 4),
+            "ppl": rounded(q["ppl"]),
             **recovery_record(self.bf16, self.rtn, q),
         }
         if self.deployed:
@@ -125,7 +125,7 @@ class RowTable:
             else:
                 base = self.rtn if "refused" in self.rtn_dep else self.rtn_dep
                 dr = recovery_record(self.bf16, base, dep)
-                r["deployed_ppl"] = round(dep["ppl"], 4)
+                r["deployed_ppl"] = rounded(dep["ppl"])
                 r["deployed_recovery"], r["deployed_recovery_se"] = dr["recovery"], dr["recovery_se"]
                 r["deployed_equals_trained"] = bool(torch.equal(dep["_nll"], q["_nll"]))
                 r.update(deployed_minus_trained(dep, q))
@@ -185,7 +185,7 @@ def one_format(lab, b: LowBitRows, fmt: str, bf16: dict) -> dict[str, Any]:
         "runtimes": runtimes_of(scheme),
         "bf16_ppl": round(bf16["ppl"], 4),
         "rtn_ppl": round(rtn["ppl"], 4),
-        "gptq_ppl": round(gq["ppl"], 4) if gq else None,
+        "gptq_ppl": rounded(gq["ppl"]) if gq else None,
         "rows": rows,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
@@ -245,7 +245,7 @@ def targets_of(b: LowBitRows, done: list[dict]) -> list[dict]:
             tg.append(
                 target(
                     f"GPTQ perplexity minus two-phase's, as deployed [{fmt}]",
-                    round(f["gptq_ppl"] - ppl, 4),
+                    exact(f["gptq_ppl"]) - exact(ppl),
                     0.0,
                     higher_is_better=True,
                     note=f"GPTQ {f['gptq_ppl']}, two-phase {ppl}",

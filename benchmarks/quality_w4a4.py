@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .common import format_scheme, log, target
+from .common import exact, format_scheme, log, target
 from .lab import DEPLOY_TARGET
 from .quality_low_bits import TWO_PHASE_ROW, RowTable, rows_lab, rows_main, run_rows, runtimes_of, two_phase
 
@@ -176,11 +176,12 @@ def targets_of(b: W4A4Rows, done: list[dict]) -> list[dict]:
             if r.get("deployed_equals_trained") or r.get("deployed_minus_trained_nll_se"):
                 # bit-equal per-window losses (MXFP4: power-of-two scales, nothing reordered): 0
                 se = r["deployed_minus_trained_nll_se"]
-                z = 0.0 if r.get("deployed_equals_trained") else abs(r["deployed_minus_trained_nll"]) / se
+                d = exact(r["deployed_minus_trained_nll"])
+                z = 0.0 if r.get("deployed_equals_trained") else abs(d) / exact(se)
                 tg.append(
                     target(
                         f"{r['variant']}: deployed minus trained test loss, absolute, in paired standard errors [{fmt}]",
-                        round(z, 2),
+                        z,
                         BOUND_SE,
                         higher_is_better=False,
                         note=f"deployed - trained {r['deployed_minus_trained_nll']} "

@@ -357,6 +357,43 @@ def profile_steps(sb: StepBench, steps: int, top: int = 15) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- driver
+def targets_of(rows: list[dict], compile_rows: list[dict]) -> list[dict]:
+    """The step targets of the step rows and the compiled-step rows (their `paired_ratio`s
+    compared unrounded)."""
+    tg = [
+        target(
+            f"QAT step / plain step [{r['format']}]",
+            r["qat_over_plain"],
+            TARGET_STEP_RATIO,
+            higher_is_better=False,
+            note=f"weight-grad GEMMs alone: x{r['plain_wgrad_over_plain']}, "
+            f"fake-quant ops on top: x{r['qat_over_plain_wgrad']}",
+        )
+        for r in rows
+    ]
+    for r in rows:
+        tg.append(
+            target(
+                f"fused-prototype QAT step / plain step [{r['format']}]",
+                r["fused_qat_over_plain"],
+                TARGET_STEP_RATIO,
+                higher_is_better=False,
+                note="proposal: hand-written STE/LSQ autograd.Function (benchmarks.speed.fused_fake_quantize)",
+            )
+        )
+    for r in compile_rows:
+        tg.append(
+            target(
+                f"compiled QAT step / plain step [{r['format']}]",
+                r["compiled_qat_over_plain"],
+                TARGET_STEP_RATIO,
+                higher_is_better=False,
+                note="torch.compile on fake_quantize",
+            )
+        )
+    return tg
+
+
 def run(settings: SpeedSettings | None = None, *, results: str = "results") -> dict[str, Any]:
     s = settings or SpeedSettings()
     old_threads = torch.get_num_threads()
@@ -498,37 +535,6 @@ def _run(s: SpeedSettings, results: str) -> dict[str, Any]:
     out["compile"] = compile_info
 
     # 6. targets
-    tg = [
-        target(
-            f"QAT step / plain step [{r['format']}]",
-            r["qat_over_plain"],
-            TARGET_STEP_RATIO,
-            higher_is_better=False,
-            note=f"weight-grad GEMMs alone: x{r['plain_wgrad_over_plain']}, "
-            f"fake-quant ops on top: x{r['qat_over_plain_wgrad']}",
-        )
-        for r in rows
-    ]
-    for r in rows:
-        tg.append(
-            target(
-                f"fused-prototype QAT step / plain step [{r['format']}]",
-                r["fused_qat_over_plain"],
-                TARGET_STEP_RATIO,
-                higher_is_better=False,
-                note="proposal: hand-written STE/LSQ autograd.Function (benchmarks.speed.fused_fake_quantize)",
-            )
-        )
-    for r in out.get("compile_step", []):
-        tg.append(
-            target(
-                f"compiled QAT step / plain step [{r['format']}]",
-                r["compiled_qat_over_plain"],
-                TARGET_STEP_RATIO,
-                higher_is_better=False,
-                note="torch.compile on fake_quantize",
-            )
-        )
-    out["targets"] = tg
+    out["targets"] = targets_of(rows, out.get("compile_step", []))
     out["load_avg_end"] = load_avg()
     return out

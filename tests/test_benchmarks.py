@@ -429,6 +429,22 @@ def test_an_experiment_record_against_a_baseline_ptq(tmp_path):
     assert moe_experiment.main(argv) == 0
     assert "note" not in json.loads((tmp_path / "bench" / "x.json").read_text())
 
+    # what the export variant's reload left unused rides on its row (and the results page prints it)
+    from qatlib.eval.variants import not_applied
+    from qatlib.site.results import Result
+    from qatlib.site.results import moe_experiment as page
+
+    assert all("not_applied" not in r for r in own["rows"])
+    na = not_applied([f"model.layers.1.mlp.experts.{i}.down_proj.input_scale" for i in range(4)])
+    d = json.loads((exp / "eval/export.json").read_text())
+    (exp / "eval/export.json").write_text(json.dumps({**d, "not_applied": na}))
+    rec = moe_experiment.experiment_record(exp, tmp_path, 0.6)
+    assert [r["variant"] for r in rec["rows"] if r.get("not_applied") == na] == ["export"]
+    lines = page(Result(name="x", path="x.json", doc={"experiments": [rec], "targets": []}))
+    assert (
+        "export: transformers left 4 checkpoint tensors unused (4 input_scale): " + na["why"] + "." in lines
+    )
+
 
 def test_git_state_leaves_the_benchmarks_own_output_out_of_the_changes(tmp_path):
     """A multi-row benchmark rewrites its JSON after each row: that file is not a change the run

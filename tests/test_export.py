@@ -221,7 +221,13 @@ def test_real_export_w4a8_fp8(tmp_path, mode):
 def test_real_export_moe(tmp_path, name):
     """Per-expert keys (vLLM's layout). transformers fuses the experts on load (no Linear left for
     compressed-tensors' activation quantization), so the expert input scales are checked on disk
-    and the reference disables the experts' input quantizers; everything else is exact."""
+    and the reference disables the experts' input quantizers; everything else is exact. The
+    evaluation's ``export`` variant (`load_variant`) records those unused input scales, one per
+    expert linear of every MoE layer, and nothing for a weight-only export."""
+    from types import SimpleNamespace
+
+    from qatlib.eval.variants import EXPERT_INPUTS_UNQUANTIZED, load_variant
+
     scheme = EXACT[name][0]
     model, _ = _calibrated(scheme, moe=True)
     out = export(model, scheme, tmp_path / name, "real")
@@ -236,7 +242,17 @@ def test_real_export_moe(tmp_path, name):
             t["model.layers.1.mlp.experts.2.gate_proj.input_scale"], ql.input_quantizer.scale.detach()
         )
         _disable(model, lambda n: ".experts." in n and n.endswith("input_quantizer"))
-    torch.testing.assert_close(_logits(_reload(out)), _logits(model), rtol=0, atol=0)
+    reloaded, record = load_variant(
+        SimpleNamespace(model=SimpleNamespace(trust_remote_code=False)), "export", str(out), None
+    )
+    torch.testing.assert_close(_logits(reloaded), _logits(model), rtol=0, atol=0)
+    if scheme.input is None:
+        assert "not_applied" not in record
+    else:
+        expert_linears = [n for n, _ in quant_linears(model) if ".experts." in n]
+        assert len(expert_linears) == sum(1 for k in t if ".experts." in k and k.endswith(".input_scale")) > 0
+        assert record["not_applied"]["by_kind"] == {"input_scale": len(expert_linears)}
+        assert record["not_applied"]["why"] == EXPERT_INPUTS_UNQUANTIZED
 
 
 @pytest.mark.parametrize("kv", ["per-tensor", "per-head"])

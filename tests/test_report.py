@@ -687,3 +687,29 @@ def test_deployed_column_recovery_and_skipped_reason(exp_dir):
     html, out = build(exp_dir)
     assert f"deployed not evaluated: {why}" in html and "deployed recovery" not in html
     assert not any("/deployed" in k for k in json.loads((out.parent / "metrics.json").read_text()))
+
+
+def test_export_row_names_what_transformers_left_unused(exp_dir):
+    """An export record with ``not_applied`` (`qatlib.eval.variants.not_applied`: an FP8 MoE's
+    expert input scales, which transformers' fused experts never apply) gets a sentence under the
+    table, so the export column is not read as the runtime's number; without it, none."""
+    from qatlib.eval.variants import not_applied
+
+    html, _ = build(exp_dir)
+    assert "checkpoint tensors unused" not in html
+    keys = [
+        f"model.layers.{i}.mlp.experts.{e}.{p}.input_scale"
+        for i in (1, 2)
+        for e in range(3)
+        for p in ("gate_proj", "up_proj")
+    ]
+    d = json.loads((exp_dir / "eval" / "export.json").read_text())
+    d["not_applied"] = not_applied(keys)
+    (exp_dir / "eval" / "export.json").write_text(json.dumps(d))
+    html, _ = build(exp_dir)
+    assert "export: transformers left 12 checkpoint tensors unused (12 input_scale)" in html
+    assert "the experts run unquantized inputs" in html
+    # any other unused tensor is named without the MoE explanation
+    other = not_applied(["model.layers.0.self_attn.q_proj.weight_zero_point"])
+    assert other["by_kind"] == {"weight_zero_point": 1} and "experts" not in other["why"]
+    assert not_applied([]) is None

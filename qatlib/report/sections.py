@@ -86,6 +86,14 @@ def eval_section(evals: Mapping[str, dict], rows: Sequence[Mapping[str, Any]]) -
                 f"{_headline(rows)}) is what a user of the runtime gets."
             )
         )
+    unused = (evals.get("export") or {}).get("not_applied")
+    if unused:  # `qatlib.eval.variants.not_applied`: the export row is not the runtime's number
+        kinds = ", ".join(f"{n} {k}" for k, n in unused["by_kind"].items())
+        blocks.append(
+            para(
+                f"export: transformers left {unused['tensors']} checkpoint tensors unused ({kinds}): {unused['why']}."
+            )
+        )
     for v, why in skipped.items():
         blocks.append(para(f"{VARIANT_LABELS.get(v, v)} not evaluated: {why}"))
     missing = [v for v in inputs.VARIANTS if v not in evals and v not in skipped]

@@ -478,6 +478,14 @@ def moe_experiment(r: Result) -> list[str]:
             lines.append(
                 f"| {row.get('variant')} | {_f(row.get('recovery'))} | {_f(row.get('recovery_se'))} |" + extra
             )
+        for row in e.get("rows") or []:
+            na = row.get("not_applied")
+            if na:  # the export row without what transformers left unused is read as the runtime's
+                kinds = ", ".join(f"{n} {k}" for k, n in (na.get("by_kind") or {}).items())
+                lines += [
+                    "",
+                    f"{row.get('variant')}: transformers left {na.get('tensors')} checkpoint tensors unused ({kinds}): {na.get('why')}.",
+                ]
         lines += [
             "",
             "Stage wall times: "
