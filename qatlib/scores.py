@@ -1,11 +1,12 @@
 """What counts as a score in an evaluation result (``results/<exp>/eval/<variant>.json``,
-docs/design.md): the one definition, shared by its writer (`qatlib.eval.harness.flatten_results`)
+docs/design.md), and its ``not_applied`` record: the one definition, shared by its writer (`qatlib.eval.harness.flatten_results`)
 and its reader (`qatlib.report`, which also reads files written before the harness filtered), so
 that neither imports the other. Imports nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 # lm-eval bookkeeping that sits among a task's metrics (numbers, but not scores).
@@ -20,3 +21,40 @@ def is_score(key: str, value: Any) -> bool:
         and not isinstance(value, bool)
         and key.partition(",")[0] not in NON_METRICS
     )
+
+
+EXPERT_INPUTS_UNQUANTIZED = (
+    "transformers fuses an MoE layer's experts into one module on load, which compressed-tensors' "
+    "Linear targets do not reach: the experts' input scales load into nothing and the experts run "
+    "unquantized inputs (their weights are dequantized from the checkpoint). vLLM quantizes them "
+    "(one scale per layer, the max over experts): the deployed column is what it computes"
+)
+
+
+def not_applied(unexpected: Iterable[str]) -> dict[str, Any] | None:
+    """An evaluation result's ``not_applied`` (written by `qatlib.eval.variants` for the ``export``
+    variant, read by the report and the results page): what the reload left out, from transformers' ``unexpected_keys``:
+    ``{"tensors": n, "by_kind": {suffix: n}, "examples": [...], "why": ...}``, or None when every
+    checkpoint tensor was used. Why recorded: an export row that is better than the deployed one
+    for this reason (an FP8 MoE: experts' inputs left unquantized) must say so, or a reader takes
+    transformers' number for the runtime's."""
+    keys = sorted(unexpected)
+    if not keys:
+        return None
+    by_kind: dict[str, int] = {}
+    for k in keys:
+        kind = k.rsplit(".", 1)[-1]
+        by_kind[kind] = by_kind.get(kind, 0) + 1
+    experts_inputs = all(".experts." in k and k.endswith(".input_scale") for k in keys)
+    why = (
+        EXPERT_INPUTS_UNQUANTIZED
+        if experts_inputs
+        else "checkpoint tensors transformers loaded into no parameter: the export variant runs without them"
+    )
+    return {"tensors": len(keys), "by_kind": by_kind, "examples": keys[:3], "why": why}
+
+
+def not_applied_sentence(variant: str, record: Mapping[str, Any]) -> str:
+    """The one sentence the report and the results page print for a `not_applied` record."""
+    kinds = ", ".join(f"{n} {k}" for k, n in (record.get("by_kind") or {}).items())
+    return f"{variant}: transformers left {record.get('tensors')} checkpoint tensors unused ({kinds}): {record.get('why')}."

@@ -430,7 +430,7 @@ def test_an_experiment_record_against_a_baseline_ptq(tmp_path):
     assert "note" not in json.loads((tmp_path / "bench" / "x.json").read_text())
 
     # what the export variant's reload left unused rides on its row (and the results page prints it)
-    from qatlib.eval.variants import not_applied
+    from qatlib.scores import not_applied
     from qatlib.site.results import Result
     from qatlib.site.results import moe_experiment as page
 

@@ -226,7 +226,8 @@ def test_real_export_moe(tmp_path, name):
     expert linear of every MoE layer, and nothing for a weight-only export."""
     from types import SimpleNamespace
 
-    from qatlib.eval.variants import EXPERT_INPUTS_UNQUANTIZED, load_variant
+    from qatlib.eval.variants import load_variant
+    from qatlib.scores import EXPERT_INPUTS_UNQUANTIZED
 
     scheme = EXACT[name][0]
     model, _ = _calibrated(scheme, moe=True)

@@ -693,7 +693,7 @@ def test_export_row_names_what_transformers_left_unused(exp_dir):
     """An export record with ``not_applied`` (`qatlib.eval.variants.not_applied`: an FP8 MoE's
     expert input scales, which transformers' fused experts never apply) gets a sentence under the
     table, so the export column is not read as the runtime's number; without it, none."""
-    from qatlib.eval.variants import not_applied
+    from qatlib.scores import not_applied
 
     html, _ = build(exp_dir)
     assert "checkpoint tensors unused" not in html

@@ -10,17 +10,18 @@ is the evaluation's side of it: which model to evaluate and what to record besid
 runtime, every load-time transformation applied, what the emulator leaves out). Under
 ``deploy.target: none`` there is no runtime to emulate: the result is a ``skipped`` record with
 the reason, which the report shows instead of a column. The ``export`` record names the checkpoint
-tensors transformers' reload left unused (`not_applied`: an FP8 MoE's expert input scales).
+tensors transformers' reload left unused (`qatlib.scores.not_applied`: an FP8 MoE's expert input scales).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from ..scores import not_applied
 
 
 def skipped_reason(target: str) -> str | None:
@@ -68,36 +69,6 @@ def export_dtype(export_dir: str | Path) -> torch.dtype | None:
         return None
     formats = {qc.get("format")} | {g.get("format") for g in (qc.get("config_groups") or {}).values()}
     return torch.bfloat16 if formats & {"nvfp4-pack-quantized", "mxfp4-pack-quantized"} else None
-
-
-EXPERT_INPUTS_UNQUANTIZED = (
-    "transformers fuses an MoE layer's experts into one module on load, which compressed-tensors' "
-    "Linear targets do not reach: the experts' input scales load into nothing and the experts run "
-    "unquantized inputs (their weights are dequantized from the checkpoint). vLLM quantizes them "
-    "(one scale per layer, the max over experts): the deployed column is what it computes"
-)
-
-
-def not_applied(unexpected: Iterable[str]) -> dict[str, Any] | None:
-    """What the ``export`` variant's reload left out, from transformers' ``unexpected_keys``:
-    ``{"tensors": n, "by_kind": {suffix: n}, "examples": [...], "why": ...}``, or None when every
-    checkpoint tensor was used. Why recorded: an export row that is better than the deployed one
-    for this reason (an FP8 MoE: experts' inputs left unquantized) must say so, or a reader takes
-    transformers' number for the runtime's."""
-    keys = sorted(unexpected)
-    if not keys:
-        return None
-    by_kind: dict[str, int] = {}
-    for k in keys:
-        kind = k.rsplit(".", 1)[-1]
-        by_kind[kind] = by_kind.get(kind, 0) + 1
-    experts_inputs = all(".experts." in k and k.endswith(".input_scale") for k in keys)
-    why = (
-        EXPERT_INPUTS_UNQUANTIZED
-        if experts_inputs
-        else "checkpoint tensors transformers loaded into no parameter: the export variant runs without them"
-    )
-    return {"tensors": len(keys), "by_kind": by_kind, "examples": keys[:3], "why": why}
 
 
 def load_variant(cfg, variant: str, model_path: str, scales: str | None) -> tuple[nn.Module, dict[str, Any]]:

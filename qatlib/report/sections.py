@@ -13,6 +13,7 @@ from typing import Any
 from .. import analysis
 from ..checkpoint.keys import load_scales
 from ..checkpoint.layout import TRAIN_LOG_FILE
+from ..scores import not_applied_sentence
 from . import inputs
 from .blocks import cell, fmt, h3, img, json_tables, nbytes, para, pre, seconds, table, unavailable
 from .metrics import MIN_ABS_GAP, MIN_REL_GAP, RECOVERY_VARIANTS, DvcOutputs, loss_keys, sqnr_metrics
@@ -87,13 +88,8 @@ def eval_section(evals: Mapping[str, dict], rows: Sequence[Mapping[str, Any]]) -
             )
         )
     unused = (evals.get("export") or {}).get("not_applied")
-    if unused:  # `qatlib.eval.variants.not_applied`: the export row is not the runtime's number
-        kinds = ", ".join(f"{n} {k}" for k, n in unused["by_kind"].items())
-        blocks.append(
-            para(
-                f"export: transformers left {unused['tensors']} checkpoint tensors unused ({kinds}): {unused['why']}."
-            )
-        )
+    if unused:  # `qatlib.scores.not_applied`: the export row is not the runtime's number
+        blocks.append(para(not_applied_sentence("export", unused)))
     for v, why in skipped.items():
         blocks.append(para(f"{VARIANT_LABELS.get(v, v)} not evaluated: {why}"))
     missing = [v for v in inputs.VARIANTS if v not in evals and v not in skipped]

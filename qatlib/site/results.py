@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qatlib.scores import not_applied_sentence
+
 GIB = 2**30
 VARIANTS = ("bf16", "ptq", "qat", "export", "deployed")
 LABELS = {"bf16": "BF16", "ptq": "PTQ", "qat": "QAT", "export": "export", "deployed": "deployed"}
@@ -479,13 +481,8 @@ def moe_experiment(r: Result) -> list[str]:
                 f"| {row.get('variant')} | {_f(row.get('recovery'))} | {_f(row.get('recovery_se'))} |" + extra
             )
         for row in e.get("rows") or []:
-            na = row.get("not_applied")
-            if na:  # the export row without what transformers left unused is read as the runtime's
-                kinds = ", ".join(f"{n} {k}" for k, n in (na.get("by_kind") or {}).items())
-                lines += [
-                    "",
-                    f"{row.get('variant')}: transformers left {na.get('tensors')} checkpoint tensors unused ({kinds}): {na.get('why')}.",
-                ]
+            if row.get("not_applied"):  # the export row without it is read as the runtime's number
+                lines += ["", not_applied_sentence(str(row.get("variant")), row["not_applied"])]
         lines += [
             "",
             "Stage wall times: "
