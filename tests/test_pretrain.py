@@ -61,6 +61,42 @@ def test_lr_schedule():
         pt.TrainConfig.from_dict({"bogus": 1})
 
 
+def test_moe_training_gives_the_same_weights_twice_on_two_threads():
+    """A Qwen3-MoE at SmolLM2's width with top-7 of 8 experts, on 2 threads: without
+    `deterministic_training`, ``grouped_mm``'s gather backward summed duplicate token indices in a
+    run-dependent order (three passes, three gradients). Two trainings must end bit-equal."""
+    spec = dict(
+        hidden_size=576,
+        num_hidden_layers=1,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=7,
+        moe_intermediate_size=192,
+        vocab_size=512,
+    )
+    ids = torch.randint(0, 512, (8 * 256,), generator=torch.Generator().manual_seed(0))
+    cfg = pt.TrainConfig(token_budget=2 * 4 * 256, batch_size=4, warmup_fraction=0.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = []
+        for _ in range(2):
+            net = pt.build_model(spec, seed=0)
+            pt.train_model(net, ids, cfg, progress=False)
+            runs.append(net.state_dict())
+    finally:
+        torch.set_num_threads(threads)
+    assert not torch.are_deterministic_algorithms_enabled()  # restored after training
+    assert not torch.equal(
+        runs[0]["model.layers.0.mlp.gate.weight"],
+        pt.build_model(spec).state_dict()["model.layers.0.mlp.gate.weight"],
+    )
+    for k in runs[0]:
+        assert torch.equal(runs[0][k], runs[1][k]), k
+
+
 def test_pretrain_smoke_lowers_loss_and_saves(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint.layout import UPCYCLE_STATS_FILE
+from .base_model import deterministic_training, lr_at, read_documents, tokenize_pieces
 from .publish import save_model_folder
 
 STATS_FILE = UPCYCLE_STATS_FILE
@@ -358,12 +359,11 @@ def routers(model) -> list[torch.nn.Parameter]:
     return [layer.mlp.gate.weight for layer in model.model.layers if hasattr(layer.mlp, "gate")]
 
 
+@deterministic_training()
 def train_router(moe, teacher, ids: torch.Tensor, cfg: RouterTraining, *, progress: bool = False) -> dict:
     """Distil ``teacher``'s logits into ``moe`` by training its routers only (forward KL per token +
     ``aux_loss_coef`` x the load-balancing loss), on seeded random windows of the stream ``ids``."""
     from tqdm.auto import tqdm
-
-    from .base_model import lr_at
 
     n_win = ids.numel() // cfg.seq_len
     if n_win < cfg.batch_size:
@@ -451,7 +451,6 @@ def upcycle(
     from transformers import AutoTokenizer
 
     from ..eval.perplexity import make_windows, perplexity_of_ids, tokenize_text
-    from .base_model import read_documents, tokenize_pieces
 
     if isinstance(spec, dict):
         spec = UpcycleSpec.from_dict(spec)
