@@ -155,14 +155,19 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
-def one_thread():
-    """torchrun workers run with OMP_NUM_THREADS=1; match it so reductions run in the same order."""
+def intra_op_threads(count: int):
+    """torch's intra-op thread count inside the block, restored after it."""
     n = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(count)
     try:
         yield
     finally:
         torch.set_num_threads(n)
+
+
+def one_thread():
+    """torchrun workers run with OMP_NUM_THREADS=1; match it so reductions run in the same order."""
+    return intra_op_threads(1)
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import local_texts
+from conftest import intra_op_threads, local_texts
 
 from qatlib.offline import base_model as pt
 
@@ -78,16 +78,12 @@ def test_moe_training_gives_the_same_weights_twice_on_two_threads():
     )
     ids = torch.randint(0, 512, (8 * 256,), generator=torch.Generator().manual_seed(0))
     cfg = pt.TrainConfig(token_budget=2 * 4 * 256, batch_size=4, warmup_fraction=0.0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        runs = []
+    runs = []
+    with intra_op_threads(2):  # the workflow's threads: the parallel kernel needs more than one
         for _ in range(2):
             net = pt.build_model(spec, seed=0)
             pt.train_model(net, ids, cfg, progress=False)
             runs.append(net.state_dict())
-    finally:
-        torch.set_num_threads(threads)
     assert not torch.are_deterministic_algorithms_enabled()  # restored after training
     assert not torch.equal(
         runs[0]["model.layers.0.mlp.gate.weight"],

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from conftest import build_model, local_texts, tiny_llama_config
+from conftest import build_model, intra_op_threads, local_texts, tiny_llama_config
 
 from qatlib.offline import upcycle as up
 
@@ -180,16 +180,12 @@ def test_router_training_gives_the_same_routers_twice_on_two_threads():
     moe, _ = up.upcycle_weights(dense, _spec(num_experts=8, num_experts_per_tok=7), calib)
     ids = torch.randint(0, 512, (8 * 256,), generator=torch.Generator().manual_seed(5))
     cfg = up.RouterTraining(token_budget=2 * 4 * 256, seq_len=256, batch_size=4, lr=1e-2, warmup_fraction=0.0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        runs = []
+    runs = []
+    with intra_op_threads(2):  # the workflow's threads: the parallel kernel needs more than one
         for _ in range(2):
             m = copy.deepcopy(moe)
             up.train_router(m, dense, ids, cfg)
             runs.append([w.clone() for w in up.routers(m)])
-    finally:
-        torch.set_num_threads(threads)
     assert not torch.are_deterministic_algorithms_enabled()  # restored after training
     assert len(runs[0]) == 2 and not torch.equal(runs[0][0], up.routers(moe)[0])  # the routers trained
     for a, b in zip(*runs):
