@@ -7,13 +7,16 @@ Per format (``int3_g64``, ``int2_g64``: symmetric, groups of 64; 128 does not di
 - ``rtn``: `qatlib.ptq.calibrate`; ``gptq``: `qatlib.gptq.gptq` (16 calibration windows);
 - ``end-to-end``: the default experiment's recipe (`quality_default.RECIPE`: forward KL, RTN's
   codes held, scales in log space at a relative 1e-3, constant after 3 warmup steps), 100 steps;
+  int2's weights train too, at 1e-3 (``e2e_weight_lr``, chosen on calib.txt windows);
 - ``two-phase``: blockwise training of weights and scales (`quality_default.BlockwiseRows`'
   recipe: token-relative block loss, weight lr 1e-3, scales 1e-2 relative) on ``bw_windows``
   windows, then end-to-end on its codes held for ``phase2_steps`` steps at 1e-3: with the defaults
   50 + 50 windows of 256 tokens, the end-to-end row's 100 x 256.
 
 Every row: test perplexity on the same 32 spread windows, recovery ``(RTN - x) / (RTN - BF16)``
-with its paired standard error (`qatlib.report.metrics.recovery`), and the same for the model
+with its paired standard error (`qatlib.report.metrics.recovery`) in perplexity (the report's
+definition) and in test loss (``loss_recovery``: log-perplexity, what the targets read, since the
+perplexity ratio calls any int2 model a full recovery next to RTN's 7e6), and the same for the model
 as deployed: the real export (`qatlib.export.export`) loaded as vLLM 0.33 computes it
 (`qatlib.eval.variants.load_deployed`, the runtime emulator), against RTN as deployed. What the
 runtimes do with 2 / 3-bit WNA16 (`qatlib.runtime.facts`, `Layout.WNA16_ODD_BITS`) is recorded in
@@ -38,7 +41,7 @@ from typing import Any
 import torch
 
 from .common import DEFAULT_OUT, exact, format_scheme, log, machine, rounded, target, write_result
-from .lab import opened, recovery_record
+from .lab import loss_recovery_record, opened, recovery_record
 from .lab_inputs import FP4_ROWS
 from .quality_default import RECIPE, BlockwiseRows, DefaultModelSettings, default_base
 
@@ -56,8 +59,18 @@ class LowBitRows:
     deployed: bool = True
     eval_windows: int = 32
     seed: int = 0
-    # the issue's targets (recovery of RTN's loss, as deployed) and "beating GPTQ"
-    targets: tuple[tuple[str, float], ...] = (("int3_g64", 0.85), ("int2_g64", 0.60))
+    # formats whose end-to-end row trains the linear weights too (straight-through, at this lr; codes
+    # free) instead of holding RTN's codes: int2, whose codes RTN leaves at 7e6 PPL. Chosen on 32
+    # calib.txt windows (neither trained on nor test), end-to-end test-loss recovery at 100 steps:
+    # codes held, scales at 1e-3 0.44 / at 1e-2 0.66; weights at 1e-4 0.61 / at 1e-3 0.70 (1.7 x the time)
+    e2e_weight_lr: tuple[tuple[str, float], ...] = (("int2_g64", 1e-3),)
+    # the issue's targets: the recovery of RTN's test loss (log-perplexity: the perplexity ratio is
+    # degenerate where RTN is at 7e6 PPL, `loss_recovery_record`) by the row named (a prefix),
+    # as deployed, and that row beating GPTQ; int2's row chosen on the calib.txt windows above
+    targets: tuple[tuple[str, float, str], ...] = (
+        ("int3_g64", 0.85, "two-phase"),
+        ("int2_g64", 0.60, "end-to-end"),
+    )
 
 
 def runtimes_of(scheme) -> dict[str, str]:
@@ -115,6 +128,7 @@ class RowTable:
             "variant": name,
             "ppl": rounded(q["ppl"]),
             **recovery_record(self.bf16, self.rtn, q),
+            **loss_recovery_record(self.bf16, self.rtn, q),
         }
         if self.deployed:
             dep = self.lab.deployed_eval(m, self.scheme)
@@ -127,6 +141,11 @@ class RowTable:
                 dr = recovery_record(self.bf16, base, dep)
                 r["deployed_ppl"] = rounded(dep["ppl"])
                 r["deployed_recovery"], r["deployed_recovery_se"] = dr["recovery"], dr["recovery_se"]
+                lr_ = loss_recovery_record(self.bf16, base, dep)
+                r["deployed_loss_recovery"], r["deployed_loss_recovery_se"] = (
+                    lr_["loss_recovery"],
+                    lr_["loss_recovery_se"],
+                )
                 r["deployed_equals_trained"] = bool(torch.equal(dep["_nll"], q["_nll"]))
                 r.update(deployed_minus_trained(dep, q))
                 r["deployed_applied"] = dep["applied"]
@@ -164,16 +183,20 @@ def one_format(lab, b: LowBitRows, fmt: str, bf16: dict) -> dict[str, Any]:
         gm = lab.gptq(scheme)
         gq = row("gptq", gm, time.perf_counter() - t1, calib_windows=lab.s.calib_windows)
         del gm
-    r = RECIPE
+    r, name = RECIPE, "end-to-end (RTN's codes held, scales)"
+    if fmt in dict(b.e2e_weight_lr):
+        r = {**RECIPE, "weight_lr": dict(b.e2e_weight_lr)[fmt], "frozen_codes": False}
+        name = "end-to-end (weights and scales)"
     m, rec = lab.qat(
         scheme,
         steps=b.steps,
         lr=r["lr"],
+        weight_lr=r["weight_lr"],
         scale_update=r["scale_update"],
         frozen_codes=r["frozen_codes"],
         act_scale=False,
     )
-    row("end-to-end (RTN's codes held, scales)", m, rec["train_s"], steps=b.steps, recipe=r)
+    row(name, m, rec["train_s"], steps=b.steps, recipe=r, teacher=rec["teacher"])
     del m
     bm, pm, extra = two_phase(lab, scheme, b, act_scale=False)
     row("blockwise (phase 1 alone)", bm, extra["phase1_s"], windows=b.bw_windows)
@@ -224,31 +247,35 @@ def two_phase(lab, scheme, b, *, deploy_target: str = "none", act_scale: bool = 
 
 
 def targets_of(b: LowBitRows, done: list[dict]) -> list[dict]:
+    """Per target of ``b``: the named row's recovery of RTN's test loss as deployed (as trained
+    where there is no deployed figure), and GPTQ's perplexity minus that row's (beating GPTQ)."""
     tg = []
-    for fmt, floor in b.targets:
+    for fmt, floor, prefix in b.targets:
         f = next((d for d in done if d["format"] == fmt), None)
         if f is None:
             continue
-        two = next(r for r in f["rows"] if r["variant"].startswith("two-phase"))
-        value = two.get("deployed_recovery", two["recovery"])
+        row = next(r for r in f["rows"] if r["variant"].startswith(prefix))
+        dep = "deployed_loss_recovery" in row
+        value = row["deployed_loss_recovery"] if dep else row["loss_recovery"]
+        se = row["deployed_loss_recovery_se"] if dep else row["loss_recovery_se"]
         tg.append(
             target(
-                f"two-phase recovery of RTN's loss, as deployed [{fmt}]",
+                f"{prefix} recovery of RTN's test loss (log-perplexity), {'as deployed' if dep else 'as trained'} [{fmt}]",
                 value,
                 floor,
                 higher_is_better=True,
-                note=f"SE {two.get('deployed_recovery_se', two['recovery_se'])}; as trained {two['recovery']}",
+                note=f"SE {se}; as trained {row['loss_recovery']}; in perplexity {row.get('deployed_recovery', row['recovery'])}",
             )
         )
         if f["gptq_ppl"] is not None:
-            ppl = two.get("deployed_ppl") or two["ppl"]
+            ppl = row.get("deployed_ppl") or row["ppl"]
             tg.append(
                 target(
-                    f"GPTQ perplexity minus two-phase's, as deployed [{fmt}]",
+                    f"GPTQ perplexity minus {prefix}'s, as deployed [{fmt}]",
                     exact(f["gptq_ppl"]) - exact(ppl),
                     0.0,
                     higher_is_better=True,
-                    note=f"GPTQ {f['gptq_ppl']}, two-phase {ppl}",
+                    note=f"GPTQ {f['gptq_ppl']}, {prefix} {ppl}",
                 )
             )
     return tg

@@ -25,18 +25,61 @@ def _fmt(name, gptq_ppl, two):
     return {"format": name, "gptq_ppl": gptq_ppl, "rows": rows}
 
 
-def test_targets_read_the_two_phase_row_as_deployed():
-    two3 = {"variant": "two-phase: x", "ppl": 30.0, "recovery": 0.9, "recovery_se": 0.01}
-    two3 |= {"deployed_ppl": 30.5, "deployed_recovery": 0.84, "deployed_recovery_se": 0.02}
-    two2 = {"variant": "two-phase: x", "ppl": 80.0, "recovery": 0.61, "recovery_se": 0.03}
-    tg = targets_of(LowBitRows(), [_fmt("int3_g64", 31.0, two3), _fmt("int2_g64", None, two2)])
+def test_targets_read_the_named_rows_loss_recovery_as_deployed():
+    """int3 reads the two-phase row, int2 the end-to-end one (`LowBitRows.targets`); the value is
+    the recovery of RTN's test loss, deployed where there is a deployed figure."""
+    two3 = {"variant": "two-phase: x", "ppl": 30.0, "recovery": 0.95, "recovery_se": 0.01}
+    two3 |= {"loss_recovery": 0.9, "loss_recovery_se": 0.01, "deployed_ppl": 30.5}
+    two3 |= {"deployed_recovery": 0.93, "deployed_loss_recovery": 0.84, "deployed_loss_recovery_se": 0.02}
+    e2e2 = {"variant": "end-to-end (x)", "ppl": 80.0, "recovery": 0.99, "recovery_se": 0.03}
+    e2e2 |= {"loss_recovery": 0.61, "loss_recovery_se": 0.03}
+    # a two-phase int2 row better than the end-to-end one: not the row the int2 target names
+    two2 = {
+        "variant": "two-phase: x",
+        "ppl": 70.0,
+        "recovery": 0.99,
+        "loss_recovery": 0.2,
+        "loss_recovery_se": 0.0,
+    }
+    int2_rows = _fmt("int2_g64", None, e2e2)
+    int2_rows["rows"].append(two2)
+    tg = targets_of(LowBitRows(), [_fmt("int3_g64", 31.0, two3), int2_rows])
     by = {t["target"]: t for t in tg}
-    int3 = by["two-phase recovery of RTN's loss, as deployed [int3_g64] >= 0.85"]
+    int3 = by["two-phase recovery of RTN's test loss (log-perplexity), as deployed [int3_g64] >= 0.85"]
     assert int3["value"] == 0.84 and int3["met"] is False  # deployed, not trained (0.90)
+    assert int3["note"] == "SE 0.02; as trained 0.9; in perplexity 0.93"
     assert by["GPTQ perplexity minus two-phase's, as deployed [int3_g64] >= 0.0"]["value"] == 0.5
-    int2 = by["two-phase recovery of RTN's loss, as deployed [int2_g64] >= 0.6"]
+    int2 = by["end-to-end recovery of RTN's test loss (log-perplexity), as trained [int2_g64] >= 0.6"]
     assert int2["value"] == 0.61 and int2["met"] is True  # no deployed figure: as trained
     assert len(tg) == 3  # no GPTQ row for int2 here: no comparison
+
+
+def test_loss_recovery_is_the_ratio_of_mean_losses_with_its_paired_error():
+    """Two windows of 4 tokens; per-token losses BF16 (1, 2), RTN (5, 6), x (3, 3): mean losses 1.5,
+    5.5, 3.0, so the loss recovery is (5.5 - 3) / (5.5 - 1.5) = 0.625, while the perplexity ratio
+    says (e^5.5 - e^3) / (e^5.5 - e^1.5) = 0.935. Paired SE over the windows' summed losses: RTN - x
+    (8, 12), RTN - BF16 (16, 16); residuals (8 - 10, 12 - 10) = (-2, 2), sd 2 sqrt 2, so
+    2 sqrt 2 / sqrt 2 / 16 = 0.125."""
+    import math
+
+    import torch
+
+    from benchmarks.common import exact
+    from benchmarks.lab import loss_recovery_record, recovery_record
+
+    def ev(per_token):
+        nll = torch.tensor(per_token, dtype=torch.float64) * 4
+        mean = sum(per_token) / 2
+        return {"_nll": nll, "nll": mean, "ppl": math.exp(mean)}
+
+    bf16, rtn, x = ev([1.0, 2.0]), ev([5.0, 6.0]), ev([3.0, 3.0])
+    rec = loss_recovery_record(bf16, rtn, x)
+    assert exact(rec["loss_recovery"]) == pytest.approx(0.625, abs=1e-12)
+    assert exact(rec["loss_recovery_se"]) == pytest.approx(0.125, abs=1e-12)
+    e = math.exp
+    ppl_rec = (e(5.5) - e(3.0)) / (e(5.5) - e(1.5))
+    assert exact(recovery_record(bf16, rtn, x)["recovery"]) == pytest.approx(ppl_rec, abs=1e-12)
+    assert round(ppl_rec, 3) == 0.935
 
 
 def test_keep_takes_the_other_formats_of_a_run_with_the_same_settings(tmp_path):
@@ -72,3 +115,38 @@ def test_deployed_minus_trained_is_the_paired_loss_difference_per_token():
     out = deployed_minus_trained(rec([2.5, 3.1]), rec([2.0, 3.0]))
     assert out["deployed_minus_trained_nll"] == pytest.approx(0.3, abs=1e-6)
     assert out["deployed_minus_trained_nll_se"] == pytest.approx(0.2, abs=1e-6)
+
+
+def test_results_headline_shows_the_row_each_target_reads():
+    """The README's line per format: the target's row (int2: end-to-end) and its test-loss recovery
+    as deployed; a record from before the named rows (two-element targets) shows two-phase in
+    perplexity."""
+    from qatlib.site.results import Result, quality_low_bits_headline
+
+    def fmt(name, rows):
+        return {"format": name, "gptq_ppl": 99.0, "rows": rows}
+
+    e2e = {"variant": "end-to-end (x)", "ppl": 50.0, "recovery": 0.99, "loss_recovery": 0.7}
+    e2e |= {"deployed_ppl": 51.0, "deployed_loss_recovery": 0.65, "deployed_loss_recovery_se": 0.02}
+    two = {
+        "variant": "two-phase: x",
+        "ppl": 40.0,
+        "recovery": 0.97,
+        "recovery_se": 0.01,
+        "loss_recovery": 0.3,
+    }
+    doc = {
+        "settings": {"targets": [["int2_g64", 0.6, "end-to-end"]]},
+        "formats": [fmt("int2_g64", [two, e2e])],
+    }
+    title, line = quality_low_bits_headline(Result("quality_low_bits", "x.json", doc))
+    assert title.endswith("recovery of RTN's test-loss (log-perplexity) gap, as deployed")
+    assert line == "int2_g64: end-to-end 0.650 ± 0.020 (GPTQ 99.000 vs 51.000 PPL)"
+    old = {
+        "settings": {"targets": [["int2_g64", 0.6]]},
+        "formats": [fmt("int2_g64", [e2e, {**two, "loss_recovery": None}])],
+    }
+    old["formats"][0]["rows"][1].pop("loss_recovery")
+    title, line = quality_low_bits_headline(Result("quality_low_bits", "x.json", old))
+    assert title.endswith("recovery of RTN's perplexity gap, as deployed")
+    assert line == "int2_g64: two-phase 0.970 ± 0.010 (GPTQ 99.000 vs 40.000 PPL)"

@@ -133,6 +133,8 @@ def test_results_figures_come_from_the_json():
         for f in json.loads(rows.read_text())["formats"]:
             for row in f["rows"]:
                 cell = f"| {row['ppl']:.3f} | {row['recovery']:.3f} ± {row['recovery_se']:.3f} |"
+                if "loss_recovery" in row:  # the test-loss recovery beside (benchmarks.quality_low_bits)
+                    cell += f" {row['loss_recovery']:.3f} ± {row['loss_recovery_se']:.3f} |"
                 assert cell in page, (rows.name, f["format"], row["variant"])
     for moe in (bench / "moe_experiment.json", bench / "nvfp4_two_phase_experiment.json"):
         if not moe.is_file():
