@@ -342,34 +342,22 @@ def format_tables(r: Result) -> list[str]:
         lines += ["", str(d["note"])]
     for f in d.get("formats") or []:
         runtimes = "; ".join(f"{k}: {v}" for k, v in (f.get("runtimes") or {}).items())
+        # the test-loss recovery beside the perplexity one where the rows record it (quality_low_bits)
+        keys = ["recovery", "loss_recovery"][: 1 + any("loss_recovery" in x for x in f.get("rows") or [])]
+        h, dh = (" | ".join(p + k.replace("_", " ") for k in keys) for p in ("", "deployed "))
         lines += [
             "",
             f"**`{f.get('format')}`** (RTN {_f(f.get('rtn_ppl'))}, GPTQ {_f(f.get('gptq_ppl'))}; {runtimes})",
             "",
-            "| row | perplexity | recovery | deployed perplexity | deployed recovery | train time |",
-            "|---|---|---|---|---|---|",
+            f"| row | perplexity | {h} | deployed perplexity | {dh} | train time |",
+            "|---" * (4 + 2 * len(keys)) + "|",
         ]
-        # rows that record the test-loss recovery too (`benchmarks.quality_low_bits`) show it beside
-        loss = any("loss_recovery" in row for row in f.get("rows") or [])
-        if loss:
-            lines[-2:] = [
-                "| row | perplexity | recovery | loss recovery | deployed perplexity | deployed recovery "
-                "| deployed loss recovery | train time |",
-                "|---|---|---|---|---|---|---|---|",
-            ]
         for row in f.get("rows") or []:
-            dep = (
-                f"refused: {str(row['deployed'].get('refused'))[:80]}"
-                if isinstance(row.get("deployed"), dict)
-                else _f(row.get("deployed_ppl"))
-            )
-            rec = _pm(row.get("recovery"), row.get("recovery_se"))
-            dep_rec = _pm(row.get("deployed_recovery"), row.get("deployed_recovery_se"))
-            if loss:
-                rec += f" | {_pm(row.get('loss_recovery'), row.get('loss_recovery_se'))}"
-                dep_rec += (
-                    f" | {_pm(row.get('deployed_loss_recovery'), row.get('deployed_loss_recovery_se'))}"
-                )
+            dep = _f(row.get("deployed_ppl"))
+            if isinstance(dv := row.get("deployed"), dict):
+                dep = f"refused: {str(dv.get('refused'))[:80]}"
+            rec = " | ".join(_pm(row.get(k), row.get(f"{k}_se")) for k in keys)
+            dep_rec = " | ".join(_pm(row.get(f"deployed_{k}"), row.get(f"deployed_{k}_se")) for k in keys)
             lines.append(
                 f"| {row.get('variant')} | {_f(row.get('ppl'))} | {rec} | {dep} | {dep_rec} | {_f(row.get('train_s'), 0)} s |"
             )
@@ -377,26 +365,22 @@ def format_tables(r: Result) -> list[str]:
 
 
 def quality_low_bits_headline(r: Result) -> tuple[str, str]:
-    """Per format, the row its target reads (``settings.targets``' third field; two-phase in the
-    records before it): its recovery of RTN's test loss as deployed (of the perplexity gap in those
-    records), and its perplexity against GPTQ's."""
-    named = {
-        str(tg[0]): str(tg[2]) for tg in (r.doc.get("settings") or {}).get("targets") or [] if len(tg) > 2
-    }
-    parts, loss = [], False
+    """Per format, the row its target reads (``settings.targets``' third field): its recovery of RTN's
+    test loss as deployed, and its perplexity against GPTQ's."""
+    named = {str(tg[0]): str(tg[-1]) for tg in (r.doc.get("settings") or {}).get("targets") or []}
+    parts = []
     for f in r.doc.get("formats") or []:
         prefix = named.get(str(f.get("format")), "two-phase")
         row = next((x for x in f.get("rows") or [] if str(x.get("variant")).startswith(prefix)), {})
-        loss = loss or "loss_recovery" in row
-        key = "loss_recovery" if "loss_recovery" in row else "recovery"
-        value = row.get(f"deployed_{key}", row.get(key))
-        se = row.get(f"deployed_{key}_se", row.get(f"{key}_se"))
+        value, se = (row.get(f"deployed_{k}", row.get(k)) for k in ("loss_recovery", "loss_recovery_se"))
         parts.append(
             f"{f.get('format')}: {prefix} {_pm(value, se)}"
             f" (GPTQ {_f(f.get('gptq_ppl'))} vs {_f(row.get('deployed_ppl', row.get('ppl')))} PPL)"
         )
-    gap = "test-loss (log-perplexity) gap" if loss else "perplexity gap"
-    return f"3- and 2-bit weights (default model): recovery of RTN's {gap}, as deployed", "; ".join(parts)
+    title = (
+        "3- and 2-bit weights (default model): recovery of RTN's test-loss (log-perplexity) gap, as deployed"
+    )
+    return title, "; ".join(parts)
 
 
 # --------------------------------------------------------------------------- W4A4 4-bit floats
