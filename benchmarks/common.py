@@ -84,11 +84,11 @@ def machine() -> dict[str, Any]:
     decides CPU arithmetic (`qatlib.report.inputs.cpu_arithmetic`: torch's ATen level and the env
     vars that cap it, e.g. ``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`` runs a newer CPU as
     an AVX2-only one) and whether bf16 / fp16 matmuls have native kernels: CPU step times differ
-    by 2-250x with these (`qatlib.frozen_linear`)."""
+    by 2-250x with these (`qatlib.surgery.frozen_linear`)."""
     import torch
 
-    from qatlib.frozen_linear import half_gemm_is_native
     from qatlib.report.inputs import cpu_arithmetic
+    from qatlib.surgery.frozen_linear import half_gemm_is_native
 
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     mem = _meminfo()

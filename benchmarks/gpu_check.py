@@ -12,7 +12,7 @@ On a machine without CUDA it says so and exits 0 (nothing to check). With CUDA i
     ZeRO-3 at world size 1 over NCCL, PTQ -> QAT -> export -> reload, on a random Qwen3-MoE at the
     true Qwen3-30B-A3B width (hidden 2048, 32 / 4 heads, head_dim 128, 128 experts top-8,
     moe_intermediate 768, vocab 151936) with ``--layers`` (default 1) layers, bf16, gradient
-    checkpointing, every weight frozen: RTN PTQ on the GPU -> `qatlib.zero3_load.build_qat_model`
+    checkpointing, every weight frozen: RTN PTQ on the GPU -> `qatlib.zero3.load.build_qat_model`
     (empty partitioned build, streamed weights and scales) -> ``--qat-steps`` DeepSpeed steps ->
     consolidated save -> compressed-tensors export -> ``from_pretrained`` reload, whose logits
     are compared with the fake-quant model's. Peak GPU memory of each phase beside the plan
@@ -184,13 +184,13 @@ def run_pipeline(work: Path, dev: torch.device, *, tiny: bool, layers: int, toke
     import deepspeed
     from transformers import AutoModelForCausalLM
 
-    from qatlib import zero3_io as z
-    from qatlib import zero3_load as zl
-    from qatlib import zero3_save as zs
     from qatlib.export import export
     from qatlib.ptq import calibrate, save_ptq_checkpoint
     from qatlib.quant import prepare, quantization_disabled
     from qatlib.trainers.params import Learnable, param_groups, select_trainable
+    from qatlib.zero3 import io as z
+    from qatlib.zero3 import load as zl
+    from qatlib.zero3 import save as zs
 
     scheme = scheme_of(formats(tiny)[1])
     res: dict[str, Any] = {"scheme": scheme.name, "layers": layers, "tokens_per_step": tokens}

@@ -2,7 +2,7 @@
 one-liners, each a call of qatlib's verb. `benchmarks.quality`, `benchmarks.quality_default` and
 `benchmarks.deployed` measure with it; nothing here decides what a row is.
 
-- ``rtn``: `qatlib.ptq.calibrate`; ``gptq``: `qatlib.gptq.gptq`;
+- ``rtn``: `qatlib.ptq.calibrate`; ``gptq``: `qatlib.ptq.gptq.gptq`;
 - ``qat``: end-to-end QAT with the single-process HF trainer (`qatlib.trainers.end2end.QATTrainer`),
   warm-started from RTN (or any prepared model), the loss `qatlib.losses`;
 - ``blockwise``: `qatlib.trainers.blockwise.BlockwiseTrainer`;
@@ -257,7 +257,7 @@ class Lab:
         return out
 
     def gptq(self, scheme, *, latent: bool = False):
-        from qatlib.gptq import gptq
+        from qatlib.ptq.gptq import gptq
 
         m = self.fresh()
         gptq(m, scheme, self.calib, ignore=IGNORE, latent=latent)

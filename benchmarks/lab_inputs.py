@@ -107,7 +107,7 @@ class QualitySettings:
     # (None: the main one); ``rtn_init_qat`` False skips the main (RTN-initialised) QAT row
     gptq_init_qat: bool = False
     gptq_init_lr: float | None = None
-    # what GPTQ leaves in the weights the GPTQ-initialised QAT starts from (`qatlib.gptq.gptq`'s
+    # what GPTQ leaves in the weights the GPTQ-initialised QAT starts from (`qatlib.ptq.gptq.gptq`'s
     # ``latent``): the weights it rounded (True) or the rounded grid values (False, the old start)
     gptq_latent: bool = True
     # ... and trains its scales with GPTQ's codes held fixed (`qatlib.quant.codes`)

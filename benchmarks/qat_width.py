@@ -78,8 +78,8 @@ def worker(args) -> None:
     if args.mode == "zero3":
         import deepspeed
 
-        from qatlib import zero3_io as z
-        from qatlib import zero3_load as zl
+        from qatlib.zero3 import io as z
+        from qatlib.zero3 import load as zl
 
         cfg = json.loads((ROOT / "config" / "deepspeed" / "zero3_cpu_test.json").read_text())
         cfg["bf16"] = {"enabled": True}
@@ -125,7 +125,7 @@ def worker(args) -> None:
         "step_cpu_seconds": round(cpu, 2),
         "rss_before_step": before,
         "rss_step_peak": max(peak.peak, before),
-        # not `qatlib.zero3_io.peak_rss_bytes`: "before" runs a qatlib that may not have it
+        # not `qatlib.zero3.io.peak_rss_bytes`: "before" runs a qatlib that may not have it
         "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     if engine is not None:
@@ -146,9 +146,9 @@ def expert_layer(experts: int = 16, tokens: int = 32, rounds: int = 3) -> dict:
     import torch
     from torch import nn
 
-    from qatlib.moe import LinearizedMoeExperts
     from qatlib.quant import PRESETS, QuantLinear, prepare
     from qatlib.quant.linear import _linear
+    from qatlib.surgery.moe import LinearizedMoeExperts
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

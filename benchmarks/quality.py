@@ -3,7 +3,7 @@
 Model and data: `benchmarks.lab_inputs` (the default experiment's pre-trained base model and the
 offline corpus, made here when missing); the methods and the evaluation: `benchmarks.lab`, each a
 qatlib verb. Per format (`FORMATS`): ``rtn`` (`qatlib.ptq.calibrate`), ``gptq``
-(`qatlib.gptq.gptq`, integer weight formats and FP8) and ``qat``: end-to-end QAT with the
+(`qatlib.ptq.gptq.gptq`, integer weight formats and FP8) and ``qat``: end-to-end QAT with the
 single-process HF trainer (`qatlib.trainers.end2end.QATTrainer`) warm-started from the RTN scales,
 with the default experiment's objective and schedule (cakld KD against the model itself with
 quantizers off, LM weight 0, KD weight 1, weight + activation scales learnable, lr 2e-4 cosine).

@@ -4,7 +4,7 @@ also as deployed, with its paired standard error and wall time.
 
 Per format (``int3_g64``, ``int2_g64``: symmetric, groups of 64; 128 does not divide SmolLM2's 576):
 
-- ``rtn``: `qatlib.ptq.calibrate`; ``gptq``: `qatlib.gptq.gptq` (16 calibration windows);
+- ``rtn``: `qatlib.ptq.calibrate`; ``gptq``: `qatlib.ptq.gptq.gptq` (16 calibration windows);
 - ``end-to-end``: the default experiment's recipe (`quality_default.RECIPE`: forward KL, RTN's
   codes held, scales in log space at a relative 1e-3, constant after 3 warmup steps), 100 steps;
   int2's weights train too, at 1e-3 (``e2e_weight_lr``, chosen on calib.txt windows);

@@ -1,5 +1,5 @@
 """Peak RSS of PTQ calibration and export of a ~1 GB bf16 Qwen3: whole model in memory (today's
-path) vs layer by layer streamed from the checkpoint (`qatlib.onload`).
+path) vs layer by layer streamed from the checkpoint (`qatlib.zero3.onload`).
 
     python -m benchmarks.stream_memory [--size-gb 1.0] [--out results/bench/stream_memory.json]
 
@@ -45,10 +45,10 @@ def _warm_up(scheme) -> None:
     from transformers import AutoModelForCausalLM
 
     from qatlib.export import export
-    from qatlib.onload import Onloader, load_skeleton, realize_quantizers
     from qatlib.ptq import calibrate, calibrate_from_checkpoint, save_ptq_checkpoint
     from qatlib.quant import prepare
-    from qatlib.zero3_load import stream_load_scales
+    from qatlib.zero3.load import stream_load_scales
+    from qatlib.zero3.onload import Onloader, load_skeleton, realize_quantizers
 
     cfg = warmup_qwen3_config()
     batches = [torch.randint(0, 128, (1, 8))]
@@ -71,11 +71,11 @@ def worker(mode: str, model_dir: Path, work: Path, out: Path) -> None:
 
     from qatlib.export import export
     from qatlib.models import load_model
-    from qatlib.onload import Onloader, load_skeleton, realize_quantizers
     from qatlib.ptq import calibrate, calibrate_from_checkpoint, save_ptq_checkpoint
     from qatlib.quant import prepare, preset
-    from qatlib.zero3_io import peak_rss_bytes
-    from qatlib.zero3_load import stream_load_scales
+    from qatlib.zero3.io import peak_rss_bytes
+    from qatlib.zero3.load import stream_load_scales
+    from qatlib.zero3.onload import Onloader, load_skeleton, realize_quantizers
 
     torch.set_num_threads(2)
     scheme = preset("fp8_static")

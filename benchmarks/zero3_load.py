@@ -65,8 +65,8 @@ def worker(mode: str, model_dir: Path, out: Path) -> None:
     import torch
 
     from benchmarks.common import warmup_qwen3_config  # the parent puts the repo on PYTHONPATH
-    from qatlib import zero3_io as z
-    from qatlib import zero3_load as zl
+    from qatlib.zero3 import io as z
+    from qatlib.zero3 import load as zl
 
     cfg = json.loads(DS_CONFIG.read_text())
     cfg["bf16"] = {"enabled": True}  # both loaders build bf16 partitions (from_pretrained reads this config)

@@ -138,7 +138,7 @@ WHOLE_MODEL_HEADROOM = 1.2  # a whole-model stage holds the model plus activatio
 
 def fits_current(nbytes: int, free_bytes: int | None = None) -> bool:
     """Whether a model of ``nbytes`` is evaluated whole on this process's device, read there by
-    qatlib's reader (`qatlib.onload.load_whole`), instead of spread by accelerate's ``device_map``
+    qatlib's reader (`qatlib.zero3.onload.load_whole`), instead of spread by accelerate's ``device_map``
     (which maps the safetensors files). Always on the CPU path (host RAM is the memory plan's
     concern); on CUDA when the free device memory (``torch.cuda.mem_get_info``, or
     ``free_bytes``) holds it `WHOLE_MODEL_HEADROOM` times: the plan's ``evaluate`` stage makes

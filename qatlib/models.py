@@ -2,7 +2,7 @@
 prepared for an experiment (`load_prepared`).
 
 The ZeRO-3 path (empty model under ``deepspeed.zero.Init`` + streaming load) lives in
-`qatlib.zero3_load`; `load_model` and `load_prepared` dispatch to it so callers never branch themselves.
+`qatlib.zero3.load`; `load_model` and `load_prepared` dispatch to it so callers never branch themselves.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .modeling import resolve_dtype
+from .surgery.modeling import resolve_dtype
 
 if TYPE_CHECKING:
-    from .zero3_io import Zero3Context
+    from .zero3.io import Zero3Context
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +54,11 @@ def load_model(
 ):
     """A causal LM from a local folder or hub id, in eval mode with ``use_cache`` off.
 
-    With ``zero3`` (from `qatlib.zero3_io.init_zero3`, which fixes the dtype) the model is built empty
+    With ``zero3`` (from `qatlib.zero3.io.init_zero3`, which fixes the dtype) the model is built empty
     under ``deepspeed.zero.Init`` and streamed from ``path`` (a local folder) instead.
     """
     if zero3 is not None:
-        from . import zero3_load
+        from .zero3 import load as zero3_load
 
         _check_zero3(zero3, torch_dtype, device_map)
         return zero3_load.load_model(
@@ -107,11 +107,11 @@ def load_prepared(
     Returns ``(model, scale-load report)`` (hits / misses; None without ``scales`` and under ZeRO-3,
     where the report goes to ``report_path`` only). ``complete``: a quantizer parameter the
     checkpoint has no value for is an error (evaluation and export never use init values). With
-    ``zero3`` the model is built partitioned (`qatlib.zero3_load.build_qat_model`; ``scales`` required).
-    ``skeleton``: the weights stay on the meta device (`qatlib.onload.load_skeleton`; the scales are
-    real), for the layer-by-layer stages (`qatlib.onload.Onloader`). ``read_onto``: the whole
+    ``zero3`` the model is built partitioned (`qatlib.zero3.load.build_qat_model`; ``scales`` required).
+    ``skeleton``: the weights stay on the meta device (`qatlib.zero3.onload.load_skeleton`; the scales are
+    real), for the layer-by-layer stages (`qatlib.zero3.onload.Onloader`). ``read_onto``: the whole
     model read onto that device by qatlib's reader instead of ``from_pretrained``
-    (`qatlib.onload.load_whole`: the model once in memory, no file mapping).
+    (`qatlib.zero3.onload.load_whole`: the model once in memory, no file mapping).
     """
     from .checkpoint.layout import CheckpointError, weights_dir
     from .quant import prepare
@@ -124,7 +124,7 @@ def load_prepared(
     m = cfg.model
     common = dict(trust_remote_code=m.trust_remote_code, attn_implementation=m.attn_implementation)
     if zero3 is not None:
-        from . import zero3_load
+        from .zero3 import load as zero3_load
 
         _check_zero3(zero3, m.torch_dtype, device_map)
         model = zero3_load.build_qat_model(
@@ -139,7 +139,7 @@ def load_prepared(
         )
         return model, None
     if skeleton or read_onto is not None:
-        from .onload import load_skeleton, realize_quantizers
+        from .zero3.onload import load_skeleton, realize_quantizers
 
         model = load_skeleton(path, torch_dtype=m.torch_dtype, **common)
         prepare(model, scheme, ignore=cfg.ignore_layers, options=cfg.prepare_options())
@@ -149,7 +149,7 @@ def load_prepared(
         prepare(model, scheme, ignore=cfg.ignore_layers, options=cfg.prepare_options())
     report = None
     if scales is not None:
-        from .zero3_load import stream_load_scales  # the plan-then-execute loader, local without ZeRO-3
+        from .zero3.load import stream_load_scales  # the plan-then-execute loader, local without ZeRO-3
 
         report = stream_load_scales(model, scales, scheme, report_path=report_path)
         if complete and report.get("misses"):
@@ -158,7 +158,7 @@ def load_prepared(
                 f"{report['missed_params'][0]}); refusing to use init values"
             )
     if read_onto is not None:  # the scales are in (a skeleton takes them): now the weights
-        from .onload import load_whole
+        from .zero3.onload import load_whole
 
         load_whole(model, path, read_onto)
     return model, report

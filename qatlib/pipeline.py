@@ -107,7 +107,7 @@ def run_ptq(
     kw = dict(ignore=cfg.ignore_layers, options=cfg.prepare_options())
     scales = None
     if gptq:
-        from .gptq import gptq as run_gptq
+        from .ptq.gptq import gptq as run_gptq
 
         # latent: the saved weights are the ones GPTQ rounded (the same PTQ model; QAT's start)
         report = run_gptq(model, scheme, batches, latent=True, **kw)
@@ -172,7 +172,7 @@ def run_export(
     same tensors as the in-memory export) unless ``whole_model``."""
     from .export import export
     from .models import load_prepared, load_tokenizer
-    from .onload import Onloader
+    from .zero3.onload import Onloader
 
     scheme = cfg.quant_scheme()
     save_format = save_format or cfg.qat.save_format or "real"

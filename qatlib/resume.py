@@ -7,10 +7,10 @@ Two kinds of directory are accepted:
   parameters), optimizer, scheduler, RNG and data position, so an interrupted run ends with the
   same scales as an uninterrupted one;
 - a saved model with a scales file beside it: plain HF safetensors weights (a ``fake`` export, i.e.
-  ``dequantize(quantize(W))``, or a `qatlib.zero3_save.save_consolidated` directory) plus
+  ``dequantize(quantize(W))``, or a `qatlib.zero3.save.save_consolidated` directory) plus
   ``quant_scheme.json`` and a safetensors file with the quantizer keys of `qatlib.checkpoint.keys`
   (``scales.safetensors``; LWC clip factors under their module path). Weights are copied
-  into the prepared model, scales loaded with `qatlib.zero3_load.stream_load_scales`, and training
+  into the prepared model, scales loaded with `qatlib.zero3.load.stream_load_scales`, and training
   starts at step 0 from there (optimizer state is not part of such a save). When the saved
   weights are exactly the model's own weights or their fake-quantized form at the loaded scales
   (a ``fake`` export or consolidated save of an end-to-end run from the same base model), the
@@ -214,7 +214,7 @@ def load_saved_model(
     saved model into a prepared, non-ZeRO ``model``. ``scheme`` defaults to the directory's
     ``quant_scheme.json``. Returns the scale loader's report plus ``weights`` (tensors copied) and
     ``kept_base_weights``."""
-    from .zero3_load import stream_load_scales
+    from .zero3.load import stream_load_scales
 
     model_dir = Path(model_dir)
     if scheme is None:

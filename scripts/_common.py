@@ -130,7 +130,7 @@ def stage(name: str, args: argparse.Namespace) -> Iterator[dict]:
     unfit PTQ / QAT checkpoint) or a `CollectiveFailure` (a rank died or hung: it is named) ends the
     stage with its message."""
     from qatlib.checkpoint.layout import CheckpointError
-    from qatlib.peers import CollectiveFailure
+    from qatlib.zero3.peers import CollectiveFailure
 
     setup(args)
     extra: dict = {}

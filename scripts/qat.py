@@ -55,12 +55,13 @@ def main(argv=None) -> int:
         ap.error(str(e))
 
     with _common.stage("zero3_qat", args) as record:
-        from qatlib import zero3_io, zero3_save
         from qatlib.checkpoint.layout import SCALE_LOAD_FILE
         from qatlib.data import training_data_from_config
-        from qatlib.modeling import resolve_dtype
         from qatlib.models import load_prepared, load_tokenizer, resolve_model_dir
+        from qatlib.surgery.modeling import resolve_dtype
         from qatlib.trainers.modes import LOG_FILES, train
+        from qatlib.zero3 import io as zero3_io
+        from qatlib.zero3 import save as zero3_save
 
         ptq = cfg.qat.from_ptq_ckpt
         model_dir = resolve_model_dir(cfg.model.model_path, cache_dir=cfg.model.cache_dir)

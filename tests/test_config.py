@@ -153,8 +153,8 @@ def test_upstream_zero3_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert cfg.deepspeed_config_path == (tmp_path / "ds_config_zero3.json").resolve()
     assert cfg.source == str(tmp_path / "zero3.yaml")
     args = cfg.hf_training_args()
-    # the file's content plus qatlib's ZeRO-3 default: one expert per gather (qatlib.ds_config)
-    expert_leaf = {"leaf_module": {"classes": ["qatlib.moe.ExpertMLP"]}}
+    # the file's content plus qatlib's ZeRO-3 default: one expert per gather (qatlib.zero3.ds_config)
+    expert_leaf = {"leaf_module": {"classes": ["qatlib.surgery.moe.ExpertMLP"]}}
     assert args["deepspeed"] == {**DS_ZERO3, "zero_optimization": {"stage": 3, **expert_leaf}}
     assert cfg.deepspeed_config == args["deepspeed"]
     assert args["output_dir"] == "./output" and args["seed"] == 42
@@ -168,22 +168,24 @@ def test_upstream_zero3_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 def test_experts_sharing_a_scale_with_training_weights_gather_whole_layers(tmp_path: Path) -> None:
     """fp8_static under deploy.target vllm ties every expert's input scale of a layer into one; with
     the weights training too (weight_lr) one expert per ZeRO-3 gather fails in DeepSpeed
-    (`qatlib.ds_config.expert_leaf_issue`): the default becomes a whole layer's experts, and a JSON
+    (`qatlib.zero3.ds_config.expert_leaf_issue`): the default becomes a whole layer's experts, and a JSON
     that names ExpertMLP is refused naming the file and the field. Scales alone keep one expert."""
     yaml_path = _zero3_files(tmp_path)
     wlr = {"compression.QAT.plugin_config.quant_config.weight_lr": 1e-5}
     cfg = load_config(yaml_path, wlr)
-    layer = {"classes": ["qatlib.moe.LinearizedMoeExperts"]}
+    layer = {"classes": ["qatlib.surgery.moe.LinearizedMoeExperts"]}
     assert cfg.deepspeed_config["zero_optimization"]["leaf_module"] == layer
     cfg = load_config(yaml_path, {**wlr, "deploy.target": "none"})  # nothing tied: one expert
-    assert cfg.deepspeed_config["zero_optimization"]["leaf_module"] == {"classes": ["qatlib.moe.ExpertMLP"]}
-    own = {"zero_optimization": {"stage": 3, "leaf_module": {"classes": ["qatlib.moe.ExpertMLP"]}}}
+    assert cfg.deepspeed_config["zero_optimization"]["leaf_module"] == {
+        "classes": ["qatlib.surgery.moe.ExpertMLP"]
+    }
+    own = {"zero_optimization": {"stage": 3, "leaf_module": {"classes": ["qatlib.surgery.moe.ExpertMLP"]}}}
     (tmp_path / "own.json").write_text(json.dumps(own))
     with pytest.raises(ConfigError) as e:
         load_config(yaml_path, {**wlr, "compression.QAT.hf_args.deepspeed": str(tmp_path / "own.json")})
     msg = str(e.value)
     assert "compression.QAT.hf_args.deepspeed" in msg and "own.json" in msg
-    assert "qatlib.moe.LinearizedMoeExperts" in msg
+    assert "qatlib.surgery.moe.LinearizedMoeExperts" in msg
     cfg = load_config(yaml_path, {"compression.QAT.hf_args.deepspeed": str(tmp_path / "own.json")})
     assert cfg.deepspeed_config == own  # scales only: the user's list stands
 
@@ -203,7 +205,7 @@ def test_deepspeed_inline_dict(tmp_path: Path) -> None:
     p = _write(tmp_path, "c.yaml", ZERO3_YAML)
     cfg = load_config(p, {"compression.QAT.hf_args.deepspeed": {"zero_optimization": {"stage": 3}}})
     assert cfg.zero3_enabled and cfg.deepspeed_config_path is None
-    leaf = {"classes": ["qatlib.moe.ExpertMLP"]}
+    leaf = {"classes": ["qatlib.surgery.moe.ExpertMLP"]}
     assert cfg.hf_training_args()["deepspeed"] == {"zero_optimization": {"stage": 3, "leaf_module": leaf}}
 
 

@@ -141,9 +141,9 @@ def test_layerwise_perplexity_is_the_whole_model_perplexity(tiny_tokenizer, tmp_
 
     from qatlib.checkpoint.keys import scale_state_dict
     from qatlib.models import load_model
-    from qatlib.onload import Onloader, load_skeleton, realize_quantizers
     from qatlib.ptq import calibrate
     from qatlib.quant import prepare, preset
+    from qatlib.zero3.onload import Onloader, load_skeleton, realize_quantizers
 
     base = tmp_path / "base"
     build_model(tiny_qwen3_moe_config(tie_word_embeddings=True)).save_pretrained(base)
@@ -233,7 +233,7 @@ def test_top1_counts_the_true_next_tokens():
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_evaluations_reader_loads_what_from_pretrained_loads(tmp_path, tiny_tokenizer, tied):
     """On one device the bf16 / ptq / qat evaluation reads the checkpoint with qatlib's reader
-    (`qatlib.onload.load_whole`: no file mapping counted in the evaluation's memory, #16) instead
+    (`qatlib.zero3.onload.load_whole`: no file mapping counted in the evaluation's memory, #16) instead
     of ``from_pretrained``: the same model, every tensor bit for bit and every tie, the same
     logits; with a PTQ checkpoint's scales (static fp8 inputs), the same prepared model."""
     from pathlib import Path
@@ -243,8 +243,8 @@ def test_the_evaluations_reader_loads_what_from_pretrained_loads(tmp_path, tiny_
     from qatlib.config import load_config
     from qatlib.eval.variants import load_variant
     from qatlib.models import load_model, load_prepared
-    from qatlib.moe import linearize_moe_experts
     from qatlib.ptq import calibrate, save_ptq_checkpoint
+    from qatlib.surgery.moe import linearize_moe_experts
 
     base = tmp_path / "base"
     build_model(tiny_qwen3_moe_config(tie_word_embeddings=tied)).save_pretrained(base)

@@ -15,10 +15,10 @@ from conftest import build_model, tiny_qwen3_config, tiny_qwen3_moe_config
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from qatlib import compress as compress_mod
 from qatlib import export as export_mod
 from qatlib.export import ExportError, compressed_tensors_format, export
-from qatlib.export_format import CTFormat
+from qatlib.export import compress as compress_mod
+from qatlib.export.format import CTFormat
 from qatlib.ptq import calibrate, save_ptq_checkpoint
 from qatlib.quant import (
     Granularity,
@@ -32,7 +32,7 @@ from qatlib.quant import (
     quant_linears,
     quantization_disabled,
 )
-from qatlib.zero3_load import stream_load_scales
+from qatlib.zero3.load import stream_load_scales
 
 G16 = QuantSpec("int4", Granularity.GROUP, group_size=16)
 # a dequantizing reload passes a CompressedTensorsConfig over the checkpoint's own: expected
@@ -330,7 +330,7 @@ def test_ptq_checkpoint_to_export_roundtrip(tmp_path, moe):
     torch.testing.assert_close(_logits(_reload(out)), _logits(model), rtol=0, atol=0)
     if not moe:
         # the ZeRO-3 path hands the modules over one gathered unit at a time; only rank 0 writes
-        from qatlib.zero3_save import iter_gathered_modules
+        from qatlib.zero3.save import iter_gathered_modules
 
         assert (
             export(
@@ -518,7 +518,7 @@ def test_export_records_deployment_differences(tmp_path):
     assert "kFp8Dynamic128Sym" in info["deployment"]["vllm 0.33.0"]["refusal"]
 
 
-# --------------------------------------------------------------------------- streaming (qatlib.onload)
+# --------------------------------------------------------------------------- streaming (qatlib.zero3.onload)
 def _files(d):
     import hashlib
 
@@ -533,7 +533,7 @@ def _streamed(tmp_path, cfg, scheme, kv=None):
     """(model calibrated in memory, its checkpoint folder, a skeleton of it with the scales loaded,
     the Onloader streaming the skeleton's weights from the folder)."""
     from qatlib.models import load_model
-    from qatlib.onload import Onloader, load_skeleton, realize_quantizers
+    from qatlib.zero3.onload import Onloader, load_skeleton, realize_quantizers
 
     base = tmp_path / "base"
     build_model(cfg).save_pretrained(base)

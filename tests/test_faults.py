@@ -22,9 +22,9 @@ import pytest
 import torch
 from conftest import REPO_ROOT, VOCAB, build_model, one_thread, tiny_qwen3_config
 
-from qatlib import zero3_io as z
-from qatlib import zero3_save as zs
 from qatlib.quant import Granularity, QuantScheme, QuantSpec, prepare
+from qatlib.zero3 import io as z
+from qatlib.zero3 import save as zs
 
 WORKERS = Path(__file__).parent / "fault_workers"
 DS_TEST = REPO_ROOT / "config" / "deepspeed" / "zero3_cpu_test.json"
@@ -690,7 +690,7 @@ def test_reliability_table_names_existing_tests():
 
 _SLOW_HEARTBEAT = """
 import sys, time
-from qatlib.peers import Heartbeat
+from qatlib.zero3.peers import Heartbeat
 
 class SlowStore:  # a store call that is still in flight when the process starts to exit
     def set(self, key, value):

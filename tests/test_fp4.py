@@ -23,7 +23,7 @@ from qatlib.quant import QuantScheme, QuantSpec, prepare, preset, quant_linears
 from qatlib.quant import functional as F
 from qatlib.quant.calibration import calibrate_activations
 from qatlib.quant.spec import Granularity, SpecError
-from qatlib.zero3_load import stream_load_scales
+from qatlib.zero3.load import stream_load_scales
 
 pytestmark = pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")
 CT_ARGS = {"nvfp4": NVFP4, "mxfp4": MXFP4}

@@ -1,4 +1,4 @@
-"""The frozen output head (`qatlib.frozen_linear`): the input gradient of a bf16 linear on a CPU
+"""The frozen output head (`qatlib.surgery.frozen_linear`): the input gradient of a bf16 linear on a CPU
 without native bf16 kernels computed in fp32 chunks (fast on AVX2-only CPUs), the same values and
 gradients as ``nn.Linear`` otherwise, and the swap of a QAT model's head. Every test but the last
 runs as on such a CPU (`slow_half`), whatever this machine has; the last as on one with kernels."""
@@ -10,8 +10,8 @@ import torch
 from conftest import build_model, tiny_llama_config, tiny_qwen3_config
 from torch import nn
 
-import qatlib.frozen_linear as frozen_linear_module
-from qatlib.frozen_linear import (
+import qatlib.surgery.frozen_linear as frozen_linear_module
+from qatlib.surgery.frozen_linear import (
     FrozenLinear,
     frozen_linear,
     grad_input,

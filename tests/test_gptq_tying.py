@@ -14,7 +14,7 @@ import torch
 from conftest import build_model, tiny_qwen3_config, tiny_qwen3_moe_config
 
 from qatlib.export import export
-from qatlib.gptq import gptq
+from qatlib.ptq.gptq import gptq
 from qatlib.quant import PrepareOptions, preset
 from qatlib.runtime import emulate as E
 from qatlib.runtime.fusion import GroupKind, fused_groups

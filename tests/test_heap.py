@@ -1,4 +1,4 @@
-"""The host-heap policy of CPU training (`qatlib.heap`): the trim gives freed heap pages back to
+"""The host-heap policy of CPU training (`qatlib.zero3.heap`): the trim gives freed heap pages back to
 the OS, only above its limit; the layer hooks run it at every decoder-layer boundary; a model
 whose decoder layer passes the limit trains without heap reuse. What it buys at width is measured
 in benchmarks/plan_rehearsal.py (benchmarks/README.md at 2faaa77, Memory plan vs measured)."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import build_model, tiny_qwen3_config
 
-from qatlib import heap
+from qatlib.zero3 import heap
 
 pytestmark = pytest.mark.skipif(heap._libc() is None, reason="glibc only")
 

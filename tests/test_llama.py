@@ -30,7 +30,7 @@ from qatlib.quant import (
     prepare,
     quant_linears,
 )
-from qatlib.zero3_load import stream_load_scales
+from qatlib.zero3.load import stream_load_scales
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("single_thread")

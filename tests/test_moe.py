@@ -1,4 +1,4 @@
-"""Fused-MoE linearisation (qatlib.moe) on a tiny Qwen3-MoE."""
+"""Fused-MoE linearisation (qatlib.surgery.moe) on a tiny Qwen3-MoE."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from conftest import build_model, tiny_qwen3_moe_config
 from torch import nn
 
-from qatlib.moe import ExpertMLP, LinearizedMoeExperts, is_fused_experts, linearize_moe_experts
 from qatlib.quant import PRESETS, prepare
+from qatlib.surgery.moe import ExpertMLP, LinearizedMoeExperts, is_fused_experts, linearize_moe_experts
 
 
 def _ids(seed: int, batch: int = 2, seq: int = 12) -> torch.Tensor:
@@ -265,7 +265,7 @@ def test_checkpointed_layers_recompute_each_expert_in_its_own_backward():
     starts, so during the backward the experts run in reverse order, one at a time (what bounds a
     ZeRO-3 rank to one expert's gathered weights; the layer-wide recompute runs them 0..E-1 first).
     Loss and every gradient equal the plain layer checkpoint's bit for bit."""
-    from qatlib.moe import recompute_experts_one_by_one
+    from qatlib.surgery.moe import recompute_experts_one_by_one
 
     torch.manual_seed(0)
     model = build_model(tiny_qwen3_moe_config(num_hidden_layers=1, num_experts=4, num_experts_per_tok=4))

@@ -162,10 +162,10 @@ def test_expert_leaf_gathers_one_expert_not_the_layer_by_hand():
     sparse = "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"
     leaves = {
         "default": None,
-        "expert": ["qatlib.moe.ExpertMLP"],
+        "expert": ["qatlib.surgery.moe.ExpertMLP"],
         "none": [],
         "sparse": [sparse],
-        "both": ["qatlib.moe.ExpertMLP", "qatlib.moe.LinearizedMoeExperts"],
+        "both": ["qatlib.surgery.moe.ExpertMLP", "qatlib.surgery.moe.LinearizedMoeExperts"],
     }
     xs = {}
     for name, classes in leaves.items():
@@ -213,7 +213,7 @@ def test_persistent_parameters_follow_deepspeeds_rule_by_hand():
 
 def test_wide_embeddings_gather_a_block_of_rows_by_hand():
     """Under ZeRO-3 an embedding / head above 64 MiB is computed from the partitions 64 MiB of rows
-    at a time (`qatlib.vocab_parallel`): with a 25 M x 8 vocabulary (400 MB bf16) a rank holds one
+    at a time (`qatlib.zero3.vocab_parallel`): with a 25 M x 8 vocabulary (400 MB bf16) a rank holds one
     64 MiB block (2**25 bf16 elements) and, in the head's backward, at most 64 MiB of its rows in
     fp32, not 200 M elements; vocab 10 x 8 keeps the 824-parameter layer as the unit (the test
     above)."""
@@ -240,7 +240,7 @@ def test_checkpointed_expert_leaf_keeps_expert_inputs_or_holds_a_layer_by_hand()
     experts (4 x 3 x 6 x 8 x 2 = 1152 bytes). A whole-layer leaf gathers the layer anyway: neither."""
     m = qp.ModelShape.from_config(TINY)
     zero = {"stage": 3, "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0}
-    lean = {"zero_optimization": {**zero, "leaf_module": {"classes": ["qatlib.moe.ExpertMLP"]}}}
+    lean = {"zero_optimization": {**zero, "leaf_module": {"classes": ["qatlib.surgery.moe.ExpertMLP"]}}}
     exp = load_yaml(REPO / "config/experiments/qwen3-30b-a3b-width.yaml")
     hf = exp["compression"]["QAT"]["hf_args"]
     assert hf["gradient_checkpointing"] and hf["per_device_train_batch_size"] == 1
@@ -317,7 +317,7 @@ def test_a_config_that_does_not_fit_is_flagged(capsys):
 
 def test_constants_agree_with_the_modules_they_mirror():
     from qatlib.losses import CHUNK_ELEMENTS
-    from qatlib.zero3_save import save_consolidated
+    from qatlib.zero3.save import save_consolidated
 
     assert qp.CHUNK_ELEMENTS == CHUNK_ELEMENTS
     assert qp.SAVE_SHARD_BYTES == inspect.signature(save_consolidated).parameters["max_shard_bytes"].default
@@ -472,7 +472,7 @@ def _rehearsal_skip() -> str | None:
 # Measured 2026-12-02 on a 2-core AMX Xeon: 178 s (PTQ 14 s, 2-rank QAT 107 s at 4.72 / 4.07 GiB
 # per rank, export 36 s, then the reload). On a 2-core AVX2-only EPYC (no bf16 GEMM kernels), with
 # a 1-thread benchmark beside it: ~290 s (PTQ 22 s, QAT 142 s with a 90 s step, export 52 s);
-# 536 s with a 300 s step before the head's input gradient went through `qatlib.frozen_linear`.
+# 536 s with a 300 s step before the head's input gradient went through `qatlib.surgery.frozen_linear`.
 @pytest.mark.slow
 @pytest.mark.skipif(_rehearsal_skip() is not None, reason=str(_rehearsal_skip()))
 def test_rehearsal_one_layer_ptq_zero3_qat_export_reload(tmp_path):
@@ -576,7 +576,7 @@ def test_rehearsal_reads_the_step_time_and_extracts_older_code(tmp_path):
     log.write_text("Traceback (most recent call last):\n")
     assert step_seconds(log) is None
     dest = extract("HEAD", tmp_path)
-    assert (dest / "qatlib/frozen_linear.py").is_file() and (dest / "scripts/qat.py").is_file()
+    assert (dest / "qatlib/surgery/frozen_linear.py").is_file() and (dest / "scripts/qat.py").is_file()
     assert (dest / "config/deepspeed/zero3.json").is_file()
     with pytest.raises(SystemExit, match="--before-ref 'no-such-ref': not a commit"):
         extract("no-such-ref", tmp_path / "w")

@@ -11,10 +11,10 @@ from conftest import build_model, tiny_qwen3_config, tiny_qwen3_moe_config
 
 from qatlib import ptq
 from qatlib.checkpoint.layout import read_scheme, read_scheme_record
-from qatlib.gptq import gptq, gptq_quantize_weight
 from qatlib.ptq import calibrate, save_ptq_checkpoint
+from qatlib.ptq.gptq import gptq, gptq_quantize_weight
 from qatlib.quant import Granularity, QuantScheme, QuantSpec, compute_qparams, prepare, preset, quant_linears
-from qatlib.zero3_load import stream_load_scales
+from qatlib.zero3.load import stream_load_scales
 
 G16 = QuantSpec("int4", Granularity.GROUP, group_size=16)
 
@@ -341,7 +341,7 @@ def test_gptq_model_checkpoint_roundtrip(tmp_path):
         torch.testing.assert_close(fresh(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
-# --------------------------------------------------------------------------- layer by layer (qatlib.onload)
+# --------------------------------------------------------------------------- layer by layer (qatlib.zero3.onload)
 def _saved(tmp_path, cfg):
     """A checkpoint folder of ``cfg``'s model and the model loaded back the ordinary way."""
     from qatlib.models import load_model
@@ -379,8 +379,8 @@ def test_layerwise_calibration_gives_the_same_scales(tmp_path, moe, scheme):
     """Streamed from the checkpoint, one decoder layer at a time, calibration sets every scale
     bit for bit as the whole-model forward does, and the skeleton never holds a weight."""
     from qatlib.checkpoint.keys import scale_state_dict
-    from qatlib.onload import Onloader
     from qatlib.ptq import calibrate_from_checkpoint, calibrate_layerwise
+    from qatlib.zero3.onload import Onloader
 
     d, model = _saved(tmp_path, tiny_qwen3_moe_config() if moe else tiny_qwen3_config())
     static = scheme.input is not None

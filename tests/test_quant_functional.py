@@ -699,7 +699,7 @@ def test_fake_quant_linear_equals_autograd_through_fake_quantize(spec, dtype, cl
     assert torch.equal(out, ref_out)
     if dtype is torch.float32:
         assert torch.equal(got[0], ref[0])  # input gradient: grad @ W_q, the same W_q, the same mm
-    else:  # bf16 on the CPU: the product in fp32, rounded once (`qatlib.frozen_linear.grad_input`): <= 1 bf16 ulp
+    else:  # bf16 on the CPU: the product in fp32, rounded once (`qatlib.surgery.frozen_linear.grad_input`): <= 1 bf16 ulp
         torch.testing.assert_close(got[0], ref[0], rtol=2**-7, atol=1e-6 * ref[0].abs().max().item())
     assert torch.equal(got[2], ref[2])  # bias
     if dtype is torch.bfloat16:

@@ -85,7 +85,7 @@ def test_expert_input_scale_max_over_experts_by_hand():
     """w13 (every expert's gate and up) and w2 (every down) each take their own max."""
     model = build_model(tiny_qwen3_moe_config())
     base = "model.layers.1.mlp.experts"
-    from qatlib.moe import linearize_moe_experts
+    from qatlib.surgery.moe import linearize_moe_experts
 
     linearize_moe_experts(model)
     stored = {}

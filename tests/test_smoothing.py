@@ -20,7 +20,7 @@ EXPS = REPO / "config/experiments"
 def _model(kind: str):
     """A tiny model whose norms are not all ones (as after pretraining) and whose normed inputs
     have outlier channels (one channel of the embeddings scaled up)."""
-    from qatlib.moe import linearize_moe_experts
+    from qatlib.surgery.moe import linearize_moe_experts
 
     m = build_model(tiny_llama_config() if kind == "dense" else tiny_qwen3_moe_config())
     if kind == "moe":

@@ -446,7 +446,7 @@ def test_resume_from_checkpoint_reaches_the_same_scales(tmp_path):
 
 def test_resume_from_saved_model_with_scales(tmp_path):
     from qatlib.resume import classify_resume_dir, load_saved_model
-    from qatlib.zero3_save import save_consolidated
+    from qatlib.zero3.save import save_consolidated
 
     src = prepared_model(seed=1)
     with torch.no_grad():
@@ -505,7 +505,7 @@ def _experiment(tmp_path, tokenizer_dir, *, raw: bool = False, **qat):
 def test_train_end2end_from_config_with_lazy_init_and_saved_resume(tmp_path, tiny_tokenizer):
     from qatlib.data import training_data_from_config
     from qatlib.trainers.end2end import train_end2end
-    from qatlib.zero3_save import save_consolidated
+    from qatlib.zero3.save import save_consolidated
 
     tok_dir = tmp_path / "tok"
     tiny_tokenizer.save_pretrained(tok_dir)
@@ -582,7 +582,7 @@ def test_resume_from_trained_weights_distils_toward_the_original_model(tmp_path,
     (those were fitted to be good after quantization; distilling toward them lost phase 1's gain)."""
     from qatlib.data import training_data_from_config
     from qatlib.trainers.end2end import train_end2end
-    from qatlib.zero3_save import save_consolidated
+    from qatlib.zero3.save import save_consolidated
 
     base_dir = tmp_path / "base"
     tiny_tokenizer.save_pretrained(base_dir)
@@ -775,7 +775,7 @@ def test_blockwise_cli_trains_and_saves_a_qat_checkpoint(tmp_path, tiny_tokenize
     import yaml
 
     from qatlib.checkpoint.layout import TRAIN_LOG_FILE
-    from qatlib.zero3_load import stream_load_scales
+    from qatlib.zero3.load import stream_load_scales
 
     model_dir = tmp_path / "base"
     build_model(tiny_qwen3_config()).save_pretrained(model_dir)
@@ -928,7 +928,9 @@ def _z3_setup(tmp_path: Path, n_samples: int, steps: int, **extra) -> tuple[dict
     if extra.get("moe"):  # one expert per gather, as config/deepspeed/zero3_cpu_lean.json
         config = tiny_qwen3_moe_config(initializer_range=0.1, **extra.get("moe_config", {}))
         ds = json.loads(DS_CPU.read_text())
-        ds["zero_optimization"]["leaf_module"] = {"classes": [extra.get("leaf", "qatlib.moe.ExpertMLP")]}
+        ds["zero_optimization"]["leaf_module"] = {
+            "classes": [extra.get("leaf", "qatlib.surgery.moe.ExpertMLP")]
+        }
         # no prefetch: 5e5 elements would prefetch every tiny expert and hide what the recompute holds
         ds["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
         ds_config = tmp_path / "ds_expert_leaf.json"
@@ -995,8 +997,8 @@ def _z3_reference(tmp_path: Path, spec: dict, data: list) -> list[dict[str, torc
     ``tmp_path/ref/out``."""
     from transformers import AutoModelForCausalLM
 
-    from qatlib import zero3_load as zl
-    from qatlib import zero3_save as zs
+    from qatlib.zero3 import load as zl
+    from qatlib.zero3 import save as zs
 
     z3_steps, after = Path(spec["out"]) / "steps", []
     scheme = QuantScheme.from_dict(spec["scheme"])
@@ -1135,7 +1137,7 @@ def test_zero3_weight_training_with_a_partitioned_original_teacher_matches_singl
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from qatlib import zero3_load as zl
+    from qatlib.zero3 import load as zl
 
     steps, wlr = 1, 0.1
     rel = {"weight_update": "relative", "sizes_apart": True} if weight_update == "relative" else {}
@@ -1250,7 +1252,7 @@ def test_zero3_gradient_checkpointing_frozen_weights_matches_single_process(tmp_
 # 8 experts, 7 per token, a dense first and last layer: the smallest MoE found on which the
 # weight-training step below failed in DeepSpeed (4 experts / 2 layers / 2 per token ran)
 SPLIT_MOE = {"num_experts": 8, "num_experts_per_tok": 7, "num_hidden_layers": 4, "mlp_only_layers": [0, 3]}
-EXPERT_LEAF, LAYER_LEAF = "qatlib.moe.ExpertMLP", "qatlib.moe.LinearizedMoeExperts"
+EXPERT_LEAF, LAYER_LEAF = "qatlib.surgery.moe.ExpertMLP", "qatlib.surgery.moe.LinearizedMoeExperts"
 
 
 @pytest.mark.slow
@@ -1314,7 +1316,7 @@ def test_zero3_moe_scale_shared_by_experts(tmp_path, leaf, weight_lr):
 @pytest.mark.parametrize("block_bytes", [3000, None], ids=["partitioned", "deepspeed_gathers"])
 def test_zero3_embeddings_from_partitions_match_single_process(tmp_path, block_bytes):
     """Issue #16: under ZeRO-3 the trainer computes the input embedding and the output head from the
-    ranks' partitions (`qatlib.vocab_parallel`), so DeepSpeed never gathers either matrix (Qwen3-30B-
+    ranks' partitions (`qatlib.zero3.vocab_parallel`), so DeepSpeed never gathers either matrix (Qwen3-30B-
     A3B's 0.58 GiB each were the rank's step peak). Blocks of 11 rows (3000 bytes of 64 fp32): one
     block straddles the two ranks' partitions (rows 253-263 of 512), so it is assembled from both.
     Reentrant layer checkpointing: its layers train only if the embedding's output requires grad,
@@ -1407,10 +1409,10 @@ def test_resume_from_own_fake_export_keeps_the_original_weights(tmp_path):
     original model, not the fake-quantized one. A consolidated save (original weights) likewise."""
     from conftest import build_model, tiny_qwen3_config
 
-    from qatlib import zero3_save as zs
     from qatlib.export import export
     from qatlib.quant import PRESETS, QuantSpec, prepare, quantization_disabled
     from qatlib.resume import load_saved_model
+    from qatlib.zero3 import save as zs
 
     scheme = PRESETS["int4_weight_only"].replace(weight=QuantSpec("int4", "per-group", group_size=32))
     base = build_model(tiny_qwen3_config(), seed=1)

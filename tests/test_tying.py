@@ -28,7 +28,7 @@ from qatlib.quant import functional as F
 from qatlib.quant.quantizer import role_parameters
 from qatlib.runtime import tying as rt_tying
 from qatlib.runtime.tying import tie_for
-from qatlib.zero3_load import stream_load_scales
+from qatlib.zero3.load import stream_load_scales
 
 pytestmark = pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")
 FP8 = preset("fp8_static")

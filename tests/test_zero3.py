@@ -1,4 +1,4 @@
-"""ZeRO-3 I/O (qatlib.zero3_io) on real DeepSpeed: 2 CPU ranks under torchrun, gloo, nothing mocked.
+"""ZeRO-3 I/O (qatlib.zero3.io) on real DeepSpeed: 2 CPU ranks under torchrun, gloo, nothing mocked.
 
 Two torchrun launches carry the multi-rank checks (start-up costs ~10 s each, so each batches
 several checks): `qat_roundtrip.py` (dense + MoE + bf16: partitioning, exact streamed load, QAT steps
@@ -28,9 +28,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from qatlib import ptq as qptq
-from qatlib import zero3_io as z
-from qatlib import zero3_load as zl
-from qatlib import zero3_save as zs
 from qatlib.checkpoint.keys import key_of, scale_keys
 from qatlib.checkpoint.layout import RUN_METADATA_FILE, SCALES_FILE, WEIGHTS_INDEX_FILE
 from qatlib.ptq import calibrate as ptq_calibrate
@@ -49,6 +46,9 @@ from qatlib.quant import (
 from qatlib.runtime.tying import tie_for
 from qatlib.trainers.log_scale import install_log_space_steps
 from qatlib.trainers.params import Learnable, param_groups, select_trainable
+from qatlib.zero3 import io as z
+from qatlib.zero3 import load as zl
+from qatlib.zero3 import save as zs
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).parent / "zero3_workers"
@@ -377,7 +377,7 @@ def zero3_run(ckpts):
                 "compare_ckpt": str(ckpts["moe"]),
                 "steps": STEPS,
                 "skewed_routing": True,
-                "zero_overrides": {"leaf_module": {"classes": ["qatlib.moe.ExpertMLP"]}},
+                "zero_overrides": {"leaf_module": {"classes": ["qatlib.surgery.moe.ExpertMLP"]}},
             },
             {
                 **phase,
@@ -427,7 +427,7 @@ def zero3_run(ckpts):
                 **moe_tied,
                 "name": "moe_tied_ckpt",
                 "checkpointing": True,
-                "zero_overrides": {"leaf_module": {"classes": ["qatlib.moe.ExpertMLP"]}},
+                "zero_overrides": {"leaf_module": {"classes": ["qatlib.surgery.moe.ExpertMLP"]}},
             },
             {
                 **phase,
@@ -961,7 +961,7 @@ def test_plain_warm_start_fans_fused_expert_scales_out(ckpts):
 
 def test_plain_stream_load_weights_both_expert_layouts(ckpts):
     """Per-expert keys -> transformers' fused experts, and fused keys -> linearised experts."""
-    from qatlib.moe import linearize_moe_experts
+    from qatlib.surgery.moe import linearize_moe_experts
 
     ref = load_plain(ckpts["moe"]).state_dict()
     fused_model = build_model(tiny_qwen3_moe_config(), seed=5)  # other random weights, fused experts
@@ -1097,10 +1097,10 @@ def _quant_ids(model):
 
 
 def test_deepspeed_default_leaf_list_is_mirrored():
-    """`qatlib.ds_config` models what DeepSpeed does with a config that names no leaf modules (its
+    """`qatlib.zero3.ds_config` models what DeepSpeed does with a config that names no leaf modules (its
     own default list, whole MoE blocks): the mirror is DeepSpeed's list."""
     from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES
 
-    from qatlib.ds_config import DEEPSPEED_DEFAULT_LEAVES
+    from qatlib.zero3.ds_config import DEEPSPEED_DEFAULT_LEAVES
 
     assert list(DEEPSPEED_DEFAULT_LEAVES) == DEFAULT_LEAF_MODULE_CLASSES

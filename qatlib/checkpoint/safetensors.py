@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..moe import LinearizedMoeExperts, is_fused_experts
 from ..quant.quantizer import role_parameters
+from ..surgery.moe import LinearizedMoeExperts, is_fused_experts
 from .layout import CheckpointError
 from .st_write import ST_DTYPES as _ST_DTYPES
 from .st_write import numel as _numel

@@ -18,7 +18,6 @@ from typing import Any
 
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
-from qatlib.ds_config import expert_leaf_issue, with_defaults, zero_stage
 from qatlib.losses import LossConfig
 from qatlib.quant.linear import PrepareOptions
 from qatlib.quant.spec import QuantScheme
@@ -26,6 +25,7 @@ from qatlib.runtime.tying import tie_for, ties_across_experts
 from qatlib.trainers.blockwise import BlockwiseSettings
 from qatlib.trainers.params import Learnable
 from qatlib.yamlio import ConfigError, config_file_candidates, format_issues
+from qatlib.zero3.ds_config import expert_leaf_issue, with_defaults, zero_stage
 
 from . import upstream
 from .deploy import deploy_issues, local_model_dtype, local_model_is_moe
@@ -328,7 +328,7 @@ class ExperimentConfig(Section):
     @property
     def deepspeed_config(self) -> dict[str, Any] | None:
         """The DeepSpeed config the run uses: ``hf_args.deepspeed``'s, with qatlib's ZeRO-3 defaults
-        filled in (`qatlib.ds_config.with_defaults`), or None without DeepSpeed."""
+        filled in (`qatlib.zero3.ds_config.with_defaults`), or None without DeepSpeed."""
         return self._ds_config
 
     @property

@@ -4,7 +4,7 @@
 The variant's model is a skeleton (`qatlib.models.load_prepared` with ``skeleton=True``: every
 weight on the meta device, the scales real and loaded) and its perplexity is computed layer by
 layer (`qatlib.eval.perplexity.layerwise_logits`), each decoder layer's weights streamed from the
-checkpoint folder by a `qatlib.onload.Onloader` onto the evaluation device: one layer's weights
+checkpoint folder by a `qatlib.zero3.onload.Onloader` onto the evaluation device: one layer's weights
 plus the embeddings / head and the hidden states of the evaluated windows are resident, never the
 model. Same perplexity as the whole-model evaluation (`test_layerwise_evaluation_is_the_whole_model_one`).
 
@@ -42,7 +42,7 @@ def load_layerwise(cfg, variant: str, model_path: str, scales: str | None) -> tu
     at a time onto the evaluation device (`qatlib.device.current`)."""
     from .. import device
     from ..models import load_prepared
-    from ..onload import Onloader, load_skeleton
+    from ..zero3.onload import Onloader, load_skeleton
 
     problem = layerwise_problem(variant, ())
     if problem:

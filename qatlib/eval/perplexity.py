@@ -18,7 +18,7 @@ papers does), ``c4`` (the first validation shard of allenai/c4) -- both need the
 local text file (the offline default: the corpus test split). Works on a plain model and on a
 prepared (fake-quant) model alike; it only calls ``model(input_ids)``.
 
-``onload`` (a `qatlib.onload.Onloader`): a model larger than the device is evaluated layer by
+``onload`` (a `qatlib.zero3.onload.Onloader`): a model larger than the device is evaluated layer by
 layer instead: every window goes through decoder layer ``i`` before layer ``i + 1`` is onloaded,
 then through the final norm and the head; the same logits as the whole-model forward, with one
 layer's weights (plus the hidden states of all windows) on the device.
@@ -166,11 +166,11 @@ def _stderr(xs: list[float]) -> float | None:
 
 def layerwise_logits(model, loader, batches: list[torch.Tensor]):
     """``(input ids, logits)`` per batch of ``batches``, computed one decoder layer at a time with
-    ``loader`` (`qatlib.onload`): the model's own forward up to the first layer, each layer over
+    ``loader`` (`qatlib.zero3.onload`): the model's own forward up to the first layer, each layer over
     all batches, then the decoder's final ``norm`` and the output head (the Llama / Qwen / Mistral
     layout: ``logits = lm_head(norm(h))``; other heads are refused)."""
-    from qatlib.modeling import decoder_layers
-    from qatlib.onload import capture_layer_inputs, carry
+    from qatlib.surgery.modeling import decoder_layers
+    from qatlib.zero3.onload import capture_layer_inputs, carry
 
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     norm, head = getattr(decoder, "norm", None), model.get_output_embeddings()

@@ -81,7 +81,7 @@ def load_variant(cfg, variant: str, model_path: str, scales: str | None) -> tupl
     from .. import device
     from ..checkpoint.layout import weight_files
     from ..models import load_model, load_prepared
-    from ..onload import load_skeleton, load_whole
+    from ..zero3.onload import load_skeleton, load_whole
 
     m, device_map = cfg.model, device.device_map()
     if variant == "deployed":
@@ -114,7 +114,7 @@ def load_variant(cfg, variant: str, model_path: str, scales: str | None) -> tupl
             record["not_applied"] = unused
         return model.eval(), record
     # the model fits one device (always on the CPU path): qatlib's reader, the model once in memory
-    # (`qatlib.onload.load_whole`, no mapped file); else accelerate spreads it over the GPUs and the
+    # (`qatlib.zero3.onload.load_whole`, no mapped file); else accelerate spreads it over the GPUs and the
     # host (`from_pretrained` with a device_map)
     nbytes = sum(f.stat().st_size for f in weight_files(model_path))
     whole = device_map is None or device.fits_current(nbytes)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.layout import AtomicDir, name_weight_shards, write_json
-from ..moe import is_fused_experts
+from ..surgery.moe import is_fused_experts
 
 SHARD_BYTES = 1 << 30
 

@@ -13,7 +13,7 @@ What each stage's terms model (the code as it is after #16's streaming and QAT-m
 ``streamed(raw, stage)`` decides which stages run streamed, and the stage scripts stream by
 default exactly there (``--whole-model`` opts out), so the plan sizes what a user runs:
 
-``ptq_calibrate``  ``qatlib/ptq.py`` + ``quant/calibration.py``, streamed layer by layer
+``ptq_calibrate``  ``qatlib/ptq/__init__.py`` + ``quant/calibration.py``, streamed layer by layer
                    (``scripts/ptq.py``, its default): the input embeddings while the first
                    layer's inputs are captured, then ONE decoder layer at a time (never both),
                    its experts read per expert from the shards into the linearised skeleton
@@ -23,7 +23,7 @@ default exactly there (``--whole-model`` opts out), so the plan sizes what a use
 ``zero3_qat``      ``zero3_load.py`` / ``trainers/end2end.py`` under DeepSpeed ZeRO-3: each rank
                    holds model/world, the persistent (replicated) small parameters (DeepSpeed's
                    persistence thresholds), one gathered unit (one expert or linear: qatlib's
-                   default leaf module, `qatlib.ds_config`; a decoder layer where the JSON lists a
+                   default leaf module, `qatlib.zero3.ds_config`; a decoder layer where the JSON lists a
                    whole-layer class, e.g. ``Qwen3MoeSparseMoeBlock``) plus the prefetch bucket, the
                    trainable scales with their fp32 master, gradient and Adam moments (all
                    partitioned), the activations of a micro-batch (layer inputs only with

@@ -5,7 +5,7 @@ setting in it can make the plan's ZeRO-3 peak unreachable: a leaf list that gath
 layer, a prefetch bucket or a persistence threshold sized for a dense model. qatlib does not
 rewrite those keys (the JSON is the user's), but the QAT stage and ``python -m qatlib.plan``
 name each such key and what it costs, measured on the plan itself: the stage's per-rank peak
-with every modelled key left to qatlib's default (`qatlib.ds_config`: no ``leaf_module``,
+with every modelled key left to qatlib's default (`qatlib.zero3.ds_config`: no ``leaf_module``,
 ``"auto"`` buckets and thresholds), against the same plan with that one key as the JSON sets
 it. Torch-free.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from qatlib.ds_config import zero_stage
+from qatlib.zero3.ds_config import zero_stage
 
 from .model import ModelShape, from_experiment
 from .stages import GIB, Run, plan

@@ -7,9 +7,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from qatlib.ds_config import gathers_whole_layers
 from qatlib.patterns import matches_any
 from qatlib.yamlio import ConfigError, section
+from qatlib.zero3.ds_config import gathers_whole_layers
 
 DTYPE_BYTES = {
     "bf16": 2,
@@ -178,7 +178,7 @@ class PlanInputs:
     model_persistence: int | None = None  # stage3_model_persistence_threshold; None: no cap
     prefetch: int | None = None  # stage3_prefetch_bucket_size; None: "auto" (0.9 x hidden^2)
     # one expert gathers at a time, not a whole layer's experts: qatlib's default leaf module
-    # (`qatlib.ds_config`), unless the DeepSpeed JSON lists a whole-layer class itself
+    # (`qatlib.zero3.ds_config`), unless the DeepSpeed JSON lists a whole-layer class itself
     expert_leaf: bool = True
     eager_attention: bool = False
     eval_sources: int = 1  # evaluation.ppl + evaluation.tasks
@@ -297,7 +297,7 @@ def streamed(raw: dict[str, Any], stage: str) -> bool:
     out), whoever calls them (the workflow's rules pass no flag), and the plan
     (`from_experiment`, `qatlib.plan.stages`) and the DAG's resources model the stage that runs.
 
-    ``convert_export``: always. The streamed export (`qatlib.export_stream`) writes
+    ``convert_export``: always. The streamed export (`qatlib.export.stream`) writes
     the same tensors as the in-memory export for every ``save_format`` (real, fake,
     real_and_kvcache, save_kvcache_only), dense and MoE, tied embeddings included (the same bytes
     for a model within one 5 GiB shard; tests/test_export.py, tests/test_workflow.py).

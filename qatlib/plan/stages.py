@@ -11,8 +11,8 @@ from .model import ModelShape, PlanInputs, StagePlan, Term, WeightFormat
 GIB = 1 << 30
 CHUNK_ELEMENTS = 1 << 25  # qatlib.losses.CHUNK_ELEMENTS: logits elements per KD chunk
 CHUNK_COPIES = 6  # fp32 copies of a chunk alive at once: s, t, log p_s, log p_t, p_t, grad
-SAVE_SHARD_BYTES = 512 << 20  # qatlib.zero3_save.save_consolidated's max_shard_bytes
-PARTITION_BYTES = 64 << 20  # qatlib.zero3_io.PARTITION_BYTES: above it, assembled from partitions
+SAVE_SHARD_BYTES = 512 << 20  # qatlib.zero3.save.save_consolidated's max_shard_bytes
+PARTITION_BYTES = 64 << 20  # qatlib.zero3.io.PARTITION_BYTES: above it, assembled from partitions
 COPY_BYTES = 64 << 20  # qatlib.checkpoint.st_write.COPY_BYTES: a shard is assembled this much at a time
 # Per process, beyond the terms: interpreter + torch + transformers (+ DeepSpeed) resident set; on
 # GPUs the host side of the CUDA context and pinned buffers, and on the device the context and
@@ -202,7 +202,7 @@ def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
         prefetch = x.prefetch if x.prefetch is not None else int(0.9 * m.hidden * m.hidden)
         # what one fetch gathers: a MoE layer's experts together (qatlib's leaf, the default) or one
         # expert / one linear at a time (`expert_leaf`); the embeddings and the head above 64 MiB
-        # are computed from the partitions a block of rows at a time (`qatlib.vocab_parallel`; the
+        # are computed from the partitions a block of rows at a time (`qatlib.zero3.vocab_parallel`; the
         # head's backward adds fp32 rows of at most 64 MiB), smaller ones gathered whole
         emb = m.vocab * m.hidden
         if emb * d > PARTITION_BYTES:
@@ -228,7 +228,7 @@ def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
                 # the recompute gathers every expert; DeepSpeed holds them to the layer's end
                 experts = m.experts * 3 * m.hidden * m.moe_intermediate * d
                 acts.append(Term("a layer's frozen experts held through its recompute (reentrant)", experts))
-            else:  # `qatlib.moe.recompute_experts_one_by_one`: their shared input, indices, weights
+            else:  # `qatlib.surgery.moe.recompute_experts_one_by_one`: their shared input, indices, weights
                 kept = m.moe_layers * tokens * (m.hidden * d + m.top_k * (16 + d))
                 acts.append(Term("experts' inputs kept (each expert recomputed in its own backward)", kept))
     else:
@@ -246,7 +246,7 @@ def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
             Term("teacher: the model itself, quantization disabled", 0, "no second copy of the weights")
         )
     # ZeRO-3 reads a tensor above the load chunk (64 MiB = PARTITION_BYTES) into the partitions
-    # piece by piece (`qatlib.zero3_load`): rank 0 stages one piece, never the whole tensor
+    # piece by piece (`qatlib.zero3.load`): rank 0 stages one piece, never the whole tensor
     staged = min(m.vocab * m.hidden * d, PARTITION_BYTES) if zero3 else m.vocab * m.hidden * d
     host_each = [Term("load staging (largest tensor; under ZeRO-3 one piece of it, at most 64 MiB)", staged)]
     if x.offload_optimizer:
@@ -282,7 +282,7 @@ def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
 
 
 def _export(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
-    """The streamed export (``scripts/export.py``, its default; `qatlib.export_stream`). The input
+    """The streamed export (``scripts/export.py``, its default; `qatlib.export.stream`). The input
     checkpoint is read one layer at a time, never a shard; each output tensor is spilled to disk
     as it is computed (`qatlib.checkpoint.st_write.ShardWriter`) and each shard assembled from the
     spill 64 MiB at a time: what is held is one output tensor (the embeddings or the head, kept

@@ -1,7 +1,7 @@
 """Observer calibration of a prepared model: static activation scales from the ranges seen on
 calibration batches, with the MoE sibling-expert fallback.
 
-Shared by RTN PTQ (`qatlib.ptq`), GPTQ (`qatlib.gptq`), the end-to-end trainer's lazy init and
+Shared by RTN PTQ (`qatlib.ptq`), GPTQ (`qatlib.ptq.gptq`), the end-to-end trainer's lazy init and
 blockwise training (`qatlib.trainers`); `check_prepared_matches` is also export's first check.
 """
 

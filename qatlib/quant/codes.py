@@ -28,14 +28,14 @@ from .fq_linear import _fake_quant_parts
 from .linear import quant_linears
 
 # ``gather(params, modifier_rank=None)``: a context in which ``params`` are whole on every rank (ZeRO-3:
-# `qatlib.zero3_io.gathered_param_if_zero3`, passed down by the trainer; quant knows nothing of ZeRO-3)
+# `qatlib.zero3.io.gathered_param_if_zero3`, passed down by the trainer; quant knows nothing of ZeRO-3)
 Gather = Callable[..., ContextManager]
 
 
 def _no_gather(params: Sequence[torch.Tensor | None], modifier_rank: int | None = None) -> ContextManager:
     if any(hasattr(p, "ds_id") for p in params if p is not None):  # a partitioned DeepSpeed parameter
         raise ValueError(
-            "frozen codes on ZeRO-3 parameters: pass gather=qatlib.zero3_io.gathered_param_if_zero3"
+            "frozen codes on ZeRO-3 parameters: pass gather=qatlib.zero3.io.gathered_param_if_zero3"
         )
     return contextlib.nullcontext()
 

@@ -31,7 +31,11 @@ import threading
 
 import torch
 
-from ..frozen_linear import grad_input, grad_weight, linear_output  # fp32 where the CPU lacks half GEMMs
+from ..surgery.frozen_linear import (  # fp32 where the CPU lacks half GEMMs
+    grad_input,
+    grad_weight,
+    linear_output,
+)
 from . import functional as F
 from .spec import FP4_E2M1_MAX, FP8_E4M3_MAX, Granularity, QuantSpec
 
@@ -73,11 +77,11 @@ def _table_index(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
 
 # Buffers the table path gathers into, reused from call to call (CPU, weights up to this size: a
 # Qwen3-30B-A3B expert is 1.57 M elements, ~17 MB of buffers per thread). Why: under ZeRO-3 on
-# the CPU every allocation above 1 MiB is a fresh mapping (`qatlib.heap.configure_training`, which
+# the CPU every allocation above 1 MiB is a fresh mapping (`qatlib.zero3.heap.configure_training`, which
 # keeps the resident set at the live tensors), so each call's index and results were zero-filled
 # page by page: index + two gathers of a 768 x 2048 weight 9.2 ms fresh against 2.0 ms into reused
 # buffers (one thread, AVX-512 EPYC), a third of the rehearsal's ZeRO-3 step. Not a wider heap
-# policy: letting such sizes reuse the heap fragmented it by +1.9 GB per rank (`qatlib.heap`); these
+# policy: letting such sizes reuse the heap fragmented it by +1.9 GB per rank (`qatlib.zero3.heap`); these
 # few buffers are reused whole. On GPUs the caching allocator already reuses memory.
 _SCRATCH_MAX_ELEMENTS = 1 << 22
 _scratch_local = threading.local()

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as TF
 from torch import nn
 
-from ..moe import linearize_moe_experts
 from ..patterns import matches_any
+from ..surgery.moe import linearize_moe_experts
 from . import functional as F
 from .fq_linear import fake_quant_linear
 from .quantizer import Quantizer

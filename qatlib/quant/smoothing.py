@@ -14,10 +14,10 @@ the input norm and the MLP's input projections behind the post-attention norm). 
 llm-compressor's SmoothQuantModifier needs its recipe / session lifecycle, and this is ten lines of
 arithmetic on the groups below.
 
-Groups are found by structure: per decoder block (`qatlib.modeling.decoder_layers`) its
+Groups are found by structure: per decoder block (`qatlib.surgery.modeling.decoder_layers`) its
 ``input_layernorm`` feeds its attention's ``q_proj`` / ``k_proj`` / ``v_proj``, its
 ``post_attention_layernorm`` feeds every linear map of its ``mlp`` except the ``down_proj``s (the
-gate / up projections, an MoE's router and every expert's (`qatlib.moe` linearised), a shared
+gate / up projections, an MoE's router and every expert's (`qatlib.surgery.moe` linearised), a shared
 expert's gate). A block of
 another shape is refused, naming it, rather than smoothed wrongly.
 """
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..modeling import decoder_layers
-from ..moe import linearize_moe_experts
+from ..surgery.modeling import decoder_layers
+from ..surgery.moe import linearize_moe_experts
 from .calibration import run_batch
 
 _QKV = ("q_proj", "k_proj", "v_proj")
@@ -124,7 +124,7 @@ def smooth_groups(model: nn.Module) -> list[SmoothGroup]:
             if prm.dim() >= 2 and id(prm) not in seen and "down_proj" not in (leaf, owner.rpartition(".")[2]):
                 raise ValueError(
                     f"smoothing: {where}.mlp.{n} ({tuple(prm.shape)}) is neither a linear of the MLP's "
-                    "input nor a down_proj (fused experts: linearise them first, `qatlib.moe.linearize_moe_experts`)"
+                    "input nor a down_proj (fused experts: linearise them first, `qatlib.surgery.moe.linearize_moe_experts`)"
                 )
         out.append(SmoothGroup(f"{where}.{_NORMS[0]}", norms[0], qkv))
         out.append(SmoothGroup(f"{where}.{_NORMS[1]}", norms[1], readers))

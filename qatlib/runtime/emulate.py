@@ -324,7 +324,7 @@ def _skeleton(d: Path) -> nn.Module:
     and that is not a quantized linear's weight must be in the checkpoint."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..moe import linearize_moe_experts
+    from ..surgery.moe import linearize_moe_experts
 
     config = AutoConfig.from_pretrained(d)
     config.quantization_config = None

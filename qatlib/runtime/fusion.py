@@ -42,7 +42,7 @@ def _join(prefix: str, child: str) -> str:
 
 
 def _experts(module: nn.Module) -> nn.ModuleList | None:
-    """The linearised expert list of an MoE block (`qatlib.moe.LinearizedMoeExperts`), else None."""
+    """The linearised expert list of an MoE block (`qatlib.surgery.moe.LinearizedMoeExperts`), else None."""
     experts = getattr(module, "experts", None)
     if isinstance(experts, nn.ModuleList) and len(experts) and hasattr(module, "gate"):
         if all(all(hasattr(e, p) for p in ("gate_proj", "up_proj", "down_proj")) for e in experts):

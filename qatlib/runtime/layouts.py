@@ -27,7 +27,7 @@ TARGET_NAMES = (*TARGETS, "none")
 
 
 class Layout(enum.Enum):
-    """The export layouts the runtimes tell apart (`qatlib.export_format.compressed_tensors_format`)."""
+    """The export layouts the runtimes tell apart (`qatlib.export.format.compressed_tensors_format`)."""
 
     FP8_STATIC_TENSOR = "fp8 weight per-tensor + static per-tensor input"
     FP8_STATIC_CHANNEL = "fp8 weight per-channel + static per-tensor input"

@@ -90,7 +90,7 @@ def ties_across_experts(target: str, scheme: QuantScheme) -> bool:
     """Does ``target`` merge a scale over a MoE layer's experts for ``scheme`` (vLLM's one static
     input scale per fused-MoE layer: the max over every expert's)? Such a tie makes one Parameter
     that every expert of the layer uses; ZeRO-3 then gathers a layer's experts together
-    (`qatlib.ds_config.expert_leaf_issue` says why). Model-free: a dense model ties no experts."""
+    (`qatlib.zero3.ds_config.expert_leaf_issue` says why). Model-free: a dense model ties no experts."""
     if target not in TARGETS or scheme.input is None:
         return False
     inp = scheme.input

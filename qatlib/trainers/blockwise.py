@@ -1,6 +1,6 @@
 """Blockwise QAT (EfficientQAT Block-AP / OmniQuant style), single process.
 
-For each decoder block (`qatlib.modeling.decoder_layers`: ``model.model.layers``; dense or MoE), in order:
+For each decoder block (`qatlib.surgery.modeling.decoder_layers`: ``model.model.layers``; dense or MoE), in order:
 
 1. targets: the block run UNQUANTIZED (`quantization_disabled`) on the full-precision inputs
    (``fp_inps``) — computed before the block changes;
@@ -42,9 +42,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint.layout import TRAIN_LOG_FILE
-from ..modeling import decoder_layers
 from ..quant import quantization_disabled
 from ..quant.calibration import calibrate_activations
+from ..surgery.modeling import decoder_layers
 from .log_scale import SCALE_UPDATES, install_log_space_steps
 from .params import Learnable, freeze_all_but, quantizer_groups, select_trainable
 

@@ -54,13 +54,13 @@ from transformers import Seq2SeqTrainingArguments, Trainer, TrainerCallback, Tra
 from ..checkpoint.layout import TRAIN_LOG_FILE
 from ..data import PadCollator
 from ..device import use_cpu
-from ..frozen_linear import use_frozen_head
 from ..losses import LossConfig, qat_loss
-from ..moe import recompute_experts_one_by_one
 from ..quant import quantization_disabled
 from ..quant.calibration import calibrate_activations, static_quantizers
-from ..vocab_parallel import partition_vocab
-from ..zero3_io import PARTITION_BYTES, check_leaf_modules, model_is_zero3
+from ..surgery.frozen_linear import use_frozen_head
+from ..surgery.moe import recompute_experts_one_by_one
+from ..zero3.io import PARTITION_BYTES, check_leaf_modules, model_is_zero3
+from ..zero3.vocab_parallel import partition_vocab
 from .guard import TrainingGuard
 from .log_scale import install_log_space_steps
 from .params import (
@@ -103,7 +103,7 @@ def _check_teacher_vocab(teacher: nn.Module, model: nn.Module) -> None:
 
 
 class _PartitionedVocab(TrainerCallback):
-    """`qatlib.vocab_parallel.partition_vocab` for the span of ``train()``: installed once the
+    """`qatlib.zero3.vocab_parallel.partition_vocab` for the span of ``train()``: installed once the
     DeepSpeed engine exists (``on_train_begin`` comes after the Trainer wraps the model), the
     original modules put back at ``on_train_end``. ``swapped`` says which were."""
 
@@ -142,7 +142,7 @@ class QATTrainer(Trainer):
     disabled), ``log_file`` (default ``<output_dir>/train_log.jsonl``; False = none),
     ``vocab_block_bytes`` (under ZeRO-3, an embedding / head above this many bytes is computed from
     the partitions a block of rows this large at a time, never gathered whole:
-    `qatlib.vocab_parallel`; None = DeepSpeed gathers it).
+    `qatlib.zero3.vocab_parallel`; None = DeepSpeed gathers it).
     """
 
     def __init__(
@@ -414,7 +414,7 @@ def base_model_teacher(cfg, zero3=None) -> nn.Module:
     blockwise lost most of blockwise's gain).
 
     One process: a plain second copy. ZeRO-3 (``zero3``, the run's `Zero3Context`): built empty and
-    partitioned and streamed in like the student (`qatlib.zero3_load.load_model`), then wrapped in
+    partitioned and streamed in like the student (`qatlib.zero3.load.load_model`), then wrapped in
     an inference-only DeepSpeed engine (no optimizer), which gathers each layer's weights for its
     forward as the training engine does: the teacher costs each rank M / world more, not M."""
     from ..models import load_model, resolve_model_dir
@@ -430,7 +430,7 @@ def base_model_teacher(cfg, zero3=None) -> nn.Module:
         return load_model(path, torch_dtype=m.torch_dtype, trust_remote_code=m.trust_remote_code)
     import deepspeed
 
-    from ..zero3_io import inference_ds_config
+    from ..zero3.io import inference_ds_config
 
     teacher = load_model(path, torch_dtype=m.torch_dtype, trust_remote_code=m.trust_remote_code, zero3=zero3)
     engine, *_ = deepspeed.initialize(model=teacher, config=inference_ds_config(zero3))
@@ -544,12 +544,12 @@ def train_end2end(
     )
     if qat.do_train:
         if zero3:
-            from .. import heap
+            from ..zero3 import heap
 
             log.info("heap during training: %s", heap.configure_training(model, args.device.type))
         if qc.frozen_codes:  # before train(): a resumed run's codes are the start's, not the checkpoint's
             from ..quant.codes import freeze_codes, release_codes
-            from ..zero3_io import gathered_param_if_zero3 as gather
+            from ..zero3.io import gathered_param_if_zero3 as gather
 
             log.info("frozen codes: %d weight quantizers", freeze_codes(model, gather))
         trainer.train(resume_from_checkpoint=resume_from)

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from ..device import collective_device
-from ..zero3_io import is_zero3_param, sliced_evenly
+from ..zero3.io import is_zero3_param, sliced_evenly
 from .grad_hook import set_gradient_hook
 
 WEIGHT_UPDATES = ("additive", "relative")

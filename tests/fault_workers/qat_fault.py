@@ -27,9 +27,9 @@ from pathlib import Path
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
-    from qatlib import zero3_io as z
-    from qatlib.peers import CollectiveFailure
     from qatlib.trainers.guard import GuardError
+    from qatlib.zero3 import io as z
+    from qatlib.zero3.peers import CollectiveFailure
 
     ctx = z.init_zero3(json.loads(Path(spec["ds_config"]).read_text()), timeout_s=spec["timeout_s"])
     try:
@@ -43,15 +43,15 @@ def run(spec, z, ctx) -> None:
     import torch
     from transformers import TrainerCallback, TrainingArguments
 
-    from qatlib import zero3_save as zs
     from qatlib.data import PadCollator
     from qatlib.losses import LossConfig
     from qatlib.quant import QuantScheme
     from qatlib.trainers.end2end import QATTrainer
     from qatlib.trainers.params import Learnable
+    from qatlib.zero3 import save as zs
 
     scheme = QuantScheme.from_dict(spec["scheme"])
-    from qatlib import zero3_load as zl
+    from qatlib.zero3 import load as zl
 
     model = zl.build_qat_model(spec["model"], ctx, scheme, from_ptq_ckpt=spec["ptq"])
     out = Path(spec["out"])

@@ -11,9 +11,9 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from qatlib import zero3_save as zs
 from qatlib.export import export
 from qatlib.quant import Granularity, QuantScheme, QuantSpec, prepare
+from qatlib.zero3 import save as zs
 
 SCHEME = QuantScheme("w4g16", weight=QuantSpec("int4", Granularity.GROUP, group_size=16, symmetric=False))
 

@@ -31,9 +31,9 @@ logging.basicConfig(
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
-    from qatlib import zero3_io as z
-    from qatlib import zero3_load as zl
-    from qatlib import zero3_save as zs
+    from qatlib.zero3 import io as z
+    from qatlib.zero3 import load as zl
+    from qatlib.zero3 import save as zs
 
     ds_config = json.loads(Path(spec["ds_config"]).read_text())
     ctx = z.init_zero3(ds_config, timeout_s=120)  # before TrainingArguments (NOTES-platform)
@@ -76,7 +76,7 @@ def main() -> None:
     others_gathered = [0]
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    from qatlib.moe import LinearizedMoeExperts
+    from qatlib.surgery.moe import LinearizedMoeExperts
 
     def gathered(expert) -> bool:
         return expert.down_proj.weight.ds_status == ZeroParamStatus.AVAILABLE

@@ -26,9 +26,9 @@ def say(line: str) -> None:
 
 
 def main() -> None:
-    from qatlib import zero3_io as z
-    from qatlib import zero3_load as zl
     from qatlib.quant import QuantScheme
+    from qatlib.zero3 import io as z
+    from qatlib.zero3 import load as zl
 
     spec = json.loads(Path(sys.argv[1]).read_text())
     scheme = QuantScheme.from_dict(spec["scheme"])

@@ -41,7 +41,7 @@ def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def load_checks(model, ckpt: dict[str, torch.Tensor], chunk_bytes: int, z) -> dict:
-    from qatlib import zero3_save as zs
+    from qatlib.zero3 import save as zs
 
     """Every rank: gathered parameters vs the checkpoint (cast to the model's dtype), and the zero
     padding of the last rank's partition of every tensor loaded partition-wise (above
@@ -69,9 +69,9 @@ def load_checks(model, ckpt: dict[str, torch.Tensor], chunk_bytes: int, z) -> di
 
 
 def run_phase(ph: dict, spec: dict) -> None:
-    from qatlib import zero3_io as z
-    from qatlib import zero3_load as zl
-    from qatlib import zero3_save as zs
+    from qatlib.zero3 import io as z
+    from qatlib.zero3 import load as zl
+    from qatlib.zero3 import save as zs
 
     ds_config = json.loads(Path(spec["ds_config"]).read_text())
     ds_config["bf16"] = {"enabled": bool(ph.get("bf16"))}
@@ -90,12 +90,12 @@ def run_phase(ph: dict, spec: dict) -> None:
 
 
 def run_errors(spec: dict) -> dict:
-    from qatlib import zero3_io as z
-    from qatlib import zero3_load as zl
-    from qatlib import zero3_save as zs
     from qatlib.checkpoint import safetensors as st
     from qatlib.checkpoint import st_write as stw
     from qatlib.checkpoint.layout import weight_files
+    from qatlib.zero3 import io as z
+    from qatlib.zero3 import load as zl
+    from qatlib.zero3 import save as zs
 
     err = spec["errors"]
     ctx = z.init_zero3(json.loads(Path(spec["ds_config"]).read_text()), timeout_s=60)
@@ -167,7 +167,7 @@ def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     for ph in spec["phases"]:
         run_phase(ph, spec)
-    from qatlib import zero3_io as z
+    from qatlib.zero3 import io as z
 
     errors = run_errors(spec)
     everyone = [None] * z.get_world_size()

@@ -60,16 +60,16 @@ def gathered_equals(model, sd, zero3_save) -> list[str]:
 def run_phase(ph: dict, spec: dict, data: dict) -> None:
     import deepspeed
 
-    from qatlib import zero3_io as z
-    from qatlib import zero3_load as zl
-    from qatlib import zero3_save as zs
     from qatlib.device import current as current_device
     from qatlib.models import load_model
-    from qatlib.moe import LinearizedMoeExperts
     from qatlib.quant import PrepareOptions, Quantizer, QuantScheme, tying
     from qatlib.runtime.tying import tie_for
+    from qatlib.surgery.moe import LinearizedMoeExperts
     from qatlib.trainers.log_scale import install_log_space_steps
     from qatlib.trainers.params import Learnable, param_groups, select_trainable
+    from qatlib.zero3 import io as z
+    from qatlib.zero3 import load as zl
+    from qatlib.zero3 import save as zs
 
     out = Path(spec["out"])
     scheme = QuantScheme.from_dict(ph.get("scheme", spec["scheme"]))
@@ -135,7 +135,7 @@ def run_phase(ph: dict, spec: dict, data: dict) -> None:
 
         freeze_codes(model, z.gathered_param_if_zero3)  # ZeRO-3: the gather passed down
     if ph.get("checkpointing"):  # as the end-to-end trainer sets it up (non-reentrant)
-        from qatlib.moe import recompute_experts_one_by_one
+        from qatlib.surgery.moe import recompute_experts_one_by_one
 
         model.activation_checkpointing_enable()
         model.enable_input_require_grads()
@@ -243,7 +243,7 @@ def main() -> None:
     torch.manual_seed(0)
     for ph in spec["phases"]:
         run_phase(ph, spec, data)
-    from qatlib.zero3_io import shutdown
+    from qatlib.zero3.io import shutdown
 
     shutdown()
     print(f"[rank{os.environ.get('RANK')}] WORKER OK", flush=True)

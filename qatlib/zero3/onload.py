@@ -36,13 +36,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import safetensors as st
-from .checkpoint.layout import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, CheckpointError, weight_files
-from .modeling import decoder_layers, resolve_dtype
-from .moe import linearize_moe_experts
-from .quant.calibration import batch_inputs
-from .quant.linear import PrepareOptions, QuantLinear
-from .quant.quantizer import Quantizer
+from ..checkpoint import safetensors as st
+from ..checkpoint.layout import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, CheckpointError, weight_files
+from ..quant.calibration import batch_inputs
+from ..quant.linear import PrepareOptions, QuantLinear
+from ..quant.quantizer import Quantizer
+from ..surgery.modeling import decoder_layers, resolve_dtype
+from ..surgery.moe import linearize_moe_experts
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def load_whole(model: nn.Module, path: str | os.PathLike, device="cpu") -> nn.Mo
     Why not ``from_pretrained`` (the evaluation's CPU load, #16): transformers maps each
     safetensors file and keeps the tensors it does not convert as views of the mapping, so the
     process's RSS (and a cgroup limit) counts every touched page of the file besides its own
-    copies (fused MoE experts, split again by `qatlib.moe`): 6.9 to 11.7 GiB for a 3.74 GB
+    copies (fused MoE experts, split again by `qatlib.surgery.moe`): 6.9 to 11.7 GiB for a 3.74 GB
     model. Here each tensor is read with plain file reads into its own storage
     (`qatlib.checkpoint.safetensors`), experts straight into their linears: the model once."""
     Onloader.from_checkpoint(model, path, device=device).onload(model)  # buffers move with it

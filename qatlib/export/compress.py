@@ -2,7 +2,7 @@
 own compressor from qatlib's codes and scales (and checked by decompressing it again), the other
 tensors as they are, the checkpoint's ``quantization_config`` and ignore list, and the side files
 (`write_side_files`). `qatlib.export.export` (the verb: validation, the in-memory path) and
-`qatlib.export_stream` (the streamed path) both write through these; see `qatlib.export` for
+`qatlib.export.stream` (the streamed path) both write through these; see `qatlib.export` for
 the format mapping.
 """
 
@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from .checkpoint.keys import kv_role, parse_key, scale_state_dict
-from .checkpoint.layout import (
+from ..checkpoint.keys import kv_role, parse_key, scale_state_dict
+from ..checkpoint.layout import (
     EXPORT_INFO_FILE,
     EXPORT_KV_SCALES_FILE,
     FAKE_EXPORT_SCALES_FILE,
@@ -29,13 +29,13 @@ from .checkpoint.layout import (
     AtomicDir,
     write_json,
 )
-from .checkpoint.st_write import save_tensors
-from .export_format import CTFormat, ExportError
-from .quant import QuantLinear, QuantScheme
-from .quant import functional as F
-from .quant.linear import is_router, weight_readable
-from .quant.quantizer import Quantizer
-from .quant.spec import CheckpointFormat, Granularity
+from ..checkpoint.st_write import save_tensors
+from ..quant import QuantLinear, QuantScheme
+from ..quant import functional as F
+from ..quant.linear import is_router, weight_readable
+from ..quant.quantizer import Quantizer
+from ..quant.spec import CheckpointFormat, Granularity
+from .format import CTFormat, ExportError
 
 if TYPE_CHECKING:
     pass
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 class ExportJob:
     """What `export` settled before writing anything (format checked, target directory checked,
     ``qatlib_export.json``'s content): the inputs the in-memory and the streaming writer
-    (`qatlib.export_stream`) share."""
+    (`qatlib.export.stream`) share."""
 
     model: nn.Module
     scheme: QuantScheme
@@ -310,7 +310,7 @@ def ignore_list(model: nn.Module, extra: Sequence[str] = ()) -> list[str]:
 
 def check_ignore(model: nn.Module, patterns: Sequence[str]) -> None:
     """`ExportError` for an ignore set a runtime would read differently (`qatlib.runtime.ignore`)."""
-    from .runtime.ignore import ignore_problems
+    from ..runtime.ignore import ignore_problems
 
     problem = ignore_problems(model, patterns)
     if problem:

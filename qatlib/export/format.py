@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .quant import QuantScheme, QuantSpec
-from .quant.spec import CheckpointFormat, Granularity, ScaleRule
+from ..quant import QuantScheme, QuantSpec
+from ..quant.spec import CheckpointFormat, Granularity, ScaleRule
 
 W4A8_ACTIVATION_MODES = ("runtime", "trained")
 

@@ -1,10 +1,10 @@
 """The streaming export: `qatlib.export.export` with ``onload``, for a model that does not fit in
 host memory.
 
-The model is a skeleton (`qatlib.onload.load_skeleton`, prepared, every scale real and loaded,
+The model is a skeleton (`qatlib.zero3.onload.load_skeleton`, prepared, every scale real and loaded,
 every weight on the meta device); each decoder layer is onloaded from the checkpoint in turn
-(`qatlib.onload.iter_onloaded_modules`), its tensors exported one at a time
-(`qatlib.compress.iter_export_tensors`) and appended to the current output shard, which is written
+(`qatlib.zero3.onload.iter_onloaded_modules`), its tensors exported one at a time
+(`qatlib.export.compress.iter_export_tensors`) and appended to the current output shard, which is written
 as soon as it is full, each tensor spilled to disk as it comes. Host memory: one output tensor +
 one onloaded layer and one linear's compression temporaries (``benchmarks/stream_memory.py`` and
 ``benchmarks/plan_rehearsal.py`` measure it). Same tensors as the in-memory export (and, for a
@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .checkpoint.layout import WEIGHTS_FILE, name_weight_shards
-from .checkpoint.st_write import ShardWriter
+from ..checkpoint.layout import WEIGHTS_FILE, name_weight_shards
+from ..checkpoint.st_write import ShardWriter
 from .compress import ExportJob, iter_export_tensors, write_side_files
 
 if TYPE_CHECKING:
-    from .onload import Onloader
+    from ..zero3.onload import Onloader
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 def export_streaming(job: ExportJob, loader: Onloader, max_shard_size: int) -> Path:
     """Write ``job`` layer by layer, shard by shard, inside its atomic target (a failure midway
     leaves no output); returns the output directory."""
-    from .checkpoint.safetensors import model_tensors
-    from .onload import iter_onloaded_modules
+    from ..checkpoint.safetensors import model_tensors
+    from ..zero3.onload import iter_onloaded_modules
 
     model = job.model
     aliases = model_tensors(model).aliases  # tied names: save_pretrained writes the first only

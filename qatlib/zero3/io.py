@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-3 start-up, detection, collectives and run metadata (ZeRO-3 only).
 
 The ZeRO-3 path, in the order a run uses it (upstream design: shared spec qat-zero3.md; steps 2-4
-live in `qatlib.zero3_load`, the build / load half, step 6 in `qatlib.zero3_save`):
+live in `qatlib.zero3.load`, the build / load half, step 6 in `qatlib.zero3.save`):
 
 1. `init_zero3(ds_config)` initialises ``deepspeed.comm`` (gloo on CPU, nccl on GPU, with a
    collective timeout) and registers the HF DeepSpeed config; the returned `Zero3Context` keeps
@@ -17,7 +17,7 @@ live in `qatlib.zero3_load`, the build / load half, step 6 in `qatlib.zero3_save
    plain model too, with no collective: `qatlib.models.load_prepared` uses it for every warm start).
 5. `check_ds_config` refuses a DeepSpeed config with its own ``optimizer`` block (qatlib builds the
    optimizer itself, with its scale / LWC groups).
-6. `qatlib.zero3_save`: ``iter_gathered_modules``, ``consolidated_state_dict``,
+6. `qatlib.zero3.save`: ``iter_gathered_modules``, ``consolidated_state_dict``,
    ``save_consolidated`` gather module by module (same collectives on every rank, CPU copies on
    rank 0 only); `run_metadata` records the shares.
 
@@ -29,16 +29,16 @@ Decisions (measured with DeepSpeed 0.19.8, 2 CPU ranks, gloo; see tests/test_zer
 
 - Optimizer: qatlib owns it (torch AdamW, scale / LWC groups, passed to ``deepspeed.initialize``
   with ``zero_allow_untested_optimizer``); a config with an ``optimizer`` block is refused.
-- MoE: each expert (`qatlib.moe.ExpertMLP`) is a ZeRO-3 leaf module, gathered alone (correct
+- MoE: each expert (`qatlib.surgery.moe.ExpertMLP`) is a ZeRO-3 leaf module, gathered alone (correct
   with prefetch on), whatever JSON the user brings: `init_zero3` fills
-  ``zero_optimization.leaf_module`` where the JSON has none (`qatlib.ds_config`), because
+  ``zero_optimization.leaf_module`` where the JSON has none (`qatlib.zero3.ds_config`), because
   DeepSpeed's own default makes ``Qwen3MoeSparseMoeBlock`` one leaf, a whole layer's experts (1.2
   GB bf16 per Qwen3-30B-A3B layer) on every rank at once. A JSON with its own list keeps it.
   Without any leaf module DeepSpeed's parameter prefetch produced wrong MoE gradients (silently;
   correct with ``stage3_prefetch_bucket_size: 0``). Every expert runs on every rank, so the
   per-expert hooks stay in step whatever the routing.
 - Loading: rank 0 reads; a tensor larger than the load chunk (an embedding) is sent to each rank
-  as its partition only (`qatlib.zero3_load`), in pieces read straight from the file, never
+  as its partition only (`qatlib.zero3.load`), in pieces read straight from the file, never
   gathered whole on every rank nor held whole on rank 0. Saving mirrors it: each rank sends its
   partition of such a tensor to rank 0 in pieces, which rank 0 writes to a shard of its own as
   they arrive (`qatlib.checkpoint.st_write.TensorFileWriter`).
@@ -67,19 +67,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import heap, peers
-from .checkpoint.layout import (
+from ..checkpoint.layout import (
     CheckpointError,
 )
-from .device import bind as bind_device
-from .device import collective_device
+from ..device import bind as bind_device
+from ..device import collective_device
+from ..surgery.modeling import resolve_dtype
+from . import heap, peers
 from .ds_config import expert_leaf_issue, leaf_classes, with_defaults
-from .modeling import resolve_dtype
 
 log = logging.getLogger(__name__)
 
 # Above this a tensor moves partition by partition, in pieces of at most this size (load:
-# `qatlib.zero3_load`, whose load chunk is the same size; save: `qatlib.zero3_save`), never
+# `qatlib.zero3.load`, whose load chunk is the same size; save: `qatlib.zero3.save`), never
 # gathered whole on every rank.
 PARTITION_BYTES = 64 << 20
 
@@ -120,7 +120,7 @@ def leaf_split_params(model: nn.Module, ds_config: dict | None) -> list[str]:
 def check_leaf_modules(model: nn.Module, ds_config: dict | None, *, weights_train: bool) -> None:
     """Refuse, before any step, a ZeRO-3 leaf list that splits a trainable parameter between leaves
     (`leaf_split_params`) while the weights train: the step would fail in DeepSpeed's ``zero_grad``
-    (`qatlib.ds_config.expert_leaf_issue`). Scales alone trained as one process with such a split."""
+    (`qatlib.zero3.ds_config.expert_leaf_issue`). Scales alone trained as one process with such a split."""
     if weights_train and (split := leaf_split_params(model, ds_config)):
         why = expert_leaf_issue(ds_config) or (
             "zero_optimization.leaf_module splits these parameters between leaf modules; name a class "
@@ -145,8 +145,8 @@ def gathered_param_if_zero3(params: torch.Tensor | Iterable[torch.Tensor], modif
 def sliced_evenly(p: Any) -> bool:
     """Whether ``p``'s ZeRO-3 partitions are the plain slices ``[r * n, (r + 1) * n)`` of its
     flattened tensor over the whole world (rank r holds slice r, the last zero-padded): what
-    sending a tensor partition by partition (`qatlib.zero3_load`, loading) and assembling it from
-    its partitions (`qatlib.zero3_save`) rely on. Not with hpZ's second partitioning or a
+    sending a tensor partition by partition (`qatlib.zero3.load`, loading) and assembling it from
+    its partitions (`qatlib.zero3.save`) rely on. Not with hpZ's second partitioning or a
     process group smaller than the world."""
     return (
         is_zero3_param(p)
@@ -282,7 +282,7 @@ class Zero3Context:
     dtype: torch.dtype
     hf_config: Any
     timeout: datetime.timedelta
-    heartbeat: Any = None  # `qatlib.peers.Heartbeat`: names a dead / hung rank when a collective fails
+    heartbeat: Any = None  # `qatlib.zero3.peers.Heartbeat`: names a dead / hung rank when a collective fails
     _inits: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def zero_init(self, dtype: torch.dtype | None = None):
@@ -347,11 +347,11 @@ def init_zero3(
     """Initialise ``deepspeed.comm`` and register the HF DeepSpeed config; call it FIRST (before any
     TrainingArguments or model exists), under ``torchrun``.
 
-    ``dtype``: model dtype (or its name, `qatlib.modeling.resolve_dtype`) when the config says ``"auto"``
+    ``dtype``: model dtype (or its name, `qatlib.surgery.modeling.resolve_dtype`) when the config says ``"auto"``
     (default fp32); a config that pins bf16/fp16 wins, and a contradicting ``dtype`` is an error.
     ``timeout_s`` (``global.collective_timeout_s``) bounds every collective of the process group,
     so a rank that dies or hangs ends the run instead of hanging it; leaving the returned context
-    on such a failure raises `qatlib.peers.CollectiveFailure` naming the silent rank (`peers`).
+    on such a failure raises `qatlib.zero3.peers.CollectiveFailure` naming the silent rank (`peers`).
     ``backend``: `qatlib.device`'s choice (nccl with CUDA, else gloo); the rank's GPU
     (``LOCAL_RANK``) is bound first. ``return_freed_memory`` (glibc only) makes
     every host allocation of 1 MiB or more its own mapping, returned to the OS when freed: building

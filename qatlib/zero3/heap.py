@@ -105,10 +105,10 @@ def trim_freed_memory(limit: int = TRIM_LIMIT) -> bool:
 
 
 def install_layer_trims(model: nn.Module, trim=trim_freed_memory) -> list:
-    """``trim()`` before and after every decoder layer's forward (`qatlib.modeling.decoder_layers`),
+    """``trim()`` before and after every decoder layer's forward (`qatlib.surgery.modeling.decoder_layers`),
     which under gradient checkpointing also runs inside the backward (the recompute). Returns the
     hook handles. For CPU runs: a GPU rank's layers live in device memory."""
-    from .modeling import decoder_layers
+    from ..surgery.modeling import decoder_layers
 
     def hook(*_args):
         trim()
@@ -124,7 +124,7 @@ def install_layer_trims(model: nn.Module, trim=trim_freed_memory) -> list:
 def layer_bytes(model: nn.Module) -> int:
     """Bytes of the largest decoder layer's parameters (``ds_numel`` under ZeRO-3): what a rank
     gathers at a time."""
-    from .modeling import decoder_layers
+    from ..surgery.modeling import decoder_layers
 
     _, layers = decoder_layers(model)
     return max(

@@ -1,8 +1,8 @@
 """What qatlib needs to know of a transformers causal LM at every layer of the library: where its
 decoder blocks live (`decoder_layers`) and what a dtype name means (`resolve_dtype`).
 
-Why a module of its own: the streaming stages (`qatlib.onload`), the heap policy
-(`qatlib.heap`), ZeRO-3 start-up and the trainers all need these two answers, and the loaders
+Why a module of its own: the streaming stages (`qatlib.zero3.onload`), the heap policy
+(`qatlib.zero3.heap`), ZeRO-3 start-up and the trainers all need these two answers, and the loaders
 (`qatlib.models`) sit above all of them; here they sit below.
 """
 

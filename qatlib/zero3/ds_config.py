@@ -6,11 +6,11 @@ own), none of which knows qatlib's per-expert modules. DeepSpeed 0.19's own defa
 makes transformers' ``Qwen3MoeSparseMoeBlock`` one gather: a whole layer's experts (1.2 GB bf16
 per Qwen3-30B-A3B layer) on every rank at once (issue #36: 4.78 GiB per rank instead of 3.05 on
 the 2-layer width rehearsal). So a ZeRO-3 config that names no ``zero_optimization.leaf_module``
-gets qatlib's: one expert (`qatlib.moe.ExpertMLP`) per gather. A JSON that names its own list
+gets qatlib's: one expert (`qatlib.surgery.moe.ExpertMLP`) per gather. A JSON that names its own list
 keeps it (the user owns the choice; `qatlib.plan.zero3_setting_warnings` says what it costs).
 
 Every reader goes through `with_defaults`: `qatlib.config.ExperimentConfig.deepspeed_config`
-(hence the HF Trainer's arguments and `qatlib.zero3_io.init_zero3`, which applies it again for a
+(hence the HF Trainer's arguments and `qatlib.zero3.io.init_zero3`, which applies it again for a
 config passed by hand) and `qatlib.plan.from_experiment`, so the run and its plan agree. Torch-free.
 """
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-EXPERT_LEAF_CLASS = "qatlib.moe.ExpertMLP"
+EXPERT_LEAF_CLASS = "qatlib.surgery.moe.ExpertMLP"
 # a whole MoE layer's experts as one leaf: the default when the experts share a trained scale
-EXPERTS_LEAF_CLASS = "qatlib.moe.LinearizedMoeExperts"
+EXPERTS_LEAF_CLASS = "qatlib.surgery.moe.LinearizedMoeExperts"
 # DeepSpeed 0.19's leaf list when a config names none (runtime/zero/leaf_module_config.py
 # DEFAULT_LEAF_MODULE_CLASSES; tests/test_zero3.py checks the mirror)
 DEEPSPEED_DEFAULT_LEAVES = (
@@ -43,8 +43,8 @@ def zero_stage(ds: Any) -> int | None:
 
 def with_defaults(ds: dict[str, Any] | None, *, whole_layer_experts: bool = False) -> dict[str, Any] | None:
     """``ds`` with qatlib's ZeRO-3 defaults where it says nothing: ``zero_optimization.leaf_module``
-    = one `qatlib.moe.ExpertMLP` per gather, or with ``whole_layer_experts`` a whole layer's experts
-    (`qatlib.moe.LinearizedMoeExperts`: what a run whose experts share a scale and train their
+    = one `qatlib.surgery.moe.ExpertMLP` per gather, or with ``whole_layer_experts`` a whole layer's experts
+    (`qatlib.surgery.moe.LinearizedMoeExperts`: what a run whose experts share a scale and train their
     weights needs, `expert_leaf_issue`). The same object when nothing is added (not ZeRO-3, or the
     JSON has its own list), else a copy; idempotent."""
     if zero_stage(ds) != 3 or "leaf_module" in ds["zero_optimization"]:
@@ -72,7 +72,7 @@ def expert_leaf_issue(ds: dict[str, Any] | None) -> str | None:
     if EXPERT_LEAF_CLASS.rsplit(".", 1)[-1] not in classes:
         return None  # no per-expert leaf: every parameter gets its own gradient hook
     return (
-        "zero_optimization.leaf_module.classes makes each expert (qatlib.moe.ExpertMLP) a ZeRO-3 leaf, but "
+        "zero_optimization.leaf_module.classes makes each expert (qatlib.surgery.moe.ExpertMLP) a ZeRO-3 leaf, but "
         "the experts of a layer share one trained scale (the runtime's merged static input scale) and their "
         "weights train (weight_lr): DeepSpeed reduces the shared scale's gradient when one expert's backward "
         f"ends and the step then fails on the others'. Name {EXPERTS_LEAF_CLASS} instead (one layer's "
@@ -96,7 +96,7 @@ def leaf_classes(ds: dict[str, Any] | None) -> list[str]:
 def gathers_whole_layers(ds: dict[str, Any] | None) -> bool:
     """Whether a MoE layer's experts are gathered together under ``ds`` (with qatlib's defaults):
     a class that holds a whole layer's experts is a leaf (DeepSpeed gathers a leaf's parameters
-    at once, and the outermost leaf decides). False: one expert (`qatlib.moe.ExpertMLP`), or one
+    at once, and the outermost leaf decides). False: one expert (`qatlib.surgery.moe.ExpertMLP`), or one
     linear when no class is a leaf."""
     names = [c.rsplit(".", 1)[-1] for c in leaf_classes(ds)]
     return any(n.endswith(w) for n in names for w in WHOLE_LAYER_LEAVES)

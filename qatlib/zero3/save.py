@@ -1,8 +1,8 @@
 """The ZeRO-3 consolidated save: every rank walks the model gathered module by module, rank 0
 writes one HF checkpoint (+ the scales) that loads without DeepSpeed.
 
-The save half of the ZeRO-3 path (`qatlib.zero3_io` holds start-up, collectives and run metadata,
-`qatlib.zero3_load` the build / load half). A tensor above ``partition_bytes`` (an embedding, the
+The save half of the ZeRO-3 path (`qatlib.zero3.io` holds start-up, collectives and run metadata,
+`qatlib.zero3.load` the build / load half). A tensor above ``partition_bytes`` (an embedding, the
 head) is never gathered whole: each rank sends its partition to rank 0 in pieces, which rank 0
 writes to a shard of its own as they arrive (`qatlib.checkpoint.st_write.TensorFileWriter`).
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint.keys import key_of, scale_keys
-from .checkpoint.layout import (
+from ..checkpoint.keys import key_of, scale_keys
+from ..checkpoint.layout import (
     RUN_METADATA_FILE,
     SCALES_FILE,
     SCHEME_FILE,
@@ -27,12 +27,12 @@ from .checkpoint.layout import (
     name_weight_shards,
     write_json,
 )
-from .checkpoint.st_write import TensorFileWriter
-from .device import collective_device
-from .quant import Quantizer, QuantLinear, QuantScheme
-from .quant.linear import prepared_scheme
-from .quant.tying import param_aliases
-from .zero3_io import (
+from ..checkpoint.st_write import TensorFileWriter
+from ..device import collective_device
+from ..quant import Quantizer, QuantLinear, QuantScheme
+from ..quant.linear import prepared_scheme
+from ..quant.tying import param_aliases
+from .io import (
     PARTITION_BYTES,
     Zero3Error,
     _Comm,

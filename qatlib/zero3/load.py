@@ -1,6 +1,6 @@
 """Building and loading a ZeRO-3 model: the empty partitioned build, streamed weights and scales.
 
-The load half of the ZeRO-3 path (`qatlib.zero3_io` holds start-up, collectives, the gathered
+The load half of the ZeRO-3 path (`qatlib.zero3.io` holds start-up, collectives, the gathered
 save and run metadata; the order a run uses both is in its docstring): `build_empty_model` builds
 the model under ``deepspeed.zero.Init`` without reading a weight and linearises fused MoE experts
 inside the same context; `stream_load_weights` / `stream_load_scales` execute the plans of
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import safetensors as st
-from .checkpoint.keys import scale_keys
-from .checkpoint.layout import (
+from ..checkpoint import safetensors as st
+from ..checkpoint.keys import scale_keys
+from ..checkpoint.layout import (
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
     CheckpointError,
@@ -33,12 +33,12 @@ from .checkpoint.layout import (
     weight_files,
     write_json,
 )
-from .checkpoint.tied import checkpoint_max, tied_checkpoint_keys
-from .device import collective_device
-from .moe import linearize_moe_experts
-from .quant import PrepareOptions, Quantizer, QuantScheme, prepare
-from .quant.tying import param_aliases
-from .zero3_io import (
+from ..checkpoint.tied import checkpoint_max, tied_checkpoint_keys
+from ..device import collective_device
+from ..quant import PrepareOptions, Quantizer, QuantScheme, prepare
+from ..quant.tying import param_aliases
+from ..surgery.moe import linearize_moe_experts
+from .io import (
     Zero3Context,
     Zero3Error,
     _Comm,
@@ -65,7 +65,7 @@ def build_empty_model(
     initialised (fill them with `stream_load_weights`). Fused MoE experts are linearised inside the
     same context, so the per-expert linears are partitioned at creation and nothing is copied.
     What gathers together is the DeepSpeed config's ``zero_optimization.leaf_module`` (qatlib's
-    default: one `qatlib.moe.ExpertMLP`, `qatlib.ds_config`), which DeepSpeed applies in
+    default: one `qatlib.surgery.moe.ExpertMLP`, `qatlib.zero3.ds_config`), which DeepSpeed applies in
     ``initialize``."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights

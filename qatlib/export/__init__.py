@@ -63,21 +63,21 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from . import __version__
-from .checkpoint.keys import kv_role, scale_state_dict
-from .checkpoint.layout import (
+from .. import __version__
+from ..checkpoint.keys import kv_role, scale_state_dict
+from ..checkpoint.layout import (
     AtomicDir,
 )
+from ..quant import QuantLinear, QuantScheme, quant_linears
+from ..quant.calibration import prepared_mismatch
+from ..quant.health import bad_quant_params
+from ..quant.linear import attention_role
+from ..quant.spec import Granularity
 from .compress import ExportJob, check_ignore, export_tensors, write_side_files
-from .export_format import ExportError, compressed_tensors_format
-from .quant import QuantLinear, QuantScheme, quant_linears
-from .quant.calibration import prepared_mismatch
-from .quant.health import bad_quant_params
-from .quant.linear import attention_role
-from .quant.spec import Granularity
+from .format import ExportError, compressed_tensors_format
 
 if TYPE_CHECKING:
-    from .onload import Onloader
+    from ..zero3.onload import Onloader
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +170,8 @@ def export(
     linears, embeddings and routers are always listed). ``modules`` / ``is_main_process``: see
     `export_tensors`; every process iterates, only the main one writes.
 
-    ``onload`` (a `qatlib.onload.Onloader` over a skeleton model, `qatlib.models.load_prepared`
-    with ``skeleton=True``): the streaming export (`qatlib.export_stream`). Each decoder layer is onloaded in turn, its codes
+    ``onload`` (a `qatlib.zero3.onload.Onloader` over a skeleton model, `qatlib.models.load_prepared`
+    with ``skeleton=True``): the streaming export (`qatlib.export.stream`). Each decoder layer is onloaded in turn, its codes
     computed tensor by tensor and written into shards of at most ``max_shard_size`` bytes as they
     fill, so host memory holds one shard and one layer, never the model. Same tensors (and, for a
     model within one shard, the same bytes) as the in-memory export.
@@ -208,7 +208,7 @@ def export(
             "runtime_notes": list(fmt.runtime_notes),
         }
     if fmt is not None:
-        from .runtime.differences import deployment_differences
+        from ..runtime.differences import deployment_differences
 
         # measured on the scales; a streamed skeleton holds every scale (only weights are offloaded)
         info["deployment"] = deployment_differences(
@@ -221,7 +221,7 @@ def export(
 
     job = ExportJob(model, scheme, save_format, fmt, target, info, tokenizer, tuple(ignore), verify)
     if onload is not None:
-        from .export_stream import export_streaming
+        from .stream import export_streaming
 
         return export_streaming(job, onload, max_shard_size)
     # A `fake` save is also a warm-start / resume checkpoint (`resume_ckpt_dir`): it carries the

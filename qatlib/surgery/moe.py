@@ -148,7 +148,7 @@ def recompute_experts_one_by_one(model: nn.Module) -> int:
     Why: a layer's recompute would gather every expert's frozen weights, and DeepSpeed ZeRO-3
     (0.19) keeps frozen parameters gathered in a checkpoint recompute until the module whose
     backward triggered it finishes (``update_recompute_parameters``): with one expert per gather
-    (qatlib's default, `qatlib.ds_config`) a rank then holds a whole layer of experts (1.2 GB for
+    (qatlib's default, `qatlib.zero3.ds_config`) a rank then holds a whole layer of experts (1.2 GB for
     Qwen3-30B-A3B) through that backward, the step's peak (issue #16). With this on, the experts
     block saves its tensors outside the layer's checkpoint (so the layer's recompute stops, by
     PyTorch's early stop, at the router, before any expert) and each expert is its own

@@ -6,7 +6,7 @@ for its backward). Qwen3-30B-A3B's ``embed_tokens`` and ``lm_head`` are 151,936 
 bf16 each): gathered, each is the largest tensor a rank holds during a step, twice under gloo (its
 all-gather writes a flat copy first). On the 2-layer width rehearsal both ranks' step peaks were
 ~1.1 GiB above what they hold between steps, for that alone. Here a rank holds one block of rows
-(<= ``block_bytes``, 64 MiB by default: `qatlib.zero3_io.PARTITION_BYTES`, the size above which the
+(<= ``block_bytes``, 64 MiB by default: `qatlib.zero3.io.PARTITION_BYTES`, the size above which the
 load and the save never hold a tensor whole either): the block is assembled by broadcasts from the
 ranks whose partitions hold its elements, used, and dropped. Every rank receives the same bytes as
 DeepSpeed's gather would bring; the memory is one block.
@@ -34,9 +34,9 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from .device import collective_device
-from .frozen_linear import FrozenLinear, linear_output
-from .zero3_io import PARTITION_BYTES, get_rank, sliced_evenly
+from ..device import collective_device
+from ..surgery.frozen_linear import FrozenLinear, linear_output
+from .io import PARTITION_BYTES, get_rank, sliced_evenly
 
 
 def block_rows(weight: torch.Tensor, block_bytes: int) -> int:
@@ -52,7 +52,7 @@ def _blocks(vocab: int, rows: int) -> Iterator[tuple[int, int]]:
 def gather_rows(weight: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Rows ``[lo, hi)`` of a ZeRO-3 ``[vocab, hidden]`` weight on every rank (every rank must call
     it with the same rows). Rank r holds the flat elements ``[r * n, (r + 1) * n)``
-    (`qatlib.zero3_io.sliced_evenly`); each rank whose slice meets the rows broadcasts its part."""
+    (`qatlib.zero3.io.sliced_evenly`); each rank whose slice meets the rows broadcasts its part."""
     hidden, n = weight.ds_shape[1], weight.ds_tensor.numel()
     a, b = lo * hidden, hi * hidden
     buf = torch.empty(b - a, dtype=weight.dtype, device=collective_device())
@@ -140,7 +140,7 @@ class _PartitionedLinear(torch.autograd.Function):
         # would: rounding each block's product to bf16 instead moved the 2-layer rehearsal's first
         # grad norm by 0.35% (the head's input gradient 2.3e-3 from exact instead of autograd's
         # 1.7e-3). fp32 rows in sub-blocks of at most ``block_bytes``; fp32 is also what runs fast
-        # where bf16 GEMMs are slow (`qatlib.frozen_linear`)
+        # where bf16 GEMMs are slow (`qatlib.surgery.frozen_linear`)
         sub = max(1, head.block_bytes // (4 * head.in_features))
         for lo, hi in _blocks(head.out_features, head.rows):
             w = gather_rows(head.partitioned, lo, hi).to(g.device)

@@ -25,17 +25,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from .modeling import decoder_layers
-from .onload import Onloader, capture_layer_inputs, carry, run_layer
-from .quant import QuantLinear, QuantScheme, QuantSpec, quant_linears
-from .quant import functional as F
-from .quant.calibration import (
+from ..quant import QuantLinear, QuantScheme, QuantSpec, quant_linears
+from ..quant import functional as F
+from ..quant.calibration import (
     CalibrationReport,
     calibrate_activations,
     prepare_for_calibration,
 )
-from .quant.linear import PrepareOptions, weight_readable
-from .quant.spec import Granularity
+from ..quant.linear import PrepareOptions, weight_readable
+from ..quant.spec import Granularity
+from ..surgery.modeling import decoder_layers
+from ..zero3.onload import Onloader, capture_layer_inputs, carry, run_layer
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def shared_weight_qparams(layer: nn.Module) -> dict[str, tuple[torch.Tensor, tor
     `tying.retie_weights` and the runtime's load-time max use). GPTQ then quantizes each member at
     that fixed scale; otherwise each member would set the shared Parameter and the last one would
     win for all of them. Untied layers: empty."""
-    from .quant.tying import shared_groups
+    from ..quant.tying import shared_groups
 
     out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
     for group in shared_groups(layer):
@@ -221,7 +221,7 @@ def gptq(
     Linears that saw fewer than ``min_tokens`` tokens (MoE experts no token was routed to) are
     rounded to nearest instead (counted in the report's ``fallbacks``).
 
-    ``onload`` (`qatlib.onload.Onloader.resident`): the model stays in host memory and each layer
+    ``onload`` (`qatlib.zero3.onload.Onloader.resident`): the model stays in host memory and each layer
     is moved to the loader's device while it is quantized (the layer inputs are captured and
     carried exactly as `qatlib.ptq.calibrate_layerwise` does). A checkpoint-streamed skeleton is
     refused: GPTQ changes the weights, and an offloaded layer would lose them.

@@ -6,10 +6,10 @@ checkpoint.
 (linear inputs, k/v projection outputs) from the ranges seen on calibration batches
 (`qatlib.quant.calibration`). Dynamic quantizers need nothing. `save_ptq_checkpoint` writes the
 directory QAT warm-starts from: ``quant_scheme.json`` + ``scales.safetensors`` with the keys of
-`qatlib.checkpoint.keys`; a GPTQ run (`qatlib.gptq`) also writes its updated weights as a
+`qatlib.checkpoint.keys`; a GPTQ run (`qatlib.ptq.gptq`) also writes its updated weights as a
 loadable HF checkpoint beside them.
 
-`calibrate_layerwise` is the same calibration one decoder layer at a time (`qatlib.onload`): the
+`calibrate_layerwise` is the same calibration one decoder layer at a time (`qatlib.zero3.onload`): the
 layer's weights onloaded, its inputs carried from the previous layer, its scales taken, the layer
 offloaded; `calibrate_from_checkpoint` runs it on a checkpoint folder without ever holding the
 model (PTQ of a model larger than the device, or than host RAM). Same scales, bit for bit.
@@ -28,20 +28,20 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from . import __version__
-from .checkpoint.keys import scale_state_dict
-from .checkpoint.layout import SCALES_FILE, SCHEME_FILE, WEIGHTS_FILE, AtomicDir, write_json
-from .checkpoint.st_write import save_tensors
-from .quant import QuantScheme, QuantSpec, quant_linears
-from .quant.calibration import (
+from .. import __version__
+from ..checkpoint.keys import scale_state_dict
+from ..checkpoint.layout import SCALES_FILE, SCHEME_FILE, WEIGHTS_FILE, AtomicDir, write_json
+from ..checkpoint.st_write import save_tensors
+from ..quant import QuantScheme, QuantSpec, quant_linears
+from ..quant.calibration import (
     CalibrationReport,
     calibrate_activations,
     prepare_for_calibration,
     static_quantizers,
 )
-from .quant.linear import PrepareOptions, weight_readable
-from .quant.quantizer import Quantizer
-from .quant.tying import retie_weights
+from ..quant.linear import PrepareOptions, weight_readable
+from ..quant.quantizer import Quantizer
+from ..quant.tying import retie_weights
 
 log = logging.getLogger(__name__)
 
@@ -109,16 +109,16 @@ def calibrate_layerwise(
 ) -> tuple[CalibrationReport, dict[str, torch.Tensor]]:
     """`calibrate`, one decoder layer on ``loader``'s device at a time; returns the report and the
     scale tensors (`scale_state_dict`, taken while each layer is onloaded: an LWC scale needs its
-    weight). ``loader``: a `qatlib.onload.Onloader` over ``model`` (a skeleton from
-    `qatlib.onload.load_skeleton`, or a model in host memory).
+    weight). ``loader``: a `qatlib.zero3.onload.Onloader` over ``model`` (a skeleton from
+    `qatlib.zero3.onload.load_skeleton`, or a model in host memory).
 
     Gives the scales of `calibrate` bit for bit: each layer computes on exactly the inputs the
-    whole-model forward gives it (`qatlib.onload.capture_layer_inputs`). With no static activation
+    whole-model forward gives it (`qatlib.zero3.onload.capture_layer_inputs`). With no static activation
     quantizer nothing runs forward and no batch is read. A static activation quantizer outside the
     decoder layers (an unignored ``lm_head`` with static inputs) is refused: the head is never run.
     """
-    from .modeling import decoder_layers
-    from .onload import capture_layer_inputs, carry, layer_prefix, realize_quantizers
+    from ..surgery.modeling import decoder_layers
+    from ..zero3.onload import capture_layer_inputs, carry, layer_prefix, realize_quantizers
 
     scheme = prepare_for_calibration(model, scheme, ignore=ignore, kv=kv, options=options)
     realize_quantizers(model, options)
@@ -193,7 +193,7 @@ def calibrate_from_checkpoint(
     """`calibrate_layerwise` on the checkpoint folder ``path``, streamed: ``(skeleton model,
     report, scales)``; pass both to `save_ptq_checkpoint` (``scales=``). Host memory holds one
     decoder layer, the embeddings and the carried activations; never the model."""
-    from .onload import Onloader, load_skeleton
+    from ..zero3.onload import Onloader, load_skeleton
 
     model = load_skeleton(
         path,
