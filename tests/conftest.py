@@ -239,3 +239,33 @@ def torchrun(
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
     return proc, time.perf_counter() - t0
+
+
+# In CI (CI=true) a skipped test fails the run: CI installs nothing beyond install.sh (the README's
+# test command), so a skip there means an install step is missing for users too, and a green run
+# would hide it. Only what a CPU-only machine lacks by design may skip: CUDA / GPU tests.
+HARDWARE_SKIP_WORDS = ("CUDA", "GPU")
+
+
+def unexpected_skips(reports) -> list[str]:
+    """The node ids and reasons of skips that no hardware explains."""
+    out = []
+    for r in reports:
+        reason = r.longrepr[2] if isinstance(r.longrepr, tuple) else str(r.longrepr)
+        if not any(w in reason for w in HARDWARE_SKIP_WORDS):
+            out.append(f"{r.nodeid}: {reason}")
+    return out
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("CI") != "true":
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = unexpected_skips(reporter.stats.get("skipped", []) if reporter else [])
+    if skipped:
+        reporter.write_sep(
+            "=", f"CI=true: {len(skipped)} skipped for want of something install.sh should install", red=True
+        )
+        for line in skipped[:50]:
+            reporter.write_line("  " + line, red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -14,7 +14,7 @@ scales each E4M3 group scale by the inverted global scale before multiplying the
 roundings), the emulator multiplies code x group scale (exact) and applies 1 / global scale once.
 
 The vLLM tests skip (like ``pytest.importorskip``) where vLLM is not installed (``pip install --no-deps -r
-requirements/runtime-oracle.txt``, as .ci/run does); the facts / docs tests always run.
+requirements/runtime-oracle.txt``, as install.sh does); the facts / docs tests always run.
 """
 
 from __future__ import annotations

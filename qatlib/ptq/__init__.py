@@ -13,6 +13,9 @@ loadable HF checkpoint beside them.
 layer's weights onloaded, its inputs carried from the previous layer, its scales taken, the layer
 offloaded; `calibrate_from_checkpoint` runs it on a checkpoint folder without ever holding the
 model (PTQ of a model larger than the device, or than host RAM). Same scales, bit for bit.
+
+The package is the PTQ wing: this module (round-to-nearest calibration, the verb the PTQ stage
+runs) and `qatlib.ptq.gptq` (GPTQ, the error-compensating baseline), which imports nothing of it.
 """
 
 from __future__ import annotations
