@@ -1,9 +1,11 @@
-"""What every stage script shares: config flags, threads, logging, progress, ``timings/<stage>.json``.
+"""What every stage script shares: its flags, and turning them into the library's arguments.
 
 Config flags follow the upstream ``tools/run.py``: ``-c/--config`` (the experiment YAML),
 ``--model-path`` (overrides ``model.model_path``), ``--save-path`` (the stage's output folder),
 plus ``--set dotted.key=value`` (repeatable, values read as YAML) for any other key; everything
-is validated by `qatlib.config.load_config` before any work starts.
+is validated by `qatlib.config.load_config` before any work starts. The run flags
+(``--threads``, ``--timing``, ``--no-progress``) go to `qatlib.stage_run`, which owns what a stage
+does as a process (logging, device, ``timings/<stage>.json``, one-line failures).
 """
 
 from __future__ import annotations
@@ -11,13 +13,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
-import os
 import sys
-import time
 from collections.abc import Iterator, Sequence
 
-log = logging.getLogger("qatlib.scripts")
 _SET_HELP = "override a config key (dotted path, value read as YAML); repeatable"
 
 
@@ -92,61 +90,16 @@ def base_model_spec(ap: argparse.ArgumentParser, args: argparse.Namespace) -> di
     return models[args.name]
 
 
-def rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def setup(args: argparse.Namespace) -> None:
-    """Logging (rank-prefixed under torchrun), the rank's device, torch threads, progress bars on/off."""
-    prefix = f"[rank {rank()}] " if world_size() > 1 else ""
-    logging.basicConfig(
-        level=logging.INFO if rank() == 0 else logging.WARNING,
-        format=f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-        force=True,
-    )
-    if args.no_progress:
-        os.environ["TQDM_DISABLE"] = "1"
-    from qatlib import device
-
-    dev = device.bind()  # this rank's GPU (LOCAL_RANK), before any model, tensor or collective
-    log.info("device %s (backend %s)", dev.device, dev.backend)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-
-
 @contextlib.contextmanager
 def stage(name: str, args: argparse.Namespace) -> Iterator[dict]:
-    """Run a stage: set up, time it, and (rank 0) write ``args.timing`` when it succeeds.
+    """`qatlib.stage_run.timed_stage` with the run flags (``--timing``, ``--threads``,
+    ``--no-progress``); an expected failure (`qatlib.stage_run.EXPECTED_FAILURES`: an unfit
+    checkpoint, a dead rank) exits with its message. Yields the timing record's extra entries."""
+    from qatlib.stage_run import EXPECTED_FAILURES, timed_stage
 
-    Yields a dict whose entries are added to the timing record. A `CheckpointError` (a missing or
-    unfit PTQ / QAT checkpoint) or a `CollectiveFailure` (a rank died or hung: it is named) ends the
-    stage with its message."""
-    from qatlib.checkpoint.layout import CheckpointError
-    from qatlib.zero3.peers import CollectiveFailure
-
-    setup(args)
-    extra: dict = {}
-    t0 = time.perf_counter()
-    log.info("stage %s: start", name)
+    kw = dict(timing=args.timing, threads=args.threads, progress=not args.no_progress)
     try:
-        yield extra
-    except (CheckpointError, CollectiveFailure) as e:
+        with timed_stage(name, **kw) as extra:
+            yield extra
+    except EXPECTED_FAILURES as e:
         sys.exit(f"error: {e}")
-    wall = time.perf_counter() - t0
-    log.info("stage %s: done in %.1f s", name, wall)
-    if args.timing and rank() == 0:
-        import torch
-
-        from qatlib.checkpoint.layout import write_json
-
-        record = dict(stage=name, wall_s=round(wall, 3), world_size=world_size(), cpu_count=os.cpu_count())
-        record.update(torch_threads=torch.get_num_threads(), **extra)
-        write_json(args.timing, record, sort_keys=True)

@@ -45,12 +45,13 @@ def main(argv=None) -> int:
         ap.error(f"{mode} QAT runs in one process: remove the ZeRO-3 DeepSpeed config (hf_args.deepspeed)")
     from qatlib.data import DataError, check_samples_for_ranks
     from qatlib.resume import ResumeError, check_resume_world_size
+    from qatlib.stage_run import rank, world_size
 
     try:  # before any model is loaded
         if (ds := cfg.dataset) is not None:
             check_samples_for_ranks(ds.num_samples, ds.data_path or "the training set", ds.num_samples)
         if cfg.qat.resume_ckpt_dir:
-            check_resume_world_size(cfg.qat.resume_ckpt_dir, _common.world_size())
+            check_resume_world_size(cfg.qat.resume_ckpt_dir, world_size())
     except (DataError, ResumeError) as e:
         ap.error(str(e))
 
@@ -67,10 +68,10 @@ def main(argv=None) -> int:
         model_dir = resolve_model_dir(cfg.model.model_path, cache_dir=cfg.model.cache_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         scale_report = run_dir / SCALE_LOAD_FILE
-        if cfg.zero3_enabled and _common.rank() == 0:  # keys of the user's JSON that cost memory
+        if cfg.zero3_enabled and rank() == 0:  # keys of the user's JSON that cost memory
             from qatlib.plan import run_warnings
 
-            for w in run_warnings(cfg.raw, cfg.deepspeed_config, model_dir, _common.world_size()):
+            for w in run_warnings(cfg.raw, cfg.deepspeed_config, model_dir, world_size()):
                 print(f"warning: {cfg.deepspeed_config_path or 'hf_args.deepspeed'}: {w}", flush=True)
         # first: deepspeed.comm and the HF DeepSpeed config, before any TrainingArguments / model
         kw = dict(dtype=resolve_dtype(cfg.model.torch_dtype), timeout_s=cfg.global_.collective_timeout_s)
