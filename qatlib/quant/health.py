@@ -43,7 +43,7 @@ def bad_quant_params(model: nn.Module) -> list[str]:
 
     Scales leave (0, inf) in QAT when Adam's step (~ the learning rate, whatever the gradient) is
     not small against the scale: lr 1e-3 on ~1e-2 scales took 43 of 112 scale tensors of the
-    default experiment below 0 (moves up to 1.7x the element's size). The tiny recipes train
+    tiny-qwen3-moe experiment below 0 (moves up to 1.7x the element's size). The tiny recipes train
     scales at 2e-4 for that reason (config/experiments/tiny-qwen3-moe.yaml)."""
     out = []
     for name, p, is_scale in _params(model):
