@@ -1,8 +1,9 @@
-"""Scale statistics and per-layer weight SQNR for PTQ / QAT checkpoints.
+"""Scale statistics and per-layer weight SQNR against the BF16 weights for PTQ / QAT checkpoints
+(the metric: `checkpoint_sqnr`).
 
 Reads checkpoints through `qatlib.checkpoint` (docs/design.md): `load_scales` gives the scale keys
 (``L.weight_scale``, ``L.input_scale``, ``<attn>.k_cache.scale``, ...) of a PTQ / QAT checkpoint,
-`iter_weights` its weights one at a time.
+`WeightReader` its weights (or a base model's) one at a time.
 
 Every ``*_rows`` function returns a list of flat dicts (one per layer or key): CSV-friendly
 (`write_csv`) and easy to turn into a DataFrame. Used by the report (`qatlib.report`) and by
@@ -22,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from .checkpoint import safetensors as st
 from .checkpoint.keys import load_scales, parse_key
@@ -69,24 +69,39 @@ def type_order(t: str) -> tuple[int, int, str]:
 
 
 # =========================================================================== loading
-def iter_weights(ckpt_dir: str | os.PathLike, layers: Iterable[str]) -> Iterable[tuple[str, torch.Tensor]]:
-    """``(layer, weight)`` for the ``<layer>.weight`` tensors of a model folder (any number of
-    ``*.safetensors`` files, `qatlib.checkpoint.layout.weight_files`), read one at a time; layers
-    without a weight are skipped."""
-    wanted = {f"{layer}.weight": layer for layer in layers}
-    for path in weight_files(ckpt_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                if key in wanted:
-                    yield wanted.pop(key), f.get_tensor(key)
+class WeightReader(Mapping[str, torch.Tensor]):
+    """The ``<layer>.weight`` tensors of a model folder or ``.safetensors`` file
+    (`qatlib.checkpoint.layout.weight_files`) for the given layers, keyed by layer.
 
+    Found from the file headers (a key in several files: the first); each tensor is read when it is
+    looked up, with plain file reads (`qatlib.checkpoint.safetensors.read_tensor`), and not kept, so
+    a reader holds no weight. Iterates in storage order; layers without a weight there are absent.
+    ``nbytes``: what reading every one of them reads."""
 
-def weight_bytes(ckpt_dir: str | os.PathLike, layers: Iterable[str]) -> int:
-    """Bytes of the ``<layer>.weight`` tensors `iter_weights` would read (headers only, no data)."""
-    wanted = {f"{layer}.weight" for layer in layers}
-    return sum(
-        i.end - i.start for path in weight_files(ckpt_dir) for i in st.read_header(path) if i.key in wanted
-    )
+    def __init__(self, path: str | os.PathLike, layers: Iterable[str]) -> None:
+        self.path = Path(path)
+        wanted = {f"{layer}.weight": layer for layer in layers}
+        self._infos: dict[str, st.TensorInfo] = {}
+        for file in weight_files(self.path):
+            for info in st.read_header(file):
+                layer = wanted.pop(info.key, None)
+                if layer is not None:
+                    self._infos[layer] = info
+
+    def __getitem__(self, layer: str) -> torch.Tensor:
+        info = self._infos[layer]
+        with open(info.file, "rb") as fh:
+            return st.read_tensor(fh, info)
+
+    def __iter__(self):
+        return iter(self._infos)
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.end - i.start for i in self._infos.values())
 
 
 # =========================================================================== statistics
@@ -191,45 +206,85 @@ def _weight_spec(scheme: QuantScheme | QuantSpec) -> QuantSpec | None:
     return scheme if isinstance(scheme, QuantSpec) else scheme.weight
 
 
+def deployed_weight(
+    layer: str, w: torch.Tensor, spec: QuantSpec, scales: Mapping[str, torch.Tensor]
+) -> torch.Tensor | None:
+    """The dequantized weight a variant deploys for ``layer``: ``w`` fake-quantized
+    (`qatlib.quant.functional.fake_quantize`) with the variant's stored ``weight_scale`` (and zero
+    point, NVFP4 global scale, FOCUS sub-group logits: their initial value when absent, a PTQ start),
+    in fp32. No LWC on top: a stored scale is already the clipped one. None without a
+    ``weight_scale``."""
+    s = scales.get(f"{layer}.weight_scale")
+    if s is None:
+        return None
+    zp = scales.get(f"{layer}.weight_zero_point")
+    x = w.detach().float()
+    gs = scales.get(f"{layer}.weight_global_scale")  # NVFP4
+    logit = scales.get(f"{layer}.weight_quantizer.subgroup_logit")  # FOCUS
+    if spec.subgroups and logit is None:
+        logit = torch.full(subgroup_shape(x.shape, spec), SUBGROUP_LOGIT_INIT)
+    return fake_quantize(
+        x,
+        s.float(),
+        None if zp is None else zp.float(),
+        spec,
+        global_scale=None if gs is None else gs.float(),
+        subgroup_scale=None if logit is None else torch.sigmoid(logit.float()),
+    )
+
+
+def _layer_name(name: str) -> str:
+    return name[: -len(".weight")] if name.endswith(".weight") else name
+
+
 @torch.no_grad()
 def layer_sqnr(
-    model_fp_weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     scheme: QuantScheme | QuantSpec,
     scales: Mapping[str, torch.Tensor],
+    reference: Mapping[str, torch.Tensor] | None = None,
 ) -> list[Row]:
-    """Weight fake-quantization SQNR per layer with the given scales (no LWC: the stored scale is
-    already the clipped one). ``model_fp_weights`` maps a layer (module name, or its
-    ``<layer>.weight`` key) to its full-precision weight; layers without a ``weight_scale`` are
-    skipped. Rows: layer, layer_type, numel, sqnr_db (in `natural_key` order of the layer)."""
+    """Per layer with a ``weight_scale`` in ``scales``: `sqnr_db` of ``reference``'s weight of the
+    layer against the layer's `deployed_weight` (``weights``' weight fake-quantized with
+    ``scales``). ``weights`` maps a layer (module name, or its ``<layer>.weight`` key) to the weight
+    the scales quantize, or is an iterable of such pairs; a Mapping is read only for the layers with
+    a scale. ``reference`` maps a layer (or its ``.weight`` key) to the weight measured against
+    (`checkpoint_sqnr`: the BF16 weights); None: the quantized weight itself. Rows: layer,
+    layer_type, numel, sqnr_db (in `natural_key` order of the layer)."""
     spec = _weight_spec(scheme)
     if spec is None:
         return []
-    items = model_fp_weights.items() if isinstance(model_fp_weights, Mapping) else model_fp_weights
+    if isinstance(weights, Mapping):
+        pairs = ((n, weights[n]) for n in weights if f"{_layer_name(n)}.weight_scale" in scales)
+    else:
+        pairs = iter(weights)
     rows = []
-    for name, w in items:
-        layer = name[: -len(".weight")] if name.endswith(".weight") else name
-        s = scales.get(f"{layer}.weight_scale")
-        if s is None:
+    for name, w in pairs:
+        layer = _layer_name(name)
+        fq = deployed_weight(layer, w, spec, scales)
+        if fq is None:
             continue
-        zp = scales.get(f"{layer}.weight_zero_point")
-        x = w.detach().float()
-        gs = scales.get(f"{layer}.weight_global_scale")  # NVFP4
-        logit = scales.get(f"{layer}.weight_quantizer.subgroup_logit")  # FOCUS (a PTQ start: their init)
-        if spec.subgroups and logit is None:
-            logit = torch.full(subgroup_shape(x.shape, spec), SUBGROUP_LOGIT_INIT)
-        fq = fake_quantize(
-            x,
-            s.float(),
-            None if zp is None else zp.float(),
-            spec,
-            global_scale=None if gs is None else gs.float(),
-            subgroup_scale=None if logit is None else torch.sigmoid(logit.float()),
-        )
+        # the same source: one read
+        ref = w if reference is None or reference is weights else _reference_weight(reference, layer)
+        if ref.shape != fq.shape:
+            raise ValueError(f"{layer}: reference weight {tuple(ref.shape)}, quantized {tuple(fq.shape)}")
         rows.append(
-            {"layer": layer, "layer_type": layer_type(layer), "numel": x.numel(), "sqnr_db": sqnr_db(x, fq)}
+            {
+                "layer": layer,
+                "layer_type": layer_type(layer),
+                "numel": fq.numel(),
+                "sqnr_db": sqnr_db(ref, fq),
+            }
         )
     rows.sort(key=lambda r: natural_key(r["layer"]))
     return rows
+
+
+def _reference_weight(reference: Mapping[str, torch.Tensor], layer: str) -> torch.Tensor:
+    for key in (layer, f"{layer}.weight"):
+        if key in reference:
+            return reference[key]
+    raise ValueError(f"{layer}: no reference weight")
 
 
 def compare_sqnr(ptq_rows: Iterable[Row], qat_rows: Iterable[Row]) -> list[Row]:
@@ -312,6 +367,27 @@ def _sqnr_scales(ckpt: Path, what: str) -> tuple[QuantScheme, dict[str, torch.Te
     return scheme, scales, layers
 
 
+def _weights(
+    src: Path, layers: list[str], scales: str, max_bytes: int | None, *, kind: str = "", required: bool = True
+) -> WeightReader | None:
+    """The weights of ``layers`` (those of the ``scales``) in ``src``: all of them, or None when it
+    holds none and they are not ``required``; `SqnrError` for some but not all, none when
+    required, or more than ``max_bytes`` of them."""
+    reader = WeightReader(src, layers)
+    if not reader and not required:
+        return None
+    if not reader and layers:
+        raise SqnrError(f"no {kind}weights for the {scales} in {src}")
+    if len(reader) != len(layers):
+        raise SqnrError(f"{src} has weights for {len(reader)} of the {len(layers)} layers of the {scales}")
+    if max_bytes is not None and reader.nbytes > max_bytes:
+        raise SqnrError(
+            f"{src} holds {reader.nbytes:,} bytes of weights (> {max_bytes:,}): too large to compute "
+            "here; write analysis/sqnr.csv in an earlier stage"
+        )
+    return reader
+
+
 def checkpoint_sqnr(
     ptq_dir: str | os.PathLike,
     qat_dir: str | os.PathLike,
@@ -319,53 +395,59 @@ def checkpoint_sqnr(
     *,
     max_bytes: int | None = None,
 ) -> tuple[list[Row], list[str]]:
-    """The per-layer weight SQNR table of a PTQ and a QAT checkpoint (`compare_sqnr` rows: layer,
-    layer_type, ptq_db, qat_db, delta_db) and notes; the one computation behind ``scripts/sqnr.py``
-    (``analysis/sqnr.csv``) and the report's fallback when that file is absent.
+    """The per-layer weight SQNR of a PTQ and a QAT checkpoint, both against the BF16 weights
+    (`compare_sqnr` rows: layer, layer_type, ptq_db, qat_db, delta_db) and notes; the one
+    computation behind ``scripts/sqnr.py`` (``analysis/sqnr.csv``) and the report's fallback.
 
-    Which full-precision weights each column quantizes, one rule for both callers:
+    The metric, defined here and only here: per weight-quantized linear,
+    ``SQNR_dB = 10 log10(sum(W_bf16^2) / sum((W_bf16 - W_q)^2))`` (`sqnr_db`, float64), how far the
+    weight a variant deploys is from the original. ``W_bf16`` is the layer's weight in the base
+    (unquantized) model; ``W_q`` the dequantized weight the variant deploys (`deployed_weight`:
+    fake-quantized with the variant's stored scales):
 
-    - QAT: the QAT checkpoint's own weights (the weights its scales were trained with);
-    - PTQ: the PTQ checkpoint's own weights when it carries them (GPTQ changes the weights, so
-      its scales belong to those, not to the base model's), else ``base`` (a model folder or
-      ``.safetensors`` file: the weights PTQ calibrated on), else the QAT checkpoint's weights,
-      with a note: exact when QAT trained the quantizer parameters alone (end-to-end QAT keeps
-      the linear weights frozen), not after a run that trains weights (blockwise).
+    - ``ptq_db``: ``W_q = Q(W, PTQ scales)``, ``W`` the PTQ checkpoint's own weights when it carries
+      them (GPTQ changes the weights and deploys those), else ``W_bf16``;
+    - ``qat_db``: ``W_q = Q(W_qat, QAT scales)``, ``W_qat`` the QAT checkpoint's weights: ``W_bf16``
+      after QAT of the scales alone, ``codes x scale`` with frozen codes (`qatlib.quant.codes`:
+      already on the grid, so ``W_q = W_qat``), the trained weights when the weights trained;
+    - ``delta_db``: ``qat_db - ptq_db``.
 
-    The PTQ checkpoint's own weights come first because they are the only ones certain to be the
-    weights its scales were computed on; ``base`` comes before the QAT weights because it is the
-    model PTQ read, whatever QAT later did. A source is used when it holds any of the layers'
-    weights, and must then hold all of them. Raises `SqnrError` for a missing checkpoint, a
-    ``base`` without those weights, a source with only some of them, or one holding more than
-    ``max_bytes`` of them (``None``: no limit).
+    A column is ``inf`` (the report's n/a) only where ``W_q`` equals ``W_bf16``.
+
+    ``W_bf16`` is read from ``base`` (the base model's folder or ``.safetensors`` file). Without it
+    the QAT checkpoint's weights stand in, with a note: exact only when QAT trained the scales
+    alone on the base weights (no frozen codes, no trained weights, no GPTQ start); a second note
+    when every QAT weight lies on its own grid (frozen codes), where they cannot be the BF16 ones.
+
+    Weights are read one tensor at a time (`WeightReader`). A source is used when it holds any of
+    the layers' weights, and must then hold all of them. Raises `SqnrError` for a missing
+    checkpoint, a ``base`` without those weights, a source with only some of them, or one holding
+    more than ``max_bytes`` of them (``None``: no limit).
     """
     ptq, qat = Path(ptq_dir), Path(qat_dir)
-    per: dict[str, list[Row]] = {}
+    ptq_scheme, ptq_scales, ptq_layers = _sqnr_scales(ptq, "PTQ")
+    qat_scheme, qat_scales, qat_layers = _sqnr_scales(qat, "QAT")
+    every = sorted(set(ptq_layers) | set(qat_layers), key=natural_key)
     notes: list[str] = []
-    for what, ckpt in (("ptq", ptq), ("qat", qat)):
-        scheme, scales, layers = _sqnr_scales(ckpt, what.upper())
-        if what == "qat" or weight_bytes(ckpt, layers):
-            src = ckpt
-        elif base is not None:
-            src = Path(base)
-            if not src.exists() or not weight_bytes(src, layers):
-                raise SqnrError(f"no weights for the PTQ scales in base weights {src}")
-        else:
-            src = qat
-            notes.append(
-                "PTQ SQNR uses the QAT checkpoint's weights (no base / PTQ weights found): exact only "
-                "when QAT trained the quantizer parameters alone"
-            )
-        size = weight_bytes(src, layers)
-        if size == 0 and layers:
-            raise SqnrError(f"no weights for the {what.upper()} scales in {src}")
-        if max_bytes is not None and size > max_bytes:
-            raise SqnrError(
-                f"{src} holds {size:,} bytes of weights (> {max_bytes:,}): too large to compute here; "
-                "write analysis/sqnr.csv in an earlier stage"
-            )
-        rows = layer_sqnr(iter_weights(src, layers), scheme, scales)
-        if len(rows) != len(layers):
-            raise SqnrError(f"{src} has weights for {len(rows)} of the {len(layers)} layers of {ckpt}")
-        per[what] = rows
-    return compare_sqnr(per["ptq"], per["qat"]), notes
+    qat_w = _weights(qat, qat_layers, "QAT scales", max_bytes)
+    if base is not None:
+        bf16 = _weights(Path(base), every, "PTQ and QAT scales", max_bytes, kind="BF16 ")
+    else:
+        bf16 = _weights(qat, every, "PTQ and QAT scales", max_bytes)
+        notes.append(
+            "no BF16 weights given (the base model's): the QAT checkpoint's weights stand in for "
+            "them, exact only when QAT trained the scales alone on the base model's weights"
+        )
+    ptq_w = _weights(ptq, ptq_layers, "PTQ scales", max_bytes, required=False) or bf16
+    try:
+        ptq_rows = layer_sqnr(ptq_w, ptq_scheme, ptq_scales, bf16)
+        qat_rows = layer_sqnr(qat_w, qat_scheme, qat_scales, bf16)
+    except ValueError as e:
+        raise SqnrError(str(e)) from e
+    if base is None and qat_rows and all(r["sqnr_db"] == math.inf for r in qat_rows):
+        notes.append(
+            "every QAT weight lies on its own quantization grid (frozen codes: the QAT checkpoint "
+            "holds codes x scale), so it is no BF16 weight: give the base weights to measure "
+            "either column against BF16"
+        )
+    return compare_sqnr(ptq_rows, qat_rows), notes

@@ -28,6 +28,11 @@ def _products(cfg) -> dict:
     }
 
 
+def _local(path) -> Path | None:
+    """``path`` when it is on this machine (a hub id is not: the report downloads nothing)."""
+    return Path(path) if path and Path(path).exists() else None
+
+
 def main(argv=None) -> int:
     ap = _common.parser(__doc__, save=False, model=False)
     ap.add_argument("--exp-dir", required=True, help="results/<exp>")
@@ -39,7 +44,9 @@ def main(argv=None) -> int:
     ap.add_argument("--title", default=None)
     ap.add_argument("--bench-dir", default=None, help="benchmark *.json (default <exp-dir>/../bench)")
     ap.add_argument(
-        "--base-weights", default=None, help="full-precision weights behind the PTQ scales (SQNR fallback)"
+        "--base-weights",
+        default=None,
+        help="the BF16 weights of the SQNR computed without analysis/sqnr.csv (default: model.model_path, if local)",
     )
     args = ap.parse_args(argv)
     cfg = _common.load_experiment(args)
@@ -75,7 +82,7 @@ def main(argv=None) -> int:
                 title=args.title,
                 bench_dir=args.bench_dir,
                 config=config_out,
-                base_weights=args.base_weights,
+                base_weights=args.base_weights or _local(cfg.model.model_path),
                 extra_timings=args.shared_timings,
                 products=_products(cfg),
             )

@@ -522,25 +522,26 @@ def test_sqnr_csv_is_used_when_present(minimal_exp):
 
 
 def test_checkpoint_sqnr_weight_sources(exp_dir, tmp_path):
-    """PTQ column: the PTQ checkpoint's own weights, else base, else the QAT weights (with a note);
-    QAT column: always the QAT checkpoint's weights."""
+    """Reference: the BF16 weights of base, else the QAT checkpoint's (with a note). PTQ column: the
+    PTQ checkpoint's own weights (GPTQ), else the reference, quantized with the PTQ scales; QAT
+    column: the QAT checkpoint's weights quantized with the QAT scales."""
     weights = make_weights()
     base = tmp_path / "base.safetensors"
     save_file({k: v * 2 for k, v in weights.items()}, str(base))
     ptq, qat = exp_dir / "ptq", exp_dir / "qat"
     rows, notes = analysis.checkpoint_sqnr(ptq, qat)
-    assert len(rows) == len(layer_names()) and "uses the QAT checkpoint" in notes[0]
+    assert len(rows) == len(layer_names()) and len(notes) == 1 and "stand in" in notes[0]
     assert list(rows[0]) == analysis.SQNR_COLUMNS
     rows_base, notes = analysis.checkpoint_sqnr(ptq, qat, base)
     assert notes == []
-    # doubled weights with the same scales clip more -> lower PTQ SQNR; QAT column unchanged
-    assert all(b["ptq_db"] < r["ptq_db"] for b, r in zip(rows_base, rows))
-    assert [b["qat_db"] for b in rows_base] == [r["qat_db"] for r in rows]
-    # a PTQ checkpoint with its own weights (GPTQ) is measured on them, not on base
+    # doubled BF16 weights: PTQ quantizes them with scales made for half of them (more clipping),
+    # QAT deploys its own weights, half the reference: both columns lower
+    assert all(b["ptq_db"] < r["ptq_db"] and b["qat_db"] < r["qat_db"] for b, r in zip(rows_base, rows))
+    # a PTQ checkpoint with its own weights (GPTQ) deploys those; the reference stays base
     save_file({k: v * 0.5 for k, v in weights.items()}, str(ptq / "model.safetensors"))
     rows_own, notes = analysis.checkpoint_sqnr(ptq, qat, base)
     assert notes == [] and all(o["ptq_db"] != b["ptq_db"] for o, b in zip(rows_own, rows_base))
-    assert rows_own == analysis.checkpoint_sqnr(ptq, qat)[0]
+    assert [o["qat_db"] for o in rows_own] == [b["qat_db"] for b in rows_base]
     with pytest.raises(analysis.SqnrError, match="too large"):
         analysis.checkpoint_sqnr(ptq, qat, max_bytes=1000)
     # some weights but not all: an error, not a silently shorter table
@@ -549,27 +550,108 @@ def test_checkpoint_sqnr_weight_sources(exp_dir, tmp_path):
     with pytest.raises(analysis.SqnrError, match=f"weights for 3 of the {len(layer_names())} layers"):
         analysis.checkpoint_sqnr(ptq, qat)
     (ptq / "model.safetensors").unlink()
-    with pytest.raises(analysis.SqnrError, match="no weights for the PTQ scales in base"):
+    with pytest.raises(analysis.SqnrError, match="no BF16 weights for the PTQ and QAT scales in"):
         analysis.checkpoint_sqnr(ptq, qat, tmp_path / "no_such_model")
     (qat / "model.safetensors").unlink()
-    with pytest.raises(analysis.SqnrError, match="no weights"):
-        analysis.checkpoint_sqnr(ptq, qat)
+    with pytest.raises(analysis.SqnrError, match="no weights for the QAT scales"):
+        analysis.checkpoint_sqnr(ptq, qat, base)
     with pytest.raises(analysis.SqnrError, match="not a PTQ/QAT checkpoint"):
         analysis.checkpoint_sqnr(tmp_path / "nothing", qat)
 
 
+def tiny_qat_run(d: Path, *, frozen_codes: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """A tiny model through RTN PTQ and a QAT of its scales alone, written to ``d``: the base
+    weights (``base.safetensors``), the PTQ checkpoint (``ptq/``) and the QAT checkpoint
+    (``qat/``) as the trainer leaves it. ``frozen_codes``: the scales move on RTN's codes and
+    `release_codes` writes ``codes x scale`` into the weights (`qatlib.quant.codes`); else the QAT
+    weights are the base weights. Returns the base weights and both runs' scales."""
+    from torch import nn
+
+    from qatlib.checkpoint.keys import scale_state_dict
+    from qatlib.ptq import calibrate, save_ptq_checkpoint
+    from qatlib.quant.codes import freeze_codes, release_codes
+
+    scheme = QuantScheme("int4_g16", weight=SCHEME.weight)
+    model = nn.Module()
+    model.q_proj, model.up_proj = nn.Linear(64, 32, bias=False), nn.Linear(64, 48, bias=False)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for m in model.children():
+            m.weight.copy_(torch.randn(m.weight.shape, generator=g) * 0.05)
+    bf16 = {f"{n}.weight": m.weight.detach().clone() for n, m in model.named_children()}
+    save_file(bf16, str(d / "base.safetensors"))
+    calibrate(model, scheme, [], ignore=())
+    save_ptq_checkpoint(model, scheme, d / "ptq")
+    ptq_scales = scale_state_dict(model)
+    if frozen_codes:
+        freeze_codes(model)
+    with torch.no_grad():  # what training does to the scales
+        for m in model.children():
+            m.weight_quantizer.scale.mul_(0.8 + 0.4 * torch.rand(m.weight_quantizer.scale.shape, generator=g))
+    if frozen_codes:
+        release_codes(model)
+    (d / "qat").mkdir()
+    save_file(
+        {f"{n}.weight": m.weight.detach() for n, m in model.named_children()},
+        str(d / "qat/model.safetensors"),
+    )
+    save_file(scale_state_dict(model), str(d / "qat/scales.safetensors"))
+    (d / "qat/quant_scheme.json").write_text(json.dumps(scheme.to_dict()))
+    return {"bf16": bf16, "ptq": ptq_scales, "qat": scale_state_dict(model)}
+
+
+def int4_g16_sqnr(w: torch.Tensor, codes_scale: torch.Tensor, scale: torch.Tensor) -> float:
+    """By hand: SQNR (dB) of ``w`` against its int4 symmetric groups of 16 dequantized as deployed,
+    ``clamp(round(w / codes_scale), -8, 7) * scale`` (the product in fp32, the sums in float64)."""
+    wg = w.double().reshape(-1, 16)
+    codes = torch.clamp(torch.round(wg / codes_scale.double().reshape(-1, 1)), -8, 7)
+    wq = (codes.float() * scale.float().reshape(-1, 1)).double()
+    return 10 * math.log10(wg.pow(2).sum().item() / (wg - wq).pow(2).sum().item())
+
+
+@pytest.mark.parametrize("frozen_codes", [True, False], ids=["frozen_codes", "scales_only"])
+def test_checkpoint_sqnr_measures_both_columns_against_bf16(tmp_path, frozen_codes):
+    """Each column is the variant's deployed weight against the BF16 weight, checked against a hand
+    computation. With frozen codes the QAT weights lie on their own grid (against themselves: inf,
+    the report's n/a of before), yet the QAT column is finite and differs from the PTQ one."""
+    t = tiny_qat_run(tmp_path, frozen_codes=frozen_codes)
+    rows, notes = analysis.checkpoint_sqnr(tmp_path / "ptq", tmp_path / "qat", tmp_path / "base.safetensors")
+    assert notes == [] and [r["layer"] for r in rows] == ["q_proj", "up_proj"]
+    for r in rows:
+        w = t["bf16"][f"{r['layer']}.weight"]
+        s_ptq, s_qat = t["ptq"][f"{r['layer']}.weight_scale"], t["qat"][f"{r['layer']}.weight_scale"]
+        assert not torch.equal(s_ptq, s_qat)
+        # frozen codes: RTN's codes (at the PTQ scale) times the QAT scale
+        qat_db = int4_g16_sqnr(w, s_ptq if frozen_codes else s_qat, s_qat)
+        assert math.isfinite(r["qat_db"]) and r["qat_db"] == pytest.approx(qat_db, rel=1e-9)
+        assert r["ptq_db"] == pytest.approx(int4_g16_sqnr(w, s_ptq, s_ptq), rel=1e-9)
+        assert abs(r["qat_db"] - r["ptq_db"]) > 1e-3
+        assert r["delta_db"] == pytest.approx(r["qat_db"] - r["ptq_db"])
+    if frozen_codes:
+        # without the base weights the QAT weights stand in, and on their grid they say so
+        rows, notes = analysis.checkpoint_sqnr(tmp_path / "ptq", tmp_path / "qat")
+        assert all(r["qat_db"] == math.inf for r in rows)
+        assert len(notes) == 2 and "stand in" in notes[0] and "frozen codes" in notes[1]
+
+
 def test_sqnr_script_and_report_fallback_agree(exp_dir, tmp_path):
-    """scripts/sqnr.py's analysis/sqnr.csv and the report's own SQNR (no CSV) are the same table."""
-    csv = tmp_path / "sqnr.csv"
-    cmd = [sys.executable, str(REPO / "scripts/sqnr.py"), "--ptq-ckpt", str(exp_dir / "ptq")]
-    cmd += ["--qat-ckpt", str(exp_dir / "qat"), "--out", str(csv)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert "note: PTQ SQNR uses the QAT checkpoint" in r.stdout
-    html, out = build(exp_dir)
-    assert "computed from the checkpoint weights" in html and "uses the QAT checkpoint" in html
-    script, report = analysis.read_csv(csv), analysis.read_csv(out.parent / "plots" / "sqnr.csv")
-    assert len(script) == len(layer_names()) and script == report
+    """scripts/sqnr.py's analysis/sqnr.csv and the report's own SQNR (no CSV) are the same table,
+    without base weights (a note) and with them; the report labels both columns vs BF16."""
+    base = tmp_path / "base.safetensors"
+    save_file({k: v * 1.5 for k, v in make_weights().items()}, str(base))
+    for extra in ([], ["--base-weights", str(base)]):
+        csv = tmp_path / "sqnr.csv"
+        cmd = [sys.executable, str(REPO / "scripts/sqnr.py"), "--ptq-ckpt", str(exp_dir / "ptq")]
+        cmd += ["--qat-ckpt", str(exp_dir / "qat"), "--out", str(csv), *extra]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert ("note: no BF16 weights given" in r.stdout) == (not extra)
+        html, out = build(exp_dir, base_weights=base if extra else None)
+        assert "computed from the checkpoint weights" in html
+        assert ("stand in for" in html) == (not extra)
+        assert "PTQ vs BF16 (dB)" in html and "QAT vs BF16 (dB)" in html
+        script, report = analysis.read_csv(csv), analysis.read_csv(out.parent / "plots" / "sqnr.csv")
+        assert len(script) == len(layer_names()) and script == report
 
 
 def test_broken_optional_input_does_not_break_the_report(minimal_exp):

@@ -12,8 +12,9 @@ experiment directory:
   step (``step``, ``lm_loss``, ``kd/<type>``, ``kd/forward_kl``, ``kd/backward_kl``,
   ``total_loss``, ``learning_rate``);
 - ``ptq/`` and ``qat/`` checkpoints (scales, `qatlib.checkpoint.keys.load_scales`);
-- ``analysis/sqnr.csv`` (``layer, layer_type, ptq_db, qat_db``), else SQNR computed from the
-  checkpoint weights (`qatlib.analysis.checkpoint_sqnr`) when they are small enough;
+- ``analysis/sqnr.csv`` (``layer, layer_type, ptq_db, qat_db``: each variant's weight SQNR vs
+  BF16), else that SQNR computed from the checkpoint and base weights
+  (`qatlib.analysis.checkpoint_sqnr`) when they are small enough;
 - ``qat/scale_load.json``, ``qat/run_metadata.json``, ``timings/*.json``, the experiment YAML,
   and the benchmark JSONs of ``bench_dir``.
 
@@ -83,9 +84,9 @@ def build_report(
 
     ``bench_dir``: benchmark JSONs (default: ``<exp_dir>/bench`` or ``<exp_dir>/../bench`` when one
     exists). ``config``: the experiment YAML shown in the report (default: ``<exp_dir>/config.yaml``
-    or the single ``*.yaml`` there). ``base_weights``: the full-precision weights behind the PTQ
-    scales, for computing SQNR when ``analysis/sqnr.csv`` is absent (which weights are used:
-    `qatlib.analysis.checkpoint_sqnr`). ``extra_timings``: timing JSONs of stages shared between
+    or the single ``*.yaml`` there). ``base_weights``: the BF16 (base model) weights, the
+    reference of the SQNR computed when ``analysis/sqnr.csv`` is absent
+    (`qatlib.analysis.checkpoint_sqnr`). ``extra_timings``: timing JSONs of stages shared between
     experiments (corpus, base model), listed in the wall-time table with the experiment's own.
     ``products``: ``{label: path}`` of the inputs made outside ``exp_dir`` (``corpus``,
     ``tokenizer``, ``base_model``); their content hashes and those of ``exp_dir``'s ``ptq``,

@@ -147,7 +147,8 @@ def value_histograms(
 
 
 def sqnr_per_layer(rows: Sequence[Mapping[str, Any]]) -> Figure:
-    """PTQ vs QAT weight SQNR (dB) per layer, in layer order; infinite values are not drawn."""
+    """PTQ and QAT weight SQNR vs BF16 (dB, `qatlib.analysis.checkpoint_sqnr`) per layer, in layer
+    order; infinite values are not drawn."""
     fig = _figure(max(6.0, min(0.06 * len(rows) + 4, 16.0)), 3.4)
     ax = fig.subplots()
     xs = list(range(len(rows)))
@@ -160,11 +161,11 @@ def sqnr_per_layer(rows: Sequence[Mapping[str, Any]]) -> Figure:
         ]
         return ([p[0] for p in pts], [p[1] for p in pts]) if pts else ([], [])
 
-    for col, label, color in (("ptq_db", "PTQ", PTQ_COLOR), ("qat_db", "QAT", QAT_COLOR)):
+    for col, label, color in (("ptq_db", "PTQ vs BF16", PTQ_COLOR), ("qat_db", "QAT vs BF16", QAT_COLOR)):
         x, y = finite(col)
         ax.plot(x, y, ".", color=color, label=label, markersize=4)
     ax.set_xlabel("layer (name order)")
-    ax.set_ylabel("weight SQNR (dB)")
+    ax.set_ylabel("weight SQNR vs BF16 (dB)")
     ax.legend()
     ax.grid(alpha=0.3)
     return fig

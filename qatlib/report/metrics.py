@@ -241,6 +241,7 @@ def mean_finite(vals: Iterable[Any]) -> float | None:
 
 
 def sqnr_metrics(rows: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
+    """Mean finite per-layer weight SQNR vs BF16 (`qatlib.analysis.checkpoint_sqnr`) per variant."""
     return {
         "sqnr_mean_db/ptq": mean_finite(r["ptq_db"] for r in rows),
         "sqnr_mean_db/qat": mean_finite(r["qat_db"] for r in rows),

@@ -19,7 +19,7 @@ from .blocks import cell, fmt, h3, img, json_tables, nbytes, para, pre, seconds,
 from .metrics import MIN_ABS_GAP, MIN_REL_GAP, RECOVERY_VARIANTS, DvcOutputs, loss_keys, sqnr_metrics
 
 VARIANT_LABELS = {"bf16": "BF16", "ptq": "PTQ", "qat": "QAT", "export": "export", "deployed": "deployed"}
-# Compute per-layer SQNR in the report only when each weight source is at most this large.
+# Compute per-layer SQNR in the report only when each weight source (BF16, PTQ, QAT) is at most this large.
 SQNR_MAX_BYTES = 1 << 30
 
 
@@ -237,12 +237,15 @@ def sqnr_section(exp: Path, out: DvcOutputs, base_weights: Path | None) -> dict:
     out.metrics.update(sqnr_metrics(rows))
     summary = analysis.summarize(rows, ["ptq_db", "qat_db", "delta_db"])
     sec["blocks"].append(
-        para(f"Weight fake-quantization SQNR = 10·log10(‖W‖² / ‖W − Q(W)‖²), {source}; higher is better.")
+        para(
+            "Weight SQNR vs BF16 = 10·log10(‖W_bf16‖² / ‖W_bf16 − W_q‖²), W_q the dequantized weight "
+            f"each variant deploys (qatlib.analysis.checkpoint_sqnr), {source}; higher is closer to BF16."
+        )
     )
-    sec["blocks"].append(img(sqnr_per_layer(rows), "per-layer SQNR"))
+    sec["blocks"].append(img(sqnr_per_layer(rows), "per-layer SQNR vs BF16"))
     sec["blocks"].append(
         table(
-            ["layer type", "layers", "PTQ dB", "QAT dB", "Δ dB"],
+            ["layer type", "layers", "PTQ vs BF16 (dB)", "QAT vs BF16 (dB)", "Δ QAT − PTQ (dB)"],
             [
                 [
                     r["layer_type"],
@@ -253,7 +256,7 @@ def sqnr_section(exp: Path, out: DvcOutputs, base_weights: Path | None) -> dict:
                 ]
                 for r in summary
             ],
-            "Mean SQNR per layer type",
+            "Mean SQNR vs BF16 per layer type",
         )
     )
     return sec

@@ -273,6 +273,11 @@ class Experiments:
     def model_path(self, exp: str) -> Any:
         return self.resolve(self.value(exp, "model.model_path"))
 
+    def base_weights(self, exp: str) -> str | None:
+        """The base model's folder where the workflow has it (a product or a local path; None for
+        a hub id): what the SQNR of both variants is measured against."""
+        return self.as_input(self.value(exp, "model.model_path"))
+
     def data_path(self, exp: str) -> Any:
         return self.value(exp, "compression.QAT.hf_dataset") or self.value(exp, "dataset.data_path")
 

@@ -45,8 +45,10 @@ rule evaluate:
 
 
 rule sqnr:
-    """Per-layer weight SQNR (dB) of the PTQ and the QAT scales against the full-precision weight
-    (QAT trains scales only, so the QAT checkpoint's weights are the base weights)."""
+    """Per-layer weight SQNR (dB) of the weight PTQ deploys and of the weight QAT deploys, both
+    against the base model's weights (qatlib.analysis.checkpoint_sqnr); a hub-id base model is not
+    read (no download): the QAT checkpoint's weights stand in, and the CSV's notes say so.
+    """
     input:
         ptq=rules.ptq_calibrate.output.ptq,
         qat=rules.zero3_qat.output.qat,
@@ -67,6 +69,9 @@ rule sqnr:
         mem_mb=mem_mb("analyze"),
     params:
         config=lambda wc: EXPERIMENTS.stage_config(wc.exp, "sqnr"),
+        base=lambda wc: (
+            f"--base-weights {b}" if (b := EXPERIMENTS.base_weights(wc.exp)) else ""
+        ),
     shell:
-        "python {input.code[0]} --ptq-ckpt {input.ptq} --qat-ckpt {input.qat} --out {output.csv}"
+        "python {input.code[0]} --ptq-ckpt {input.ptq} --qat-ckpt {input.qat} {params.base} --out {output.csv}"
         " --timing {output.timing} 2>&1 | tee {log}"
