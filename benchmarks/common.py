@@ -280,6 +280,17 @@ def format_scheme(name: str):
     return s.replace(name=name, weight=w)
 
 
+def format_names(
+    ap, flag: str, names: str | Sequence[str], shown: Sequence[str] = FORMATS
+) -> tuple[str, ...]:
+    """The format names of a command line's ``flag`` (comma-separated, or already a sequence); an
+    argparse error (``ap.error``) naming ``flag`` for any that `FORMATS` lacks, offering ``shown``."""
+    out = tuple(f.strip() for f in names.split(",")) if isinstance(names, str) else tuple(names)
+    if unknown := [f for f in out if f not in FORMATS]:
+        ap.error(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(shown)}")
+    return out
+
+
 # --------------------------------------------------------------------------- models
 # Qwen3-30B-A3B's width (its config.json), without the expert and layer counts: the real-width
 # benchmarks (`benchmarks.qat_width`, `benchmarks.gpu_check`) cut it to a few layers and experts.
@@ -352,28 +363,22 @@ def default_model(results: str | os.PathLike = "results", name: str = DEFAULT_BA
 
 # --------------------------------------------------------------------------- output
 def write_result(out_dir: str | os.PathLike, name: str, payload: Mapping[str, Any]) -> Path:
-    """``<out_dir>/<name>.json`` (atomic), with the schema version first."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}.json"
+    """``<out_dir>/<name>.json`` with the schema version first, atomically
+    (`qatlib.checkpoint.layout.write_text`)."""
+    from qatlib.checkpoint.layout import write_text
+
+    path = Path(out_dir) / f"{name}.json"
     doc = {"benchmark": name, "schema_version": SCHEMA_VERSION, **payload}
     mach = doc.get("machine")
     if isinstance(mach, Mapping) and isinstance(mach.get("git"), Mapping):
         # the tree as this run used it: the record itself (rewritten after each row of a multi-row
         # benchmark) is not a change the run ran with
         doc["machine"] = {**mach, "git": git_state(exclude=[path])}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_text(path, json.dumps(doc, indent=2, default=_json_default) + "\n")
 
 
 def _json_default(o: Any) -> Any:
-    if hasattr(o, "item"):
-        return o.item()
-    if isinstance(o, Path):
-        return str(o)
-    return str(o)
+    return o.item() if hasattr(o, "item") else str(o)  # tensors and numpy scalars; paths, the rest
 
 
 class Rounded(float):

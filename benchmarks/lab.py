@@ -418,6 +418,33 @@ class Lab:
             "last_val_loss": [r.get("val_loss") for r in res.log if r["epoch"] == bs.epochs - 1],
         }
 
+    def two_phase(
+        self,
+        scheme,
+        *,
+        steps: int,
+        lr: float,
+        frozen_codes: bool = True,
+        act_scale: bool = True,
+        deploy_target: str = "none",
+        phase2_target: str = "none",
+    ):
+        """EfficientQAT's two phases: `blockwise` (weights and scales; ``deploy_target`` as there),
+        then the scales end to end (`qat`) from a copy of its result, tied for ``phase2_target`` at
+        the max of phase 1's scales first (`qatlib.runtime.tying.apply_target`): ``steps`` steps in
+        log space at the relative ``lr``, on phase 1's codes held with ``frozen_codes``
+        (`qatlib.quant.codes`), the untouched base model as teacher. Returns ``(phase 1 model, its
+        record, two-phase model, phase 2's record)``."""
+        bm, brec = self.blockwise(scheme, deploy_target=deploy_target)
+        start = copy.deepcopy(bm)
+        if phase2_target != "none":
+            from qatlib.runtime.tying import apply_target
+
+            apply_target(start, scheme, phase2_target)
+        kw = {"teacher": "base", "scale_update": "log", "frozen_codes": frozen_codes, "act_scale": act_scale}
+        pm, prec = self.qat(scheme, start=start, steps=steps, lr=lr, **kw)
+        return bm, brec, pm, prec
+
     def deployed(
         self, model, scheme, target: str = DEPLOY_TARGET, capability: str | None = None
     ) -> dict[str, Any]:

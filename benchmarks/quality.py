@@ -50,6 +50,7 @@ from .common import (
     FORMATS,
     exact,
     find_base_model,
+    format_names,
     format_scheme,
     load_avg,
     log,
@@ -509,16 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         s, name = FP4_ROWS, "quality_fp4"
         if a.fp4 is not None:  # a subset of the FP4 rows, same settings
-            formats = tuple(f.strip() for f in a.fp4.split(","))
-            unknown = [f for f in formats if f not in FORMATS]
-            if unknown:
-                ap.error(f"--fp4: unknown {', '.join(unknown)}; choose from {', '.join(FP4_FORMATS)}")
-            s = replace(s, formats=formats)
+            s = replace(s, formats=format_names(ap, "--fp4", a.fp4, FP4_FORMATS))
         if a.default_formats:
-            formats = tuple(f.strip() for f in a.default_formats.split(","))
-            unknown = [f for f in formats if f not in FORMATS]
-            if unknown:
-                ap.error(f"--default-formats: unknown {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
+            formats = format_names(ap, "--default-formats", a.default_formats)
             s = replace(DEFAULT_FORMAT_ROWS, formats=formats, ablation_format=formats[-1])
             if a.recipe:  # QualitySettings fields, e.g. '{"gptq_init_lr": 1e-3, "rtn_init_qat": false}'
                 s = replace(s, **json.loads(a.recipe))

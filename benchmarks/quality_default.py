@@ -270,22 +270,28 @@ class BlockwiseRows:
             )
 
 
-def blockwise_rows(b: BlockwiseRows, *, results: str = "results") -> dict[str, Any]:
-    base = default_base(results, DefaultModelSettings.base_model)
-    s = replace(
+def blockwise_lab(b: BlockwiseRows, results: str, **overrides) -> QualitySettings:
+    """The lab of ``b``'s rows (and of `benchmarks.quality_low_bits.rows_lab`'s): the FP4 lab's
+    settings (`FP4_ROWS`) with ``b``'s blockwise phase, evaluation windows and seed, on the
+    workflow's default base model; plus ``overrides``."""
+    return replace(
         FP4_ROWS,
         formats=(),
         eval_windows=b.eval_windows,
-        qat_steps=100,
         bw_epochs=b.epochs,
         bw_train_size=b.train_size,
         bw_val_size=b.val_size,
         bw_weight_lr=b.weight_lr,
         bw_quant_lr=b.quant_lr,
         bw_loss=b.loss,
-        base_model_path=str(base),
+        base_model_path=str(default_base(results, DefaultModelSettings.base_model)),
         seed=b.seed,
+        **overrides,
     )
+
+
+def blockwise_rows(b: BlockwiseRows, *, results: str = "results") -> dict[str, Any]:
+    s = blockwise_lab(b, results, qat_steps=100)
     torch.manual_seed(b.seed)
     scheme = format_scheme(b.format)
     rows = []
@@ -308,22 +314,15 @@ def blockwise_rows(b: BlockwiseRows, *, results: str = "results") -> dict[str, A
                 + (f", deployed {extra.get('deployed_ppl')}" if b.deployed else "")
             )
 
-        bm, brec = lab.blockwise(scheme, deploy_target=b.deploy_target)
-        row("blockwise (weights + scales)", bm, brec["train_s"], windows=b.epochs * b.train_size)
-        start2 = copy.deepcopy(bm)
-        if b.phase2_deploy_target != "none":  # tied at the max of phase 1's scales, as vLLM merges them
-            from qatlib.runtime.tying import apply_target
-
-            apply_target(start2, scheme, b.phase2_deploy_target)
-        pm, prec = lab.qat(
+        bm, brec, pm, prec = lab.two_phase(
             scheme,
-            start=start2,
             steps=b.phase2_steps,
             lr=b.phase2_lr,
-            teacher="base",
-            scale_update="log",
             frozen_codes=b.phase2_frozen_codes,
+            deploy_target=b.deploy_target,
+            phase2_target=b.phase2_deploy_target,  # tied at the max of phase 1's scales, as vLLM merges them
         )
+        row("blockwise (weights + scales)", bm, brec["train_s"], windows=b.epochs * b.train_size)
         row(
             "blockwise, then end-to-end (scales)"
             + (f", tied for {b.phase2_deploy_target}" if b.phase2_deploy_target != "none" else ""),
@@ -333,7 +332,7 @@ def blockwise_rows(b: BlockwiseRows, *, results: str = "results") -> dict[str, A
             phase2_lr=b.phase2_lr,
             phase2_frozen_codes=b.phase2_frozen_codes,
         )
-        del bm, pm, start2
+        del bm, pm
         if b.e2e:  # end-to-end alone, as many steps as fit in blockwise's (or both phases') wall time
             kw: dict[str, Any] = {"scale_update": "log"}
             if not b.e2e_as_phase2:

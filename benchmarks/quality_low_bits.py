@@ -31,7 +31,6 @@ the same settings), so one format can be measured at a time on a 2-core machine.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -42,8 +41,7 @@ import torch
 
 from .common import DEFAULT_OUT, exact, format_scheme, log, machine, rounded, target, write_result
 from .lab import loss_recovery_record, opened, recovery_record
-from .lab_inputs import FP4_ROWS
-from .quality_default import RECIPE, BlockwiseRows, DefaultModelSettings, default_base
+from .quality_default import RECIPE, BlockwiseRows, blockwise_lab
 
 
 @dataclass
@@ -120,6 +118,40 @@ class RowTable:
     # with a smoothed PTQ start (``smooth_alpha``): plain RTN's evaluation and its deployed one, the
     # issue's baseline; each row then also records its recovery of plain RTN's gap
     plain: tuple[dict, dict | None] | None = None
+    t0: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def from_rtn(cls, lab, fmt: str, bf16: dict, *, deployed: bool, tag: str, deploy_target: str = "none"):
+        """The table of ``fmt`` with its first row, RTN (`Lab.rtn`, the scales ``deploy_target``
+        merges tied). Where the lab smooths (``smooth_alpha``), plain RTN is evaluated too: the
+        issue's baseline (``plain``)."""
+        t0 = time.perf_counter()
+        scheme = format_scheme(fmt)
+        rtn_m = lab.rtn(scheme, deploy_target=deploy_target)
+        rtn = lab.eval(rtn_m, mc=False)
+        log(f"{tag} {fmt}: bf16 {bf16['ppl']:.3f} rtn {rtn['ppl']:.3f}")
+        plain = None
+        if lab.s.smooth_alpha is not None:  # the issue's baseline stays plain RTN: recorded beside
+            pm = lab.rtn(scheme, deploy_target=deploy_target, smooth=False)
+            plain = (lab.eval(pm, mc=False), lab.deployed_eval(pm, scheme) if deployed else None)
+            del pm
+        table = cls(lab, scheme, fmt, bf16, rtn, deployed, plain=plain, t0=t0)
+        table.add("rtn", rtn_m, 0.0, q=rtn)
+        return table
+
+    def record(self, gptq: dict | None = None) -> dict[str, Any]:
+        """The format's record: what the runtimes do with it, BF16's, RTN's and (``gptq``: its
+        evaluation) GPTQ's perplexity, the rows and the wall time since `from_rtn`."""
+        return {
+            "format": self.fmt,
+            "scheme": self.scheme.to_dict(),
+            "runtimes": runtimes_of(self.scheme),
+            "bf16_ppl": round(self.bf16["ppl"], 4),
+            "rtn_ppl": round(self.rtn["ppl"], 4),
+            "gptq_ppl": rounded(gptq["ppl"]) if gptq else None,
+            "rows": self.rows,
+            "wall_s": round(time.perf_counter() - self.t0, 1),
+        }
 
     def add(self, name: str, m, train_s: float, q=None, **extra) -> dict:
         """Evaluate ``m`` (``q``: its evaluation, when already made), append its row; returns ``q``."""
@@ -167,16 +199,8 @@ class RowTable:
 
 
 def one_format(lab, b: LowBitRows, fmt: str, bf16: dict) -> dict[str, Any]:
-    scheme = format_scheme(fmt)
-    t0 = time.perf_counter()
-    rtn_m = lab.rtn(scheme)
-    rtn = lab.eval(rtn_m, mc=False)
-    log(f"low_bits {fmt}: bf16 {bf16['ppl']:.3f} rtn {rtn['ppl']:.3f}")
-    table = RowTable(lab, scheme, fmt, bf16, rtn, b.deployed)
-    row, rows = table.add, table.rows
-
-    row("rtn", rtn_m, 0.0, q=rtn)
-    del rtn_m
+    table = RowTable.from_rtn(lab, fmt, bf16, deployed=b.deployed, tag="low_bits")
+    scheme, row = table.scheme, table.add
     gq = None
     if b.gptq:
         t1 = time.perf_counter()
@@ -202,37 +226,18 @@ def one_format(lab, b: LowBitRows, fmt: str, bf16: dict) -> dict[str, Any]:
     row("blockwise (phase 1 alone)", bm, extra["phase1_s"], windows=b.bw_windows)
     row(TWO_PHASE_ROW, pm, extra.pop("train_s"), **extra)
     del bm, pm
-    out = {
-        "format": fmt,
-        "scheme": scheme.to_dict(),
-        "runtimes": runtimes_of(scheme),
-        "bf16_ppl": round(bf16["ppl"], 4),
-        "rtn_ppl": round(rtn["ppl"], 4),
-        "gptq_ppl": rounded(gq["ppl"]) if gq else None,
-        "rows": rows,
-        "wall_s": round(time.perf_counter() - t0, 1),
-    }
-    return out
+    return table.record(gq)
 
 
 TWO_PHASE_ROW = "two-phase: blockwise, then end-to-end on its codes"
 
 
 def two_phase(lab, scheme, b, *, deploy_target: str = "none", act_scale: bool = True):
-    """EfficientQAT's two phases at ``b``'s budget (``bw_windows``, ``phase2_steps``, ``phase2_lr``):
-    blockwise training of weights and scales (the lab's ``bw_*`` settings, `rows_lab`), then the
-    scales end to end on its codes held (`qatlib.quant.codes`), log space, the untouched base model
-    as teacher. ``(phase 1 model, two-phase model, the row's fields)``; ``train_s`` is both phases'."""
-    bm, brec = lab.blockwise(scheme, deploy_target=deploy_target)
-    pm, prec = lab.qat(
-        scheme,
-        start=copy.deepcopy(bm),
-        steps=b.phase2_steps,
-        lr=b.phase2_lr,
-        teacher="base",
-        scale_update="log",
-        frozen_codes=True,
-        act_scale=act_scale,
+    """`benchmarks.lab.Lab.two_phase` at ``b``'s budget (``bw_windows``, ``phase2_steps``,
+    ``phase2_lr``; the lab's ``bw_*`` settings, `rows_lab`), phase 2 on phase 1's codes held.
+    ``(phase 1 model, two-phase model, the row's fields)``; ``train_s`` is both phases'."""
+    bm, brec, pm, prec = lab.two_phase(
+        scheme, steps=b.phase2_steps, lr=b.phase2_lr, act_scale=act_scale, deploy_target=deploy_target
     )
     extra = {
         "train_s": brec["train_s"] + prec["train_s"],
@@ -300,26 +305,19 @@ def kept_formats(path: Path, b: LowBitRows) -> list[dict]:
 
 
 def rows_lab(b, results: str, **overrides):
-    """The lab settings of a rows benchmark (this one, `benchmarks.quality_w4a4`): the FP4 lab's, the
-    evaluation windows, seed and blockwise phase of ``b`` (`BlockwiseRows`' recipe on
-    ``bw_windows`` windows, ``bw_epochs`` passes), the workflow's default base model; plus ``overrides``."""
-    bw = BlockwiseRows()
-    return replace(
-        FP4_ROWS,
-        formats=(),
+    """The lab settings of a rows benchmark (this one, `benchmarks.quality_w4a4`):
+    `quality_default.blockwise_lab` of `BlockwiseRows`' recipe on ``b``'s ``bw_windows`` windows
+    (``bw_epochs`` passes, ``bw_val_windows`` held apart), evaluation windows and seed; ``b``'s
+    ``bw_norm`` and ``smooth_alpha`` where it has them; plus ``overrides``."""
+    bw = BlockwiseRows(
+        epochs=b.bw_epochs,
+        train_size=b.bw_windows,
+        val_size=b.bw_val_windows,
         eval_windows=b.eval_windows,
-        bw_epochs=b.bw_epochs,
-        bw_train_size=b.bw_windows,
-        bw_val_size=b.bw_val_windows,
-        bw_weight_lr=bw.weight_lr,
-        bw_quant_lr=bw.quant_lr,
-        bw_loss=bw.loss,
-        bw_norm=getattr(b, "bw_norm", False),
-        smooth_alpha=getattr(b, "smooth_alpha", None),
-        base_model_path=str(default_base(results, DefaultModelSettings.base_model)),
         seed=b.seed,
-        **overrides,
     )
+    extra = {"bw_norm": getattr(b, "bw_norm", False), "smooth_alpha": getattr(b, "smooth_alpha", None)}
+    return blockwise_lab(bw, results, **extra, **overrides)
 
 
 def run_rows(b, s, *, one_format, targets_of, results, out, name, keep, lab_keys, train_tokens) -> dict:
@@ -385,7 +383,7 @@ def rows_main(argv: list[str] | None, doc: str, rows_type: type, run_rows, name:
     """The command line of a rows benchmark (this one, `benchmarks.quality_w4a4`): ``--formats``,
     ``--recipe`` (JSON of ``rows_type``'s fields), ``--keep``; a bad format, recipe field or kept
     JSON is an argparse error naming it, before any model is loaded."""
-    from .common import FORMATS
+    from .common import format_names
 
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument(
@@ -401,11 +399,7 @@ def rows_main(argv: list[str] | None, doc: str, rows_type: type, run_rows, name:
         b = rows_type(**json.loads(a.recipe)) if a.recipe else rows_type()
     except (ValueError, TypeError) as e:
         ap.error(f"--recipe: {e}")
-    if a.formats:
-        b = replace(b, formats=tuple(f.strip() for f in a.formats.split(",")))
-    unknown = [f for f in b.formats if f not in FORMATS]
-    if unknown:
-        ap.error(f"--formats: unknown {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
+    b = replace(b, formats=format_names(ap, "--formats", a.formats or b.formats))
     keep = None
     if a.keep:
         try:

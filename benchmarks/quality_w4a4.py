@@ -39,13 +39,12 @@ load_deployed`, the runtime emulator), against RTN as deployed (`quality_low_bit
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
-from .common import exact, format_scheme, log, target
+from .common import exact, target
 from .lab import DEPLOY_TARGET
-from .quality_low_bits import TWO_PHASE_ROW, RowTable, rows_lab, rows_main, run_rows, runtimes_of, two_phase
+from .quality_low_bits import TWO_PHASE_ROW, RowTable, rows_lab, rows_main, run_rows, two_phase
 
 SCALES_ROW = "QAT: scales"
 # deployed = trained for W4A4 holds in distribution, not bit for bit (the activation codes at a
@@ -100,22 +99,12 @@ def _qat_record(rec: dict) -> dict:
 
 
 def one_format(lab, b: W4A4Rows, fmt: str, bf16: dict) -> dict[str, Any]:
-    scheme = format_scheme(fmt)
-    t0 = time.perf_counter()
     # every model here ties the scales vLLM merges (`qatlib.runtime.tying`): NVFP4's fused q/k/v and
     # gate/up shards share one global scale in vLLM (their max), so untied shards deploy off by their
-    # ratio to it (measured: a weight-trained NVFP4 model of 26.1 PPL deployed at 5851)
-    rtn_m = lab.rtn(scheme, deploy_target=DEPLOY_TARGET)
-    rtn = lab.eval(rtn_m, mc=False)
-    log(f"w4a4 {fmt}: bf16 {bf16['ppl']:.3f} rtn {rtn['ppl']:.3f}")
-    plain = None
-    if b.smooth_alpha is not None:  # the issue's baseline stays plain RTN: recorded beside
-        pm = lab.rtn(scheme, deploy_target=DEPLOY_TARGET, smooth=False)
-        plain = (lab.eval(pm, mc=False), lab.deployed_eval(pm, scheme) if b.deployed else None)
-        del pm
-    table = RowTable(lab, scheme, fmt, bf16, rtn, b.deployed, plain=plain)
-    table.add("rtn", rtn_m, 0.0, q=rtn)
-    del rtn_m
+    # ratio to it (measured: a weight-trained NVFP4 model of 26.1 PPL deployed at 5851); with
+    # ``smooth_alpha`` the table records plain RTN beside (`RowTable.from_rtn`)
+    table = RowTable.from_rtn(lab, fmt, bf16, deployed=b.deployed, tag="w4a4", deploy_target=DEPLOY_TARGET)
+    scheme = table.scheme
     if "scales" in b.rows:
         start = lab.rtn(scheme, deploy_target=DEPLOY_TARGET)
         m, rec = lab.qat(scheme, steps=b.steps, start=start, teacher="self")
@@ -131,16 +120,7 @@ def one_format(lab, b: W4A4Rows, fmt: str, bf16: dict) -> dict[str, Any]:
         del bm
         table.add(TWO_PHASE_ROW, pm, extra.pop("train_s"), **extra)
         del pm
-    return {
-        "format": fmt,
-        "scheme": scheme.to_dict(),
-        "runtimes": runtimes_of(scheme),
-        "bf16_ppl": round(bf16["ppl"], 4),
-        "rtn_ppl": round(rtn["ppl"], 4),
-        "gptq_ppl": None,
-        "rows": table.rows,
-        "wall_s": round(time.perf_counter() - t0, 1),
-    }
+    return table.record()
 
 
 def targets_of(b: W4A4Rows, done: list[dict]) -> list[dict]:
