@@ -15,9 +15,9 @@ from conftest import build_model, tiny_qwen3_config, tiny_qwen3_moe_config
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from qatlib import export as export_mod
 from qatlib.export import ExportError, compressed_tensors_format, export
 from qatlib.export import compress as compress_mod
+from qatlib.export import plan as plan_mod
 from qatlib.export.format import CTFormat
 from qatlib.ptq import calibrate, save_ptq_checkpoint
 from qatlib.quant import (
@@ -415,14 +415,14 @@ def test_export_refuses_destroyed_weights(tmp_path, monkeypatch):
     bug: an fp8 header written over int4 weights) stops the export before anything is written.
     Simulated with a mapping that declares int3 weights for an int4 model."""
     model, scheme = _calibrated(g16(preset("w4a8_fp8")))
-    real = export_mod.compressed_tensors_format
+    real = plan_mod.compressed_tensors_format
 
     def wrong_format(s, **kw):
         f = real(s, **kw)
         bad = f.scheme.model_copy(update={"weights": f.scheme.weights.model_copy(update={"num_bits": 3})})
         return CTFormat(bad, f.format, None)
 
-    monkeypatch.setattr(export_mod, "compressed_tensors_format", wrong_format)
+    monkeypatch.setattr(plan_mod, "compressed_tensors_format", wrong_format)
     with pytest.raises(ExportError, match="round trip changed the weight"):
         export(model, scheme, tmp_path / "w", "real")
     assert list(tmp_path.iterdir()) == []

@@ -47,10 +47,25 @@ pattern copied over would change meaning. An ignore set that quantizes part of a
 (q/k/v, gate/up, a layer's experts; `qatlib.runtime.fusion`) is refused. What the deployed
 arithmetic still changes is recorded in ``qatlib_export.json`` (`qatlib.runtime.differences`).
 
-Everything is validated before anything is written, and written to a temporary directory that is
-renamed into place at the end. The pieces take a model plus an optional iterator of
-``(name, module)`` so the ZeRO-3 path can hand over modules one at a time, gathered
-(the ZeRO-3 module walk ``iter_gathered_modules``), with only the main process writing.
+How an export runs, top to bottom (the package's modules, each importing only those below it):
+
+1. plan (`qatlib.export.plan`, `plan_export`): the model is checked against the scheme, then each
+   owner is asked once what the export needs: the compressed-tensors mapping
+   (`qatlib.export.format`), the checked ignore set and config.json's ignore list and header, the
+   KV cache's projections and the tied names (`qatlib.checkpoint`), what vLLM / SGLang merge and
+   change at load (`qatlib.runtime`). One frozen `ExportPlan`; nothing is written yet.
+2. validate the target: the output directory (non-empty is an error unless ``overwrite``); the
+   plan's changes and runtime notes are logged.
+3. write the tensors (`qatlib.export.compress`, following the plan): in memory (here: the model's
+   tensors collected, then ``save_pretrained``) or streamed (`qatlib.export.stream`: a skeleton
+   onloaded layer by layer, each tensor spilled into its shard), into a temporary directory.
+4. write the side files (`qatlib.export.compress.write_side_files`): config.json's
+   ``quantization_config``, the tokenizer, KV-cache / resume scales, ``qatlib_export.json``
+   (`ExportPlan.record`); then the temporary directory is renamed into place.
+
+The writers take a model plus an optional iterator of ``(name, module)`` so the ZeRO-3 path can
+hand over modules one at a time, gathered (the ZeRO-3 module walk ``iter_gathered_modules``), with
+only the main process writing.
 """
 
 from __future__ import annotations
@@ -61,87 +76,28 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
-from .. import __version__
-from ..checkpoint.keys import kv_role, scale_state_dict
-from ..checkpoint.layout import (
-    AtomicDir,
-)
-from ..quant import QuantLinear, QuantScheme, quant_linears
-from ..quant.calibration import prepared_mismatch
-from ..quant.health import bad_quant_params
-from ..quant.linear import attention_role
-from ..quant.spec import Granularity
-from .compress import ExportJob, check_ignore, export_tensors, write_side_files
+from ..checkpoint.layout import AtomicDir
+from ..quant import QuantScheme
+from .compress import iter_export_tensors, write_side_files
 from .format import ExportError, compressed_tensors_format
+from .plan import SAVE_FORMATS, ExportPlan, log_plan, plan_export
 
 if TYPE_CHECKING:
     from ..zero3.onload import Onloader
 
+__all__ = [
+    "SAVE_FORMATS",
+    "ExportError",
+    "ExportPlan",
+    "compressed_tensors_format",
+    "export",
+    "plan_export",
+]
+
 log = logging.getLogger(__name__)
-
-SAVE_FORMATS = ("real", "fake", "save_kvcache_only", "real_and_kvcache")
-
-
-def _check_model(model: nn.Module, scheme: QuantScheme, save_format: str) -> list[tuple[str, QuantLinear]]:
-    qls = list(quant_linears(model))
-    if not qls:
-        raise ExportError(
-            "export: the model has no QuantLinear layers (prepare / calibrate / train it first)"
-        )
-    problem = prepared_mismatch(model, scheme)
-    if problem is not None:
-        raise ExportError(problem)
-    mods = dict(model.named_modules())
-    for name, ql in qls:
-        parent, _, child = name.rpartition(".")
-        oq, role = ql.output_quantizer, attention_role(mods.get(parent), child)
-        ospec = getattr(scheme, role) if role is not None else None
-        if (oq is None) != (ospec is None) or (
-            oq is not None and oq.spec.replace(num_heads=None) != ospec.replace(num_heads=None)
-        ):
-            raise ExportError(
-                f"{name}.output_quantizer ({'none' if oq is None else oq.spec.describe()}) does not match the scheme "
-                f"({'none' if ospec is None else ospec.describe()})"
-            )
-        if (
-            save_format != "fake"
-            and ql.weight_quantizer is not None
-            and ql.weight_quantizer.spec.granularity is Granularity.GROUP
-        ):
-            if ql.in_features % ql.weight_quantizer.spec.group_size:
-                raise ExportError(
-                    f"group_size {ql.weight_quantizer.spec.group_size} does not divide {name}.in_features"
-                )
-    if save_format in ("save_kvcache_only", "real_and_kvcache"):
-        kv = [
-            n
-            for n, ql in qls
-            if ql.output_quantizer is not None and kv_role(n, model) and not ql.output_quantizer.spec.dynamic
-        ]
-        if not kv:
-            raise ExportError(
-                f"save_format {save_format!r} needs static k/v output quantizers (scheme.k / scheme.v)"
-            )
-    # A NaN / inf / non-positive scale would only surface as "round trip changed the weight (nan)"
-    # or a broken deployment: refuse it by name (`qatlib.trainers.guard`, this rank's share under ZeRO-3).
-    bad = bad_quant_params(model)
-    if bad:
-        raise ExportError(f"export: {len(bad)} quantizer parameter(s) out of range: " + "; ".join(bad[:5]))
-    uninit = [
-        f"{n}.{r}"
-        for n, ql in qls
-        for r, q in ql.quantizers()
-        if q.scale is not None and not bool(q.initialized)
-    ]
-    if uninit:
-        log.warning(
-            "export: %d static quantizer(s) were never initialised (scale = init value), e.g. %s",
-            len(uninit),
-            uninit[0],
-        )
-    return qls
 
 
 def export(
@@ -163,79 +119,58 @@ def export(
     """Export a prepared model by ``save_format`` (``real``, ``fake``, ``save_kvcache_only``,
     ``real_and_kvcache``) to ``out_dir``; returns the directory (None on non-main processes).
 
-    Everything that can be checked is checked before writing: the format, that the model holds
-    `QuantLinear` layers of ``scheme``, that compressed-tensors can represent the scheme
-    (`compressed_tensors_format`), the target directory (non-empty is an error unless
-    ``overwrite``). ``ignore`` adds entries to the checkpoint's ignore list (the unquantized
-    linears, embeddings and routers are always listed). ``modules`` / ``is_main_process``: see
-    `export_tensors`; every process iterates, only the main one writes.
+    Everything that can be checked is checked before writing (`plan_export`): the format, that the
+    model holds `QuantLinear` layers of ``scheme``, that compressed-tensors can represent the scheme
+    (`compressed_tensors_format`), the ignore set, then the target directory (non-empty is an error
+    unless ``overwrite``). ``ignore`` is the user's ``ignore_layers``: checked, never copied (the
+    unquantized linears, embeddings and routers are listed by name). ``modules`` /
+    ``is_main_process``: see `iter_export_tensors`; every process iterates, only the main one writes.
 
     ``onload`` (a `qatlib.zero3.onload.Onloader` over a skeleton model, `qatlib.models.load_prepared`
-    with ``skeleton=True``): the streaming export (`qatlib.export.stream`). Each decoder layer is onloaded in turn, its codes
-    computed tensor by tensor and written into shards of at most ``max_shard_size`` bytes as they
-    fill, so host memory holds one shard and one layer, never the model. Same tensors (and, for a
-    model within one shard, the same bytes) as the in-memory export.
+    with ``skeleton=True``): the streaming export (`qatlib.export.stream`). Each decoder layer is
+    onloaded in turn, its codes computed tensor by tensor and written into shards of at most
+    ``max_shard_size`` bytes as they fill, so host memory holds one shard and one layer, never the
+    model. Same tensors (and, for a model within one shard, the same bytes) as the in-memory export.
     """
-    if save_format not in SAVE_FORMATS:
-        raise ExportError(f"save_format must be one of {', '.join(SAVE_FORMATS)}; got {save_format!r}")
-    _check_model(model, scheme, save_format)
-    fmt = (
-        compressed_tensors_format(scheme, w4a8_activation=w4a8_activation)
-        if save_format in ("real", "real_and_kvcache")
-        else None
+    # 1. the plan. Scales are measured for the deployment record: a streamed skeleton holds every
+    # scale (only weights are offloaded), a ZeRO-3 process only its share
+    plan = plan_export(
+        model, scheme, save_format, ignore=ignore, w4a8_activation=w4a8_activation, measure=modules is None
     )
-    if fmt is not None:
-        check_ignore(model, ignore)
+    # 2. the target directory
     target = AtomicDir(out_dir, overwrite=overwrite)
     if is_main_process:
         target.check()
-    info: dict[str, Any] = {
-        "qatlib_version": __version__,
-        "save_format": save_format,
-        "scheme": scheme.to_dict(),
-    }
-    if fmt is not None:
-        import compressed_tensors
-
-        for msg in fmt.changes:
-            log.warning("export (%s): %s", scheme.name, msg)
-        for msg in fmt.runtime_notes:
-            log.warning("export (%s), deployment: %s", scheme.name, msg)
-        info["compressed_tensors"] = {
-            "version": compressed_tensors.__version__,
-            "format": fmt.format,
-            "changes": list(fmt.changes),
-            "runtime_notes": list(fmt.runtime_notes),
-        }
-    if fmt is not None:
-        from ..runtime.differences import deployment_differences
-
-        # measured on the scales; a streamed skeleton holds every scale (only weights are offloaded)
-        info["deployment"] = deployment_differences(
-            model, scheme, w4a8_activation=w4a8_activation, measure=modules is None
-        )
-    if save_format == "fake":
-        info["note"] = (
-            "weights are dequantize(quantize(W)); activation / KV-cache quantization is not represented"
-        )
-
-    job = ExportJob(model, scheme, save_format, fmt, target, info, tokenizer, tuple(ignore), verify)
+    log_plan(plan)
+    # 3.-4. the tensors, then the side files: streamed ...
     if onload is not None:
         from .stream import export_streaming
 
-        return export_streaming(job, onload, max_shard_size)
+        return export_streaming(
+            model, plan, target, onload, max_shard_size=max_shard_size, tokenizer=tokenizer, verify=verify
+        )
+    # ... or in memory
+    kv: dict[str, torch.Tensor] | None = {} if plan.kv_file is not None else None
     # A `fake` save is also a warm-start / resume checkpoint (`resume_ckpt_dir`): it carries the
     # scales in the PTQ key format + quant_scheme.json. Plain in-memory models only: the ZeRO-3
     # path (`modules`) streams each layer once, for the weights.
-    resume_scales = scale_state_dict(model) if save_format == "fake" and modules is None else None
-    state, kv = export_tensors(
-        model, job.weights, fmt, kv=job.want_kv, modules=modules, verify=verify, keep=is_main_process
+    resume: dict[str, torch.Tensor] | None = {} if plan.resume_file is not None and modules is None else None
+    state = dict(
+        iter_export_tensors(
+            model,
+            plan,
+            kv_scales=kv,
+            resume_scales=resume,
+            modules=modules,
+            verify=verify,
+            keep=is_main_process,
+        )
     )
     if not is_main_process:
         return None
     with target as tmp:
-        if job.weights is not None:
+        if plan.weights is not None:
             model.save_pretrained(str(tmp), state_dict=state)
-        write_side_files(tmp, job, kv if job.want_kv else None, resume_scales)
+        write_side_files(tmp, plan, tokenizer=tokenizer, kv_scales=kv, resume_scales=resume)
     log.info("exported %s (%s) to %s", scheme.name, save_format, out_dir)
     return Path(out_dir)

@@ -1,72 +1,35 @@
-"""What an export writes, tensor by tensor: each `QuantLinear` compressed by compressed-tensors'
-own compressor from qatlib's codes and scales (and checked by decompressing it again), the other
-tensors as they are, the checkpoint's ``quantization_config`` and ignore list, and the side files
-(`write_side_files`). `qatlib.export.export` (the verb: validation, the in-memory path) and
-`qatlib.export.stream` (the streamed path) both write through these; see `qatlib.export` for
-the format mapping.
+"""What an export writes, tensor by tensor, following its `ExportPlan` (`qatlib.export.plan`):
+each `QuantLinear` compressed by compressed-tensors' own compressor from qatlib's codes and
+scales (and checked by decompressing it again), the other tensors as they are, then the side
+files (`write_side_files`: config.json's header, tokenizer, KV-cache and resume scales,
+``qatlib_export.json``). `qatlib.export.export` (the in-memory path) and `qatlib.export.stream`
+(the streamed path) both write through these; see `qatlib.export` for the format mapping.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ..checkpoint.keys import kv_role, parse_key, scale_state_dict
-from ..checkpoint.layout import (
-    EXPORT_INFO_FILE,
-    EXPORT_KV_SCALES_FILE,
-    FAKE_EXPORT_SCALES_FILE,
-    KV_SCALES_FILE,
-    SCHEME_FILE,
-    AtomicDir,
-    write_json,
-)
+from ..checkpoint.keys import key_of, scale_state_dict
+from ..checkpoint.layout import EXPORT_INFO_FILE, SCHEME_FILE, write_json
 from ..checkpoint.st_write import save_tensors
-from ..quant import QuantLinear, QuantScheme
+from ..quant import QuantLinear
 from ..quant import functional as F
-from ..quant.linear import is_router, weight_readable
+from ..quant.linear import weight_readable
 from ..quant.quantizer import Quantizer
 from ..quant.spec import CheckpointFormat, Granularity
 from .format import CTFormat, ExportError
-
-if TYPE_CHECKING:
-    pass
+from .plan import ExportPlan
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ExportJob:
-    """What `export` settled before writing anything (format checked, target directory checked,
-    ``qatlib_export.json``'s content): the inputs the in-memory and the streaming writer
-    (`qatlib.export.stream`) share."""
-
-    model: nn.Module
-    scheme: QuantScheme
-    save_format: str
-    fmt: CTFormat | None  # None: no compressed-tensors weights (fake / kv-cache only)
-    target: AtomicDir
-    info: dict[str, Any]
-    tokenizer: Any = None
-    ignore: tuple[str, ...] = ()
-    verify: bool = True
-
-    @property
-    def weights(self) -> str | None:
-        """What the checkpoint tensors are: ``real`` (compressed), ``fake`` or None (none written)."""
-        return {"real": "real", "real_and_kvcache": "real", "fake": "fake"}.get(self.save_format)
-
-    @property
-    def want_kv(self) -> bool:
-        return self.save_format in ("save_kvcache_only", "real_and_kvcache")
 
 
 def _zp_dtype(args) -> torch.dtype:
@@ -176,62 +139,28 @@ def _own_tensors(module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_tensors(
-    model: nn.Module,
-    weights: str | None,
-    fmt: CTFormat | None = None,
-    *,
-    kv: bool = False,
-    modules: Iterable[tuple[str, nn.Module]] | None = None,
-    verify: bool = True,
-    keep: bool = True,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """``(checkpoint tensors, kv-cache scales)`` of an export, on CPU.
-
-    ``weights``: ``"real"`` (compressed-tensors tensors, needs ``fmt``; static k/v output scales
-    become ``<attn>.k_scale`` / ``v_scale`` when ``fmt.kv_cache`` is set), ``"fake"`` (fake-quant
-    weights) or None (no checkpoint tensors). ``kv``: also collect ``<attn>.k_cache.scale`` /
-    ``v_cache.scale``. ``modules`` yields ``(name, module)`` units covering ``model`` (default
-    ``model.named_modules()``); a unit's parameters must be readable while it is yielded, a
-    `QuantLinear` together with its quantizers (ZeRO-3: ``iter_gathered_modules``).
-    ``keep=False`` (non-main ranks) walks the units without computing anything.
-    """
-    kv_scales: dict[str, torch.Tensor] = {}
-    state = dict(
-        iter_export_tensors(
-            model,
-            weights,
-            fmt,
-            kv_scales=kv_scales if kv else None,
-            modules=modules,
-            verify=verify,
-            keep=keep,
-        )
-    )
-    return state, kv_scales
-
-
 def iter_export_tensors(
     model: nn.Module,
-    weights: str | None,
-    fmt: CTFormat | None = None,
+    plan: ExportPlan,
     *,
     kv_scales: dict[str, torch.Tensor] | None = None,
     resume_scales: dict[str, torch.Tensor] | None = None,
     modules: Iterable[tuple[str, nn.Module]] | None = None,
     verify: bool = True,
     keep: bool = True,
-    skip: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """`export_tensors` one tensor at a time, in module order (what the streaming export writes
-    shard by shard). ``kv_scales`` / ``resume_scales`` (dicts) collect the KV-cache scales / the
-    PTQ-key scales of each `QuantLinear` while it is yielded. ``skip(name)``: parameters not to
-    write (the alias names of tied weights on a streamed model)."""
-    if weights not in ("real", "fake", None):
-        raise ExportError(f"weights must be 'real', 'fake' or None, not {weights!r}")
-    if weights == "real" and fmt is None:
-        raise ExportError("a 'real' export needs the compressed-tensors format (compressed_tensors_format)")
-    seen: set[int] = set()
+    """The checkpoint tensors of ``plan`` (``plan.weights``: compressed-tensors tensors, with
+    ``<attn>.k_scale`` / ``v_scale`` for a ``kv_cache_scheme``; fake-quant weights; or none), one
+    at a time, on CPU, in module order: what the in-memory export collects and the streamed one
+    writes shard by shard. ``kv_scales`` / ``resume_scales`` (dicts) collect the KV-cache scales
+    (``<attn>.k_cache.scale``) / the PTQ-key scales of each `QuantLinear` while it is yielded.
+
+    ``modules`` yields ``(name, module)`` units covering ``model`` (default
+    ``model.named_modules()``); a unit's parameters must be readable while it is yielded, a
+    `QuantLinear` together with its quantizers (ZeRO-3: ``iter_gathered_modules``; streamed:
+    ``iter_onloaded_modules``). ``keep=False`` (non-main ranks) walks the units without computing
+    anything."""
+    weights, fmt = plan.weights, plan.fmt
     for name, module in model.named_modules() if modules is None else modules:
         if not keep or isinstance(module, Quantizer):
             continue  # quantizers are read with their QuantLinear
@@ -239,26 +168,17 @@ def iter_export_tensors(
         if not isinstance(module, QuantLinear):
             if weights is not None:
                 for k, t in _own_tensors(module, prefix).items():
-                    # tied weights once: by name when ``skip`` is given (a streamed tensor is freed
-                    # once written, so its id may come back), else by tensor identity
-                    if skip is not None:
-                        if not skip(k):
-                            yield k, t.cpu().contiguous()
-                    elif id(t) not in seen:
-                        seen.add(id(t))
+                    if k not in plan.aliases:  # a tied tensor once, under its first name
                         yield k, t.cpu().contiguous()
             continue
-        role = kv_role(name, model)
-        if resume_scales is not None:
-            resume_scales.update(scale_state_dict(model, linears=[(name, module)]))
-        if kv_scales is not None and role is not None:
-            kv_scales.update(
-                {
-                    k: v
-                    for k, v in scale_state_dict(model, linears=[(name, module)]).items()
-                    if (p := parse_key(k)) is not None and p.role == "output" and p.kind == "scale"
-                }
-            )
+        role = plan.kv_roles.get(name)
+        kv_key = key_of(name, "output", "scale", role) if kv_scales is not None and role is not None else None
+        if resume_scales is not None or kv_key is not None:
+            scales = scale_state_dict(model, linears=[(name, module)])
+            if resume_scales is not None:
+                resume_scales.update(scales)
+            if kv_key in scales:
+                kv_scales[kv_key] = scales[kv_key]
         if weights == "fake":
             if not weight_readable(module.weight):
                 raise ExportError(f"weight of {name} is not readable (ZeRO-3 shard or meta): gather it first")
@@ -287,92 +207,38 @@ def iter_export_tensors(
                 yield f"{attn}.attn.{role}_scale", ks.clone()
 
 
-def ignore_list(model: nn.Module, extra: Sequence[str] = ()) -> list[str]:
-    """Module names compressed-tensors / vLLM must leave unquantized: every plain linear (e.g.
-    ``lm_head``), embedding and MoE router gate, by resolved name only.
-
-    ``extra`` (the user's ``ignore_layers``: names or ``re:`` regexes, qatlib's matching) is checked
-    (`check_ignore`), never copied: a runtime reads ``re:`` entries with ``re.match`` (prefix;
-    compressed-tensors utils/match.py `match_name`, vLLM quantization/utils, SGLang CT utils.py),
-    so ``re:model.layers.1`` would unquantize every layer-1 linear there. Every module the
-    patterns select is a plain linear of the model, hence already named here."""
-    check_ignore(model, extra)
-    names = []
-    mods = dict(model.named_modules())
-    for name, m in mods.items():
-        if not name or isinstance(m, (QuantLinear, Quantizer)):
-            continue
-        parent_name, _, child = name.rpartition(".")
-        if isinstance(m, (nn.Linear, nn.Embedding)) or is_router(mods.get(parent_name), child):
-            names.append(name)
-    return names
-
-
-def check_ignore(model: nn.Module, patterns: Sequence[str]) -> None:
-    """`ExportError` for an ignore set a runtime would read differently (`qatlib.runtime.ignore`)."""
-    from ..runtime.ignore import ignore_problems
-
-    problem = ignore_problems(model, patterns)
-    if problem:
-        raise ExportError(problem)
-
-
-def quantization_config(model: nn.Module, fmt: CTFormat, *, ignore: Sequence[str] = ()):
-    """The compressed-tensors `QuantizationConfig` (status ``compressed``) for ``config.json``."""
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
-
-    return QuantizationConfig(
-        config_groups={"group_0": fmt.scheme},
-        kv_cache_scheme=fmt.kv_cache,
-        format=fmt.format,
-        quantization_status=QuantizationStatus.COMPRESSED,
-        ignore=ignore_list(model, ignore),
-    )
-
-
-def fp8_native_config(model: nn.Module, scheme: QuantScheme, *, ignore: Sequence[str] = ()) -> dict[str, Any]:
-    """``config.json``'s ``quantization_config`` in vLLM's / SGLang's own fp8 format
-    (`CheckpointFormat.FP8`, upstream's ``save_name: fp8``: angelslim/compressor/quant/core/save.py
-    l.292-315): ``quant_method``, ``activation_scheme`` and ``ignored_layers`` (`ignore_list`; vLLM
-    matches them exactly, ``Fp8Config.get_quant_method``)."""
-    return {
-        "quant_method": CheckpointFormat.FP8.value,
-        "activation_scheme": "dynamic" if scheme.input.dynamic else "static",
-        "ignored_layers": ignore_list(model, ignore),
-    }
-
-
-# --------------------------------------------------------------------------- entry point
+# --------------------------------------------------------------------------- side files
 def write_side_files(
     tmp: Path,
-    job: ExportJob,
-    kv: dict[str, torch.Tensor] | None,
-    resume_scales: dict[str, torch.Tensor] | None,
+    plan: ExportPlan,
+    *,
+    tokenizer: Any = None,
+    kv_scales: dict[str, torch.Tensor] | None = None,
+    resume_scales: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Everything of an export but the weight files: the config's quantization_config, the
-    tokenizer, the KV-cache and resume scales, ``qatlib_export.json``."""
-    model, scheme, fmt, weights = job.model, job.scheme, job.fmt, job.weights
-    if weights is not None:
-        if fmt is not None and scheme.checkpoint_format is CheckpointFormat.FP8:
+    """Everything of an export but the weight files, into the folder ``tmp`` holding them:
+    config.json's ``quantization_config`` (``plan.quantization_config``), the tokenizer, the
+    KV-cache scales (``plan.kv_file``) and resume scales (``plan.resume_file``, with
+    ``quant_scheme.json``), ``qatlib_export.json`` (`ExportPlan.record`)."""
+    if plan.weights is not None:
+        if plan.quantization_config is not None and plan.scheme.checkpoint_format is CheckpointFormat.FP8:
             cfg_file = tmp / "config.json"
             cfg = json.loads(cfg_file.read_text())
-            cfg["quantization_config"] = fp8_native_config(model, scheme, ignore=job.ignore)
+            cfg["quantization_config"] = plan.quantization_config
             write_json(cfg_file, cfg)
-        elif fmt is not None:
+        elif plan.quantization_config is not None:
             from compressed_tensors.compressors import ModelCompressor
 
-            ModelCompressor(
-                quantization_config=quantization_config(model, fmt, ignore=job.ignore)
-            ).update_config(str(tmp))
-        if job.tokenizer is not None:
-            job.tokenizer.save_pretrained(str(tmp))
-    if kv is not None:
-        kv_file = tmp / (KV_SCALES_FILE if weights is None else EXPORT_KV_SCALES_FILE)
+            ModelCompressor(quantization_config=plan.quantization_config).update_config(str(tmp))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+    if plan.kv_file is not None:
+        kv_file = tmp / plan.kv_file
         kv_file.parent.mkdir(exist_ok=True)
-        save_file(kv, str(kv_file), metadata={"format": "pt"})
-    if resume_scales:
-        (tmp / FAKE_EXPORT_SCALES_FILE).parent.mkdir(exist_ok=True)
+        save_file(kv_scales, str(kv_file), metadata={"format": "pt"})
+    if plan.resume_file is not None and resume_scales:
+        (tmp / plan.resume_file).parent.mkdir(exist_ok=True)
         meta = {"format": "pt", "qatlib": "fake-export-scales"}
-        save_tensors(resume_scales, tmp / FAKE_EXPORT_SCALES_FILE, metadata=meta)
-        write_json(tmp / SCHEME_FILE, scheme.to_dict())
-    write_json(tmp / EXPORT_INFO_FILE, job.info, sort_keys=True)
+        save_tensors(resume_scales, tmp / plan.resume_file, metadata=meta)
+        write_json(tmp / SCHEME_FILE, plan.scheme.to_dict())
+    write_json(tmp / EXPORT_INFO_FILE, plan.record(), sort_keys=True)

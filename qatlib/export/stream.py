@@ -16,13 +16,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
-from ..checkpoint.layout import WEIGHTS_FILE, name_weight_shards
+from ..checkpoint.layout import WEIGHTS_FILE, AtomicDir, name_weight_shards
 from ..checkpoint.st_write import ShardWriter
-from .compress import ExportJob, iter_export_tensors, write_side_files
+from .compress import iter_export_tensors, write_side_files
+from .plan import ExportPlan
 
 if TYPE_CHECKING:
     from ..zero3.onload import Onloader
@@ -30,28 +32,32 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def export_streaming(job: ExportJob, loader: Onloader, max_shard_size: int) -> Path:
-    """Write ``job`` layer by layer, shard by shard, inside its atomic target (a failure midway
-    leaves no output); returns the output directory."""
-    from ..checkpoint.safetensors import model_tensors
+def export_streaming(
+    model: nn.Module,
+    plan: ExportPlan,
+    target: AtomicDir,
+    loader: Onloader,
+    *,
+    max_shard_size: int,
+    tokenizer: Any = None,
+    verify: bool = True,
+) -> Path:
+    """Write ``plan`` for the skeleton ``model`` layer by layer, shard by shard, inside ``target``
+    (a failure midway leaves no output); returns the output directory."""
     from ..zero3.onload import iter_onloaded_modules
 
-    model = job.model
-    aliases = model_tensors(model).aliases  # tied names: save_pretrained writes the first only
-    kv: dict[str, torch.Tensor] | None = {} if job.want_kv else None
-    resume: dict[str, torch.Tensor] | None = {} if job.save_format == "fake" else None
+    kv: dict[str, torch.Tensor] | None = {} if plan.kv_file is not None else None
+    resume: dict[str, torch.Tensor] | None = {} if plan.resume_file is not None else None
     tensors = iter_export_tensors(
         model,
-        job.weights,
-        job.fmt,
+        plan,
         kv_scales=kv,
         resume_scales=resume,
         modules=iter_onloaded_modules(model, loader),
-        verify=job.verify,
-        skip=aliases.__contains__,
+        verify=verify,
     )
-    with job.target as tmp:
-        if job.weights is not None:
+    with target as tmp:
+        if plan.weights is not None:
             # config.json / generation_config.json exactly as save_pretrained writes them
             model.save_pretrained(str(tmp), state_dict={})
             (tmp / WEIGHTS_FILE).unlink(missing_ok=True)
@@ -59,11 +65,11 @@ def export_streaming(job: ExportJob, loader: Onloader, max_shard_size: int) -> P
         else:
             for _ in tensors:
                 pass
-        write_side_files(tmp, job, kv, resume)
+        write_side_files(tmp, plan, tokenizer=tokenizer, kv_scales=kv, resume_scales=resume)
     log.info(
-        "exported %s (%s, streamed layer by layer) to %s", job.scheme.name, job.save_format, job.target.out
+        "exported %s (%s, streamed layer by layer) to %s", plan.scheme.name, plan.save_format, target.out
     )
-    return Path(job.target.out)
+    return Path(target.out)
 
 
 def write_shards(
