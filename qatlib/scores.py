@@ -6,8 +6,20 @@ that neither imports the other. Imports nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+
+def window_perplexity(window_nll_sums: Sequence[float], window_tokens: Sequence[int]) -> tuple[float, float]:
+    """``(nll, ppl)`` of scored windows: ``nll`` the mean NLL per predicted token over all windows
+    (the windows' NLL sums added in order, over their token counts), ``ppl = exp(nll)``. The one
+    definition of a perplexity figure, shared by the in-process evaluation
+    (`qatlib.eval.perplexity`, where a window of n tokens scores tokens 1..n-1) and the engine's
+    (`qatlib.serve`), so a served and an emulated column are the same quantity."""
+    nll = sum(window_nll_sums) / sum(window_tokens)
+    return nll, math.exp(nll)
+
 
 # lm-eval bookkeeping that sits among a task's metrics (numbers, but not scores).
 NON_METRICS = frozenset({"sample_len", "sample_count", "samples"})

@@ -293,3 +293,16 @@ def test_split_tasks_tells_local_folders_from_hub_names(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"empty has no empty.yaml"):
         split_tasks([str(tmp_path / "empty")])
+
+
+def test_window_perplexity_is_the_token_weighted_mean_nll():
+    """One definition for the in-process and the served column (`qatlib.scores.window_perplexity`):
+    windows of 3 and 1 predicted tokens with NLL sums 6 and 2 -> 8 / 4 = 2 nats per token; with
+    sums 6 and 4: 10 / 4 = 2.5, where the mean of the window means would say (2 + 4) / 2 = 3."""
+    import math
+
+    from qatlib.scores import window_perplexity
+
+    assert window_perplexity([6.0, 2.0], [3, 1]) == (2.0, math.exp(2.0))
+    nll, ppl = window_perplexity([6.0, 4.0], [3, 1])
+    assert nll == 2.5 and ppl == math.exp(2.5)  # the mean of window means would be (2 + 4) / 2 = 3

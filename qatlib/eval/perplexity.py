@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..scores import window_perplexity
+
 HUB_SOURCES = ("wikitext2", "c4")
 C4_VALIDATION_SHARD = "en/c4-validation.00000-of-00008.json.gz"
 
@@ -109,8 +111,8 @@ def perplexity_of_ids(
     device = _device_of(model) if onload is None else onload.device
     was_training = model.training
     model.eval()
-    total_nll = 0.0
-    total_tokens = 0
+    window_sums: list[float] = []
+    window_tokens: list[int] = []
     window_nll: list[float] = []
     window_top1: list[float] = []
     t0 = time.perf_counter()
@@ -133,22 +135,22 @@ def perplexity_of_ids(
                 lg = logits[r, :-1].float()
                 nll = F.cross_entropy(lg, batch[r, 1:], reduction="sum").item()
                 hits = (lg.argmax(-1) == batch[r, 1:]).sum().item()
-                total_nll += nll
-                total_tokens += batch.shape[1] - 1
+                window_sums.append(nll)
+                window_tokens.append(batch.shape[1] - 1)
                 window_nll.append(nll / (batch.shape[1] - 1))
                 window_top1.append(hits / (batch.shape[1] - 1))
     finally:
         model.train(was_training)
-    nll = total_nll / total_tokens
+    nll, ppl = window_perplexity(window_sums, window_tokens)
     top1 = sum(window_top1) / len(window_top1)  # windows hold equal token counts: the token mean
     return {
-        "ppl": math.exp(nll),
+        "ppl": ppl,
         "nll": nll,
         "top1": top1,
         "top1_stderr": _stderr(window_top1),
         "window_nll": window_nll,
         "window_top1": window_top1,
-        "tokens": total_tokens,
+        "tokens": sum(window_tokens),
         "windows": int(windows.shape[0]),
         "seq_len": seq_len,
         "seconds": time.perf_counter() - t0,
