@@ -1,5 +1,6 @@
 # The QAT workflow: corpus -> base_model -> ptq_calibrate -> zero3_qat -> convert_export
-#                    -> evaluate (bf16 / ptq / qat / export) + sqnr -> report
+#                    -> evaluate (bf16 / ptq / qat / export / deployed) + serve_evaluate (vLLM's
+#                       engine, .venv-serve; --config serve=false skips it) + sqnr -> report
 #
 #   snakemake                                   # the default experiment (profiles/default sets cores)
 #   snakemake results/qwen3-30b/report.html     # any config/experiments/<exp>.yaml

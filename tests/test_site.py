@@ -264,7 +264,15 @@ def _qat_shell(out: str) -> str:
     return next(line for line in out.splitlines() if "scripts/qat.py -c" in line)
 
 
-FULL_DAG = {"ptq_calibrate": 1, "zero3_qat": 1, "convert_export": 1, "evaluate": 5, "sqnr": 1, "report": 1}
+FULL_DAG = {
+    "ptq_calibrate": 1,
+    "zero3_qat": 1,
+    "convert_export": 1,
+    "evaluate": 5,
+    "serve_evaluate": 1,
+    "sqnr": 1,
+    "report": 1,
+}
 
 
 def _jobs(out: str) -> dict[str, int]:

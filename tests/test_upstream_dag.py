@@ -33,6 +33,7 @@ FULL_DAG = {
     "zero3_qat": 1,
     "convert_export": 1,
     "evaluate": 5,
+    "serve_evaluate": 1,
     "sqnr": 1,
     "report": 1,
 }

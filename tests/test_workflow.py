@@ -35,6 +35,7 @@ DEFAULT_DAG = {
     "zero3_qat": 1,
     "convert_export": 1,
     "evaluate": 5,
+    "serve_evaluate": 1,  # the export in vLLM's engine (eval/served.json; skipped with serve: false)
     "sqnr": 1,
     "report": 1,
     "all": 1,
@@ -371,6 +372,7 @@ def test_end_to_end_on_the_test_config(tmp_path):
         "evaluate[qat]",
         "evaluate[export]",
         "evaluate[deployed]",
+        "serve_evaluate",
         "sqnr",
         "report",
         "all",
@@ -392,6 +394,7 @@ def test_end_to_end_on_the_test_config(tmp_path):
         "evaluate[qat]",
         "evaluate[export]",
         "evaluate[deployed]",
+        "serve_evaluate",
         "report",
         "all",
     }
@@ -405,9 +408,14 @@ def test_end_to_end_on_the_test_config(tmp_path):
     # 8. a code change re-runs the stages that execute it (and what their new outputs feed)
     (repo / "scripts/export.py").write_text((repo / "scripts/export.py").read_text() + "\n")
     _, out = run([*sm, "-n"], repo)
-    assert dry_jobs(out) == {"convert_export", "evaluate[export]", "evaluate[deployed]", "report", "all"}, (
-        out[-4000:]
-    )
+    assert dry_jobs(out) == {
+        "convert_export",
+        "evaluate[export]",
+        "evaluate[deployed]",
+        "serve_evaluate",
+        "report",
+        "all",
+    }, out[-4000:]
     # ... a qatlib module only the SQNR analysis and the report import
     analysis = repo / "qatlib/analysis.py"
     analysis.write_text(analysis.read_text() + "\n")
@@ -416,6 +424,7 @@ def test_end_to_end_on_the_test_config(tmp_path):
         "convert_export",
         "evaluate[export]",
         "evaluate[deployed]",
+        "serve_evaluate",
         "sqnr",
         "report",
         "all",
@@ -434,6 +443,7 @@ def test_end_to_end_on_the_test_config(tmp_path):
         "evaluate[qat]",
         "evaluate[export]",
         "evaluate[deployed]",
+        "serve_evaluate",
         "report",
         "all",
     }, out[-4000:]

@@ -70,6 +70,14 @@ def tokenize_text(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def ppl_label(source: str) -> str:
+    """The dataset key of a perplexity figure in an eval record (``eval/<variant>.json``'s
+    ``ppl``): hub sets by name, local files as ``<folder>/<stem>``; the evaluate and the
+    serve_evaluate stages both key their figures by it, so the report lines them up."""
+    p = Path(source)
+    return source if not p.suffix else f"{p.parent.name}/{p.stem}"
+
+
 def make_windows(ids: torch.Tensor, seq_len: int, limit: int | None = None) -> torch.Tensor:
     """``[windows, seq_len]``: the non-overlapping windows, last partial one dropped; ``limit``
     keeps that many spread evenly over the whole text (window ``i * n // limit``), not its head:

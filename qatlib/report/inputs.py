@@ -17,7 +17,8 @@ from .. import analysis
 from ..checkpoint.hashes import product_hashes
 from ..checkpoint.layout import NESTED_DIR, TRAIN_LOG_FILE
 
-VARIANTS = ("bf16", "ptq", "qat", "export", "deployed")
+# served (optional, like export and deployed): the export in vLLM's own engine (rule serve_evaluate)
+VARIANTS = ("bf16", "ptq", "qat", "export", "deployed", "served")
 REQUIRED_VARIANTS = ("bf16", "ptq", "qat")
 PACKAGES = ("torch", "transformers", "deepspeed", "compressed-tensors", "lm-eval", "snakemake", "dvc")
 STAGES = (
@@ -76,8 +77,8 @@ def require_files(paths: Sequence[str | os.PathLike], what: str) -> None:
 # =========================================================================== evaluation
 def load_eval(exp_dir: str | os.PathLike) -> dict[str, dict]:
     """``eval/<variant>.json`` for every variant present; a missing required one is an error. A
-    result with ``skipped`` (the deployed variant under ``deploy.target: none``) is kept: `evaluated`
-    drops it, the report names the reason."""
+    result with ``skipped`` (the deployed variant under ``deploy.target: none``, the served one where
+    the engine refuses the format) is kept: `evaluated` drops it, the report names the reason."""
     exp = Path(exp_dir)
     out = {}
     for v in VARIANTS:

@@ -145,13 +145,13 @@ def _rel_gap(bf: float | None) -> float:
 
 
 # The variants whose recovery the report shows; ``deployed`` (the export through the runtime
-# emulator) is the one a user gets.
-RECOVERY_VARIANTS = ("qat", "export", "deployed")
+# emulator) is the one a user gets, ``served`` the same export in vLLM's own engine.
+RECOVERY_VARIANTS = ("qat", "export", "deployed", "served")
 
 
 def eval_rows(evals: Mapping[str, dict]) -> list[dict[str, Any]]:
     """One row per (kind, name, metric): the value per variant, ``min_gap`` and the `Recovery` of
-    the QAT / export / deployed variants present (skipped results left out)."""
+    the QAT / export / deployed / served variants present (skipped results left out)."""
     from .inputs import evaluated
 
     evals = evaluated(evals)

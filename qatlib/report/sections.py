@@ -18,7 +18,14 @@ from . import inputs
 from .blocks import cell, fmt, h3, img, json_tables, nbytes, para, pre, seconds, table, unavailable
 from .metrics import MIN_ABS_GAP, MIN_REL_GAP, RECOVERY_VARIANTS, DvcOutputs, loss_keys, sqnr_metrics
 
-VARIANT_LABELS = {"bf16": "BF16", "ptq": "PTQ", "qat": "QAT", "export": "export", "deployed": "deployed"}
+VARIANT_LABELS = {
+    "bf16": "BF16",
+    "ptq": "PTQ",
+    "qat": "QAT",
+    "export": "export",
+    "deployed": "deployed",
+    "served": "served",
+}
 # Compute per-layer SQNR in the report only when each weight source (BF16, PTQ, QAT) is at most this large.
 SQNR_MAX_BYTES = 1 << 30
 
@@ -61,7 +68,11 @@ def eval_section(evals: Mapping[str, dict], rows: Sequence[Mapping[str, Any]]) -
                 text = f"{100.0 * rec.shown:.1f}%"
                 cells.append(cell("0.0%" if text == "-0.0%" else text, "", "(PTQ - x) / (PTQ - BF16)"))
         table_rows.append(cells)
-    blocks = [table(columns, table_rows, "Perplexity and task scores")]
+    caption = "Perplexity and task scores"
+    served = (evals.get("served") or {}).get("label")
+    if served:  # the engine that computed the served column (`qatlib.serve.ServedResult.label` + dtype)
+        caption += f"; served = {served}"
+    blocks = [table(columns, table_rows, caption)]
     blocks.append(
         para(
             "Recovery = share of PTQ's loss that QAT (or the exported model) wins back: "
@@ -85,6 +96,15 @@ def eval_section(evals: Mapping[str, dict], rows: Sequence[Mapping[str, Any]]) -
                 "deployed = the export as the deployment runtime computes it (eval/deployed.json "
                 f"names the runtime and each load-time transformation): its recovery ("
                 f"{_headline(rows)}) is what a user of the runtime gets."
+            )
+        )
+    if "served" in evals:
+        note = evals["served"].get("dtype_note")
+        blocks.append(
+            para(
+                f"served = the export as vLLM's own engine serves it ({served or 'engine unknown'}; "
+                "eval/served.json), on the same windows; perplexity only, its recovery against the "
+                "emulated BF16 and PTQ" + (f". {note[0].upper()}{note[1:]}." if note else ".")
             )
         )
     unused = (evals.get("export") or {}).get("not_applied")

@@ -8,6 +8,7 @@
 #   deployed  the export as deploy.target (vLLM / SGLang) computes it: qatlib.runtime.emulate
 #           applies the runtime's load-time transformations; deploy.target none writes a
 #           {"skipped": reason} result the report shows
+#   served  (rule serve_evaluate) the export in vLLM's own engine -> eval/served.json
 # Perplexity on evaluation.ppl and accuracy on evaluation.tasks (lm-eval) -> eval/<variant>.json.
 
 
@@ -75,3 +76,39 @@ rule sqnr:
     shell:
         "python {input.code[0]} --ptq-ckpt {input.ptq} --qat-ckpt {input.qat} {params.base} --out {output.csv}"
         " --timing {output.timing} 2>&1 | tee {log}"
+
+
+rule serve_evaluate:
+    """Perplexity of the export as vLLM's own engine serves it (qatlib.serve, in the serving
+    environment .venv-serve made by install.sh), on the evaluate stage's windows; a format the
+    engine refuses on this machine, or serve: false / QATLIB_NO_SERVE=1, is a skipped record
+    with the reason (the DAG goes on); a missing serving environment fails the job.
+    """
+    input:
+        model=f"{RESULTS}/{{exp}}/export",
+        sources=lambda wc: EXPERIMENTS.eval_inputs(wc.exp),
+        code=code("serve_evaluate.py"),
+    output:
+        result=f"{RESULTS}/{{exp}}/eval/served.json",
+        timing=f"{RESULTS}/{{exp}}/timings/evaluate-served.json",
+    log:
+        f"{RESULTS}/{{exp}}/logs/evaluate-served.log",
+    conda:
+        "../envs/qatlib.yaml"
+    threads: config["threads"]
+    resources:
+        mem_mb=mem_mb("serve_evaluate"),
+        runtime=30,
+    params:
+        config=lambda wc: EXPERIMENTS.stage_config(
+            wc.exp, "evaluate", serve=config["serve"]
+        ),
+        yaml=lambda wc: EXPERIMENTS.yaml_path(wc.exp),
+        sets=lambda wc: EXPERIMENTS.cli_sets(wc.exp, "evaluate", "evaluation.ppl"),
+        serve="" if config["serve"] else "--no-serve",
+        hf_home=f"{RESULTS}/.hf_home",
+        progress=progress_flag(),
+    shell:
+        "python {input.code[0]} -c {params.yaml} --export {input.model} --out {output.result}"
+        " {params.sets} {params.serve} --hf-home {params.hf_home} --threads {threads}"
+        " {params.progress} --timing {output.timing} 2>&1 | tee {log}"

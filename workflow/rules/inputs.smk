@@ -85,9 +85,10 @@ def report_inputs(wc):
     """Everything the report shows: evaluations, SQNR, both checkpoints, every stage's timing."""
     d = f"{RESULTS}/{wc.exp}"
     stages = ["ptq_calibrate", "zero3_qat", "convert_export", "sqnr"]
-    stages += [f"evaluate-{v}" for v in VARIANTS]
+    stages += [f"evaluate-{v}" for v in [*VARIANTS, "served"]]
     return {
-        "evals": [f"{d}/eval/{v}.json" for v in VARIANTS],
+        # served: the export in vLLM's engine (serve_evaluate writes it; a skipped record with serve=false)
+        "evals": [f"{d}/eval/{v}.json" for v in [*VARIANTS, "served"]],
         "sqnr": f"{d}/analysis/sqnr.csv",
         "ptq": f"{d}/ptq",
         "qat": f"{d}/qat",
