@@ -36,6 +36,7 @@ import torch.nn.functional as TF
 from torch import nn
 
 from ..quant.spec import FP4_FORMATS, CheckpointFormat, QuantScheme
+from .cpu_int8 import INT8_GEMMS, NO_VNNI, Int8Gemm, int8_linear
 from .facts import (
     TARGETS,
     Layout,
@@ -82,21 +83,29 @@ def fp8_per_tensor_dynamic(x: torch.Tensor) -> torch.Tensor:
     return fp8_static(x, s)
 
 
-def int8_static(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None) -> torch.Tensor:
-    """Static int8: ``round(x / s) + z`` clamped to [-128, 127] (round half to even, CUDA
-    ``float_to_int8_rn``; vLLM ``scaled_int8_quant``, _custom_ops.py)."""
-    s = scale.float()
+def int8_codes(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None) -> torch.Tensor:
+    """Static int8 codes: ``round(x / s) + z`` clamped to [-128, 127] (round half to even, CUDA
+    ``float_to_int8_rn``; vLLM ``scaled_int8_quant``, _custom_ops.py), as float."""
     z = 0.0 if zero_point is None else zero_point.float()
-    q = (torch.round(x.float() / s) + z).clamp(-128, 127)
-    return ((q - z) * s).to(x.dtype)
+    return (torch.round(x.float() / scale.float()) + z).clamp(-128, 127)
+
+
+def int8_static(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None) -> torch.Tensor:
+    """Static int8 quant-dequant: `int8_codes` less ``z``, times ``s``."""
+    z = 0.0 if zero_point is None else zero_point.float()
+    return ((int8_codes(x, scale, zero_point) - z) * scale.float()).to(x.dtype)
+
+
+def int8_token_scale(x: torch.Tensor) -> torch.Tensor:
+    """The dynamic per-token symmetric int8 scale ``amax(token) / 127`` (1 for an all-zero token)."""
+    s = x.abs().amax(dim=-1, keepdim=True).float() / 127.0
+    return torch.where(s == 0, torch.ones_like(s), s)
 
 
 def int8_per_token(x: torch.Tensor) -> torch.Tensor:
-    """Dynamic per-token symmetric int8: scale ``amax(token) / 127`` (vLLM ``scaled_int8_quant``
-    with ``scale=None``, the ``kInt8DynamicTokenSym`` path of schemes/w8a8_int8.py)."""
-    s = x.abs().amax(dim=-1, keepdim=True).float() / 127.0
-    s = torch.where(s == 0, torch.ones_like(s), s)
-    return int8_static(x, s)
+    """Dynamic per-token symmetric int8 at `int8_token_scale` (vLLM ``scaled_int8_quant`` with
+    ``scale=None``, the ``kInt8DynamicTokenSym`` path of schemes/w8a8_int8.py)."""
+    return int8_static(x, int8_token_scale(x))
 
 
 # --------------------------------------------------------------------------- weights
@@ -209,6 +218,31 @@ class DeployedLinear(nn.Module):
             x = self.act(x.to(w.dtype) if w.dtype == torch.float32 else x)
         b = None if self.bias is None else self.bias.to(w.dtype)
         return TF.linear(x.to(w.dtype), w, b).to(self.out_dtype)
+
+
+class Int8DeployedLinear(DeployedLinear):
+    """A W8A8-INT8 linear computed from codes with ``int8_gemm`` (`qatlib.runtime.cpu_int8`): the
+    activation codes (per token, or at the static input scale / zero point) against the stored
+    weight codes, ``(fp32(acc) * w_s) * x_s`` (+ bias), vLLM-CPU's oneDNN epilogue order."""
+
+    def __init__(self, s: Stored, bias, out_dtype: torch.dtype, int8_gemm: Int8Gemm, static: bool) -> None:
+        if s.zero_point is not None:
+            raise RuntimeRefusal("int8_gemm: the int8 GEMM models symmetric weights only")
+        super().__init__(
+            deployed_weight(s), bias, None, out_dtype, weight_scale=s.scale,
+            input_scale=s.input_scale if static else None,
+        )  # fmt: skip
+        self.register_buffer("codes", s.codes)
+        self.input_zero_point = s.input_zero_point if static else None
+        self.int8_gemm = int8_gemm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        z = None if self.input_zero_point is None else self.input_zero_point.float().reshape(())
+        s = int8_token_scale(x2) if self.input_scale is None else self.input_scale.float().reshape(())
+        y = int8_linear(int8_codes(x2, s, z), s, self.codes, self.weight_scale, self.int8_gemm, z)
+        y = y if self.bias is None else y + self.bias.float()
+        return y.reshape(*x.shape[:-1], -1).to(self.out_dtype)
 
 
 class StaticFP8(nn.Module):
@@ -397,19 +431,28 @@ def _activation(layout: Layout, s: Stored, per_token: bool):
 
 
 def emulate_export(
-    export_dir: str | Path, target: str, *, fa3: bool = True, capability: str | None = None
+    export_dir: str | Path,
+    target: str,
+    *,
+    fa3: bool = True,
+    capability: str | None = None,
+    int8_gemm: Int8Gemm = "exact",
 ) -> DeployedModel:
     """The model ``target`` (``vllm`` / ``sglang``) computes from ``export_dir``.
 
     ``fa3``: vLLM's attention backend is FlashAttention 3 (Hopper), which also quantizes the
     queries to fp8 when the KV cache is fp8. ``capability`` (``"9.0"``, ``deploy.capability``): the
     GPU's; below ``"10.0"`` an FP4 W4A4 export runs weight-only; None: not checked (FP4: the
-    native SM100 path). Raises `RuntimeRefusal` for an export the target refuses at load
-    (`facts.load_refusal`, the W4A8 kernel limits, SGLang's differing FP4 global scales)."""
+    native SM100 path). ``int8_gemm`` (W8A8-INT8 exports): ``"exact"`` int32 arithmetic (GPU,
+    VNNI CPUs) or ``"pair_saturating"``, vllm-cpu's oneDNN GEMM on a CPU without int8 VNNI
+    (`cpu_int8.NO_VNNI`, `cpu_int8.engine_int8_gemm`). Raises `RuntimeRefusal` for an export the target
+    refuses at load (`facts.load_refusal`, the W4A8 kernel limits, SGLang's differing FP4 global scales)."""
     from ..quant.attention import enable_qkv_quantization
 
     if target not in TARGETS:
         raise ValueError(f"target must be one of {', '.join(TARGETS)}; got {target!r}")
+    if int8_gemm not in INT8_GEMMS:
+        raise ValueError(f"int8_gemm must be one of {', '.join(INT8_GEMMS)}; got {int8_gemm!r}")
     d = Path(export_dir)
     cfg = json.loads((d / "config.json").read_text())
     qc = cfg.get("quantization_config")
@@ -491,16 +534,22 @@ def emulate_export(
         else:  # Transform.W4A8_FP8_GROUP_SCALES
             n = _apply_w4a8_scales(stored, dtype)
         out.applied.append(f"{t.value}: {n} [{fact.source}]")
+    from_codes = int8_gemm != "exact" and layout in (Layout.INT8_DYNAMIC, Layout.INT8_STATIC)
     for name, s in stored.items():
         lin = mods[name]
         # vLLM / SGLang: dynamic per-token on dense layers only; SGLang's fused MoE keeps per-tensor
         act = _activation(layout, s, per_token and name not in experts)
         parent, _, child = name.rpartition(".")
         static = s.input_scale if layout in _STATIC_INPUT else None
-        deployed = DeployedLinear(
-            deployed_weight(s), lin.bias, act, dtype, weight_scale=s.scale, input_scale=static
-        )
+        if from_codes:
+            deployed = Int8DeployedLinear(s, lin.bias, dtype, int8_gemm, static is not None)
+        else:
+            deployed = DeployedLinear(
+                deployed_weight(s), lin.bias, act, dtype, weight_scale=s.scale, input_scale=static
+            )
         setattr(mods[parent], child, deployed)
+    if from_codes:
+        out.applied.append(f"int8 GEMM {int8_gemm}: {len(stored)} linears [{NO_VNNI.source}]")
     out.applied += _kv_cache(model, cfg, qc, tensors, target, moe, fa3)
     if any(getattr(m, "output_in_attention", False) for m in model.modules()):
         enable_qkv_quantization(model)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 
+from .cpu_int8 import NO_VNNI as CPU_INT8_NO_VNNI  # what a CPU kernel computes: beside its model
 from .layouts import _GPU_SELECT as _GPU_SELECT
 from .layouts import _NO_SGLANG as _NO_SGLANG
 from .layouts import SGLANG as SGLANG
@@ -224,11 +225,9 @@ NATIVE_FP8_DTYPES = {  # the fp8 format's Fp8Config.get_supported_act_dtypes (co
 def dtype_refusal(target: str, layout: Layout, dtype) -> Fact | None:
     """Why ``target`` refuses an export of ``layout`` for a model of ``dtype`` (None: it loads)."""
     half = str(dtype).removeprefix("torch.") in ("bfloat16", "float16")
-    return (
-        None
-        if half or target not in NATIVE_FP8_DTYPES or layout not in _NATIVE
-        else NATIVE_FP8_DTYPES[target]
-    )
+    if half or target not in NATIVE_FP8_DTYPES or layout not in _NATIVE:
+        return None
+    return NATIVE_FP8_DTYPES[target]
 
 
 # --------------------------------------------------------------------------- load-time transformations
@@ -597,3 +596,4 @@ def all_facts():
     yield "vllm:KV_QUERY_FA3", KV_QUERY_FA3
     yield "vllm:KV_PER_HEAD", KV_PER_HEAD
     yield "sglang:KV_PER_HEAD_IGNORED", SGLANG_KV_PER_HEAD
+    yield "vllm:CPU_INT8_GEMM_NO_VNNI", CPU_INT8_NO_VNNI

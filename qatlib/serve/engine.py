@@ -171,9 +171,9 @@ def classify(stderr: str, returncode: int | None) -> tuple[str, str, str | None]
 
 
 # --------------------------------------------------------------------------- running the worker
-def _worker_env() -> dict[str, str]:
+def _worker_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    return {**ENGINE_DEFAULTS, **env, **ENGINE_ENV}
+    return {**ENGINE_DEFAULTS, **env, **ENGINE_ENV, **(extra or {})}
 
 
 def run_worker(
@@ -182,10 +182,12 @@ def run_worker(
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     python: str | os.PathLike | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> dict:
     """Serve ``jobs`` in one worker process; its JSON (``{"engine": facts, "models": [...]}``) is
     written to ``out`` (only on success) and returned. Raises `ServeError`. An ``out`` left by an
-    earlier run is removed first: after a failure there is none."""
+    earlier run is removed first: after a failure there is none. ``env``: merged last into the
+    worker's environment (e.g. ``{"ONEDNN_MAX_CPU_ISA": "AVX2"}``: oneDNN as on a CPU without VNNI)."""
     specs = [j.spec() for j in jobs]  # a bad folder is named before any environment is looked for
     exe = serve_python(python)
     out = Path(out).resolve()
@@ -201,7 +203,7 @@ def run_worker(
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     cwd=tmp,
-                    env=_worker_env(),
+                    env=_worker_env(env),
                     start_new_session=True,  # its own process group: a timeout kills all of it
                 )
             except OSError as e:
@@ -250,10 +252,11 @@ def serve_perplexities(
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     python: str | os.PathLike | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> list[ServedResult]:
     """`serve_perplexity` for several models in one worker (vLLM imported once); all or nothing."""
     with tempfile.TemporaryDirectory(prefix="qatlib-served-") as tmp:
-        record = run_worker(jobs, Path(tmp) / "served.json", timeout_s=timeout_s, python=python)
+        record = run_worker(jobs, Path(tmp) / "served.json", timeout_s=timeout_s, python=python, env=env)
     return results_of(record)
 
 
@@ -265,9 +268,10 @@ def serve_perplexity(
     max_model_len: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     python: str | os.PathLike | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> ServedResult:
     """Per-window NLL and perplexity of ``model_dir`` as vLLM serves it, on ``windows`` (token-id
     lists or a ``[n, seq_len]`` tensor, e.g. `qatlib.eval.perplexity.make_windows`). Raises
-    `ServeError` (``kind``: `qatlib.serve.env.KINDS`)."""
+    `ServeError` (``kind``: `qatlib.serve.env.KINDS`). ``env``: added to the worker's environment."""
     job = ServeJob(model_dir, windows, dtype=dtype, max_model_len=max_model_len)
-    return serve_perplexities([job], timeout_s=timeout_s, python=python)[0]
+    return serve_perplexities([job], timeout_s=timeout_s, python=python, env=env)[0]
