@@ -3,9 +3,8 @@
 Every figure shown is read from a file under ``results/bench/`` (the benchmarks' `write_result`
 JSON, and ``default_experiment.json`` that `qatlib.site.record` copies from the default DAG's
 `metrics.json`); each table says which run made it: date, commit, CPU, settings and the command.
-A figure no JSON backs is not shown. Known benchmarks get a table of their own (`RENDERERS`);
-any other JSON gets its targets (met / not met), which every benchmark writes.
-"""
+A figure no JSON backs is not shown. Known benchmarks get a table of their own (`RENDERERS`); any
+other JSON gets its targets (met / not met), which every benchmark writes."""
 
 from __future__ import annotations
 
@@ -19,8 +18,8 @@ from typing import Any
 from qatlib.scores import not_applied_sentence
 
 GIB = 2**30
-VARIANTS = ("bf16", "ptq", "qat", "export", "deployed")
-LABELS = {"bf16": "BF16", "ptq": "PTQ", "qat": "QAT", "export": "export", "deployed": "deployed"}
+VARIANTS = ("bf16", "ptq", "qat", "export", "deployed", "served")
+LABELS = dict(zip(VARIANTS, ("BF16", "PTQ", "QAT", "export", "deployed", "served (vLLM engine)")))
 
 
 @dataclass(frozen=True)
@@ -461,14 +460,15 @@ def moe_experiment(r: Result) -> list[str]:
             if up
             else ""
         )
+        cols = [v for v in VARIANTS if v in ppl]  # a record without the served column shows none
         lines += [
             f"**`{e.get('experiment')}`**: `{s.get('format')}`, QAT on {s.get('train_samples')} x "
             f"{s.get('train_tokens_per_sample')} tokens ({how}); "
             f"{e.get('eval_windows', '?')} test windows.{base}",
             "",
-            "| " + " | ".join(LABELS[v] for v in VARIANTS) + " |",
-            "|" + "---|" * len(VARIANTS),
-            "| " + " | ".join(_f(ppl.get(v)) for v in VARIANTS) + " |",
+            "| " + " | ".join(LABELS[v] for v in cols) + " |",
+            "|" + "---|" * len(cols),
+            "| " + " | ".join(_f(ppl.get(v)) for v in cols) + " |",
             "",
         ]
         if base_cols:
