@@ -47,6 +47,7 @@ rule all:
     default_target: True
     input:
         report_html(EXP),
+        [report_html(c) for c in companions(EXP)],
     localrule: True
 
 

@@ -23,6 +23,12 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--save-format", default=None, help="overrides compression.QAT.save_format (default real)"
     )
+    ap.add_argument(
+        "--scales",
+        default=None,
+        help="deploy this checkpoint's scales instead of --model-path's own (the PTQ checkpoint on the base "
+        "model: the workflow's export_ptq)",
+    )
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --save-path")
     ap.add_argument(
         "--whole-model",
@@ -33,12 +39,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cfg = _common.load_experiment(args)
     if not args.model_path:
-        ap.error("--model-path (the QAT checkpoint) is required")
+        ap.error("--model-path (the QAT checkpoint, or with --scales the base model) is required")
 
     with _common.stage("convert_export", args) as record:
         from qatlib.pipeline import run_export
 
         kw = dict(save_format=args.save_format, whole_model=args.whole_model, overwrite=args.overwrite)
+        kw["scales"] = args.scales
         record.update(run_export(cfg, args.model_path, **kw))
         print(f"exported {record['scheme']} ({record['save_format']}): {record.pop('out')}")
     return 0

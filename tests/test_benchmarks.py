@@ -467,3 +467,69 @@ def test_git_state_leaves_the_benchmarks_own_output_out_of_the_changes(tmp_path)
     (tmp_path / "code.py").write_text("x = 2\n")  # a real change still counts
     (tmp_path / "new.py").write_text("y = 1\n")  # and an untracked file
     assert common.git_state(tmp_path, exclude=[tmp_path / "out" / "bench.json"])["changed_files"] == 2
+
+
+def test_served_benchmark_gain_bounds_and_page(tmp_path):
+    """`benchmarks.served` on a finished experiment's records (written here): QAT's gain as served is
+    the paired mean of served - served_ptq window NLL (windows 2.0/2.2/2.4 vs 2.1/2.2/2.6: -0.1 mean,
+    SE sqrt(var([-0.1, 0, -0.2]) / 3) = 0.0577); the bound of an fp32 served export is the larger of
+    its floor and 2x the emulator's own 1e-7 noise; a mean difference over 3 SE is a systematic one;
+    a bf16-served export has no systematic check. The results page renders the table."""
+    from benchmarks import served as sv
+    from qatlib.site.page import render_page
+    from qatlib.site.results import Result
+
+    exp = tmp_path / "exp-w8a8"
+    (exp / "eval").mkdir(parents=True)
+    (exp / "config.yaml").write_text(
+        "compression:\n  quantization:\n    name: w8a8\nevaluation:\n  limit: 3\n  max_seq_length: 8\n"
+    )
+
+    def ppl(nll):
+        return {"d": {"ppl": math.exp(sum(nll) / len(nll)), "nll": sum(nll) / len(nll), "window_nll": nll}}
+
+    for v, nll in {"bf16": [1.9, 2.0, 2.1], "ptq": [2.1, 2.2, 2.6], "qat": [2.0, 2.2, 2.4]}.items():
+        (exp / "eval" / f"{v}.json").write_text(json.dumps({"variant": v, "ppl": ppl(nll)}))
+    (exp / "eval" / "deployed.json").write_text(
+        json.dumps({"variant": "deployed", "ppl": ppl([2.0, 2.2, 2.4])})
+    )
+
+    def served(v, nll, emulated, noise, dtype="float32"):
+        diff = [a - b for a, b in zip(nll, emulated)]
+        mean = sum(diff) / 3
+        se = math.sqrt(sum((d - mean) ** 2 for d in diff) / 2 / 3)
+        emu = {"ppl": 1.0, "window_nll": emulated, "max_abs_dnll": max(map(abs, diff))}
+        emu.update(
+            mean_abs_dnll=sum(map(abs, diff)) / 3, mean_dnll=mean, mean_dnll_se=se, noise_max_abs_dnll=noise
+        )
+        rec = {"variant": v, "ppl": ppl(nll), "dtype": dtype, "label": "vLLM", "engine": {"isa": "avx2"}}
+        rec["emulated"] = {"int8_gemm": "exact", "dtype": "float32", "ppl": {"d": emu}}
+        (exp / "eval" / f"{v}.json").write_text(json.dumps(rec))
+
+    served("served_ptq", [2.1, 2.2, 2.6], [2.1, 2.2, 2.6], 0.001)  # identical: within, no systematic
+    served("served", [2.0, 2.2, 2.4], [1.99, 2.19, 2.38], 0.004)  # +0.0133 mean, SE 0.0033: systematic
+    rec = sv.experiment_record(exp)
+    g = rec["qat_gain_served"]
+    assert g["mean_nll_delta"] == pytest.approx(-0.1) and g["mean_nll_delta_se"] == pytest.approx(
+        0.057735, abs=1e-6
+    )
+    assert g["better"] is False  # -0.1 + 2 x 0.0577 > 0: not separated from the windows' noise
+    q = rec["served"]["emulated"]
+    assert q["bound"] == max(sv.BOUNDS["float32"], 2 * 0.004) == 0.008 and q["max_abs_dnll"] == pytest.approx(
+        0.02
+    )
+    assert q["within"] is False and q["no_systematic_difference"] is False
+    p = rec["served_ptq"]["emulated"]
+    assert (
+        p["within"] is True and p["bound"] == sv.BOUNDS["float32"] and p["no_systematic_difference"] is True
+    )
+    served("served", [2.0, 2.2, 2.4], [1.99, 2.21, 2.40], 0.004, dtype="bfloat16")
+    q = sv.experiment_record(exp)["served"]["emulated"]
+    assert (
+        q["bound"] == sv.BOUNDS["bfloat16"] and q["within"] is True and q["no_systematic_difference"] is None
+    )
+    doc = {"experiments": [rec], "targets": sv.targets([rec], []), "isa_capped": []}
+    assert [t["met"] for t in doc["targets"]] == [True, True, False, False, True]
+    page = render_page([Result(name="served", path="results/bench/served.json", doc=doc)])
+    assert "## Served by vLLM's engine, per format" in page and "| `exp-w8a8` (w8a8) |" in page
+    assert "-0.1000 ± 0.0577 (not separated)" in page and "OVER 0.008" in page

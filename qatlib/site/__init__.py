@@ -83,10 +83,10 @@ def _upstream_totals(repo: Path) -> Callable[[], str]:
 
 def _results(kind: str, repo: Path) -> Callable[[], str]:
     def make() -> str:
-        from . import results
+        from . import page, results
 
         found = results.load(repo / BENCH_DIR, repo)
-        return results.render_page(found) if kind == "page" else results.render_readme(found)
+        return page.render_page(found) if kind == "page" else page.render_readme(found)
 
     return make
 

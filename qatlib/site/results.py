@@ -3,14 +3,15 @@
 Every figure shown is read from a file under ``results/bench/`` (the benchmarks' `write_result`
 JSON, and ``default_experiment.json`` that `qatlib.site.record` copies from the default DAG's
 `metrics.json`); each table says which run made it: date, commit, CPU, settings and the command.
-A figure no JSON backs is not shown. Known benchmarks get a table of their own (`RENDERERS`); any
-other JSON gets its targets (met / not met), which every benchmark writes."""
+A figure no JSON backs is not shown. Known benchmarks get a table of their own (their renderers here
+and in `qatlib.site.served`, listed in `qatlib.site.page.RENDERERS`); any other JSON gets its targets
+(met / not met), which every benchmark writes."""
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,13 @@ from typing import Any
 from qatlib.scores import not_applied_sentence
 
 GIB = 2**30
-VARIANTS = ("bf16", "ptq", "qat", "export", "deployed", "served")
-LABELS = dict(zip(VARIANTS, ("BF16", "PTQ", "QAT", "export", "deployed", "served (vLLM engine)")))
+VARIANTS = ("bf16", "ptq", "qat", "export", "deployed", "served_ptq", "served")
+LABELS = dict(
+    zip(
+        VARIANTS,
+        ("BF16", "PTQ", "QAT", "export", "deployed", "served PTQ (vLLM engine)", "served (vLLM engine)"),
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -545,56 +551,3 @@ def targets_headline(r: Result) -> tuple[str, str]:
     ts = r.doc.get("targets") or []
     met = sum(1 for t in ts if t.get("met") is True)
     return f"Benchmark `{r.name}`", f"{met} of {len(ts)} targets met" if ts else "no targets recorded"
-
-
-TITLES = {
-    "default_experiment": "The default experiment",
-    "plan_rehearsal": "Memory plan vs measured (real-width rehearsal)",
-    "quality_default": "Quality at a fixed QAT budget (default model)",
-    "quality_fp4": "4-bit floats: qatlib's and upstream FOCUS's recipes (default model)",
-    "quality_low_bits": "3- and 2-bit weights (default model)",
-    "quality_w4a4": "W4A4 4-bit floats at the issue's budget (default model)",
-    "quality_w4a4_two_phase": "W4A4 4-bit floats: the two-phase recipe (default model)",
-    "quality_w4a4_smooth": "W4A4 4-bit floats: SmoothQuant, then the two-phase recipe (default model)",
-    "moe_experiment": "The upcycled real-weight MoE, whole DAG",
-    "nvfp4_two_phase_experiment": "NVFP4 W4A4: the end-to-end and two-phase recipes, whole DAG (default model)",
-}
-RENDERERS: dict[str, tuple[Callable[[Result], list[str]], Callable[[Result], tuple[str, str]]]] = {
-    "default_experiment": (default_experiment, default_experiment_headline),
-    "plan_rehearsal": (plan_rehearsal, plan_rehearsal_headline),
-    "quality_default": (quality_default, quality_default_headline),
-    "quality_fp4": (quality_formats, quality_formats_headline),
-    "quality_low_bits": (quality_low_bits, quality_low_bits_headline),
-    "quality_w4a4": (quality_w4a4, quality_w4a4_headline),
-    "quality_w4a4_two_phase": (quality_w4a4, quality_w4a4_headline),
-    "quality_w4a4_smooth": (quality_w4a4, quality_w4a4_headline),
-    "moe_experiment": (moe_experiment, moe_experiment_headline),
-    "nvfp4_two_phase_experiment": (moe_experiment, nvfp4_two_phase_headline),
-}
-ORDER = tuple(RENDERERS)
-
-
-def _sorted(results: list[Result]) -> list[Result]:
-    rank = {n: i for i, n in enumerate(ORDER)}
-    return sorted(results, key=lambda r: (rank.get(r.name, len(rank)), r.name))
-
-
-def render_page(results: list[Result]) -> str:
-    """The body of docs/results.md: one section per JSON."""
-    if not results:
-        return "No result JSON under `results/bench/` yet."
-    lines: list[str] = []
-    for r in _sorted(results):
-        body, _ = RENDERERS.get(r.name, (targets, targets_headline))
-        lines += [f"## {TITLES.get(r.name, f'Benchmark `{r.name}`')}", "", *provenance(r), "", *body(r), ""]
-    return "\n".join(lines).rstrip("\n")
-
-
-def render_readme(results: list[Result]) -> str:
-    """The README's one results table: the headline of each JSON, with its run."""
-    lines = ["| result | figures | run (date, commit, CPU) |", "|---|---|---|"]
-    for r in _sorted(results):
-        _, head = RENDERERS.get(r.name, (targets, targets_headline))
-        what, figures = head(r)
-        lines.append(f"| {what} | {figures} | {run_cell(r)} |")
-    return "\n".join(lines)

@@ -25,6 +25,8 @@ pin_cpu_arithmetic()
 RESULTS = config["results"]
 EXP = config["experiment"]
 VARIANTS = config["variants"]
+# The engine-served evaluations of serve_evaluate, eval/<name>.json, and the export each serves
+SERVED_EXPORTS = {"served": "export", "served_ptq": "export-ptq"}
 STARTED_AT = time.time()
 EXPERIMENTS = xp.Experiments(
     REPO,
@@ -43,10 +45,17 @@ wildcard_constraints:
     name=r"[A-Za-z0-9][A-Za-z0-9._-]*",
     task=r"[A-Za-z0-9_]+",
     variant="|".join(re.escape(v) for v in VARIANTS),
+    served="|".join(SERVED_EXPORTS),
 
 
 def report_html(exp):
     return f"{RESULTS}/{exp}/report.html"
+
+
+def companions(exp):
+    """The experiments `snakemake` builds beside `exp` (config.yaml companions; none: no companion)."""
+    table = config.get("companions")
+    return table.get(exp, []) if isinstance(table, dict) else []
 
 
 def code(script):

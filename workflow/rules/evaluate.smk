@@ -8,7 +8,8 @@
 #   deployed  the export as deploy.target (vLLM / SGLang) computes it: qatlib.runtime.emulate
 #           applies the runtime's load-time transformations; deploy.target none writes a
 #           {"skipped": reason} result the report shows
-#   served  (rule serve_evaluate) the export in vLLM's own engine -> eval/served.json
+#   served  (rule serve_evaluate) the export in vLLM's own engine -> eval/served.json, and the
+#           PTQ model's export (rule export_ptq) there too -> eval/served_ptq.json
 # Perplexity on evaluation.ppl and accuracy on evaluation.tasks (lm-eval) -> eval/<variant>.json.
 
 
@@ -79,20 +80,21 @@ rule sqnr:
 
 
 rule serve_evaluate:
-    """Perplexity of the export as vLLM's own engine serves it (qatlib.serve, in the serving
-    environment .venv-serve made by install.sh), on the evaluate stage's windows; a format the
-    engine refuses on this machine, or serve: false / QATLIB_NO_SERVE=1, is a skipped record
-    with the reason (the DAG goes on); a missing serving environment fails the job.
+    """Perplexity of an export as vLLM's own engine serves it (qatlib.serve, in the serving
+    environment .venv-serve made by install.sh), on the evaluate stage's windows: eval/served.json
+    the QAT export, eval/served_ptq.json the PTQ one (QAT's gain as served). A format the engine
+    refuses on this machine, or serve: false / QATLIB_NO_SERVE=1, is a skipped record with the
+    reason (the DAG goes on); a missing serving environment fails the job.
     """
     input:
-        model=f"{RESULTS}/{{exp}}/export",
+        model=lambda wc: f"{RESULTS}/{wc.exp}/{SERVED_EXPORTS[wc.served]}",
         sources=lambda wc: EXPERIMENTS.eval_inputs(wc.exp),
         code=code("serve_evaluate.py"),
     output:
-        result=f"{RESULTS}/{{exp}}/eval/served.json",
-        timing=f"{RESULTS}/{{exp}}/timings/evaluate-served.json",
+        result=f"{RESULTS}/{{exp}}/eval/{{served}}.json",
+        timing=f"{RESULTS}/{{exp}}/timings/evaluate-{{served}}.json",
     log:
-        f"{RESULTS}/{{exp}}/logs/evaluate-served.log",
+        f"{RESULTS}/{{exp}}/logs/evaluate-{{served}}.log",
     conda:
         "../envs/qatlib.yaml"
     threads: config["threads"]
@@ -109,6 +111,6 @@ rule serve_evaluate:
         hf_home=f"{RESULTS}/.hf_home",
         progress=progress_flag(),
     shell:
-        "python {input.code[0]} -c {params.yaml} --export {input.model} --out {output.result}"
-        " {params.sets} {params.serve} --hf-home {params.hf_home} --threads {threads}"
-        " {params.progress} --timing {output.timing} 2>&1 | tee {log}"
+        "python {input.code[0]} -c {params.yaml} --export {input.model} --variant {wildcards.served}"
+        " --out {output.result} {params.sets} {params.serve} --hf-home {params.hf_home}"
+        " --threads {threads} {params.progress} --timing {output.timing} 2>&1 | tee {log}"

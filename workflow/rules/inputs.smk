@@ -84,11 +84,11 @@ def variant_args(wc, input):
 def report_inputs(wc):
     """Everything the report shows: evaluations, SQNR, both checkpoints, every stage's timing."""
     d = f"{RESULTS}/{wc.exp}"
-    stages = ["ptq_calibrate", "zero3_qat", "convert_export", "sqnr"]
-    stages += [f"evaluate-{v}" for v in [*VARIANTS, "served"]]
+    stages = ["ptq_calibrate", "zero3_qat", "convert_export", "export_ptq", "sqnr"]
+    stages += [f"evaluate-{v}" for v in [*VARIANTS, *SERVED_EXPORTS]]
     return {
-        # served: the export in vLLM's engine (serve_evaluate writes it; a skipped record with serve=false)
-        "evals": [f"{d}/eval/{v}.json" for v in [*VARIANTS, "served"]],
+        # served(_ptq): the exports in vLLM's engine (serve_evaluate; a skipped record with serve=false)
+        "evals": [f"{d}/eval/{v}.json" for v in [*VARIANTS, *SERVED_EXPORTS]],
         "sqnr": f"{d}/analysis/sqnr.csv",
         "ptq": f"{d}/ptq",
         "qat": f"{d}/qat",

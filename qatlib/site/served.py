@@ -1,0 +1,96 @@
+"""Renderers of the engine benchmarks for the results page: ``served`` (`benchmarks.served`: each
+format's PTQ and QAT exports in vLLM's engine beside the emulated columns)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .results import Result, _f, targets
+
+
+def _dnll(row: Mapping[str, Any]) -> str:
+    """``max 1.2e-03 / mean 4.0e-04 (bound 5e-03, int8 exact)`` of a served row's emulation check."""
+    emu = row.get("emulated") or {}
+    if "max_abs_dnll" not in emu:
+        return f"not compared: {emu.get('skipped', 'no emulation')}"
+    ok = {True: "within", False: "OVER", None: "no bound for"}[emu.get("within")]
+    return (
+        f"max {emu['max_abs_dnll']:.1e} / mean {emu['mean_abs_dnll']:.1e} ({ok} {emu.get('bound')}; "
+        f"int8 GEMM {emu.get('int8_gemm')})"
+    )
+
+
+def _served_cell(row: Mapping[str, Any]) -> str:
+    if row.get("skipped"):
+        return f"refused ({row.get('kind')}): {str(row['skipped'])[:120]}"
+    return f"{_f(row.get('ppl'), 4)} ({row.get('dtype')})"
+
+
+def served(r: Result) -> list[str]:
+    """Per format: BF16 / PTQ / QAT / deployed (emulated) / served PTQ / served QAT perplexity on the
+    same windows, QAT's gain as served, and each served export against its emulation."""
+    exps = r.doc.get("experiments") or []
+    lines = [
+        "Each format's PTQ and QAT exports served by vLLM's own engine (offline `LLM`, `prompt_logprobs`) "
+        "on the windows every other column uses; *deployed* is qatlib's emulation of vLLM on its deployment "
+        "target; |ΔNLL| compares each served export with the emulation of the same export as this engine "
+        "computes it (this CPU's int8 GEMM), per window.",
+        "",
+        "| experiment (format) | BF16 | PTQ | QAT | deployed (emulated) | served PTQ | served QAT "
+        "| QAT gain as served, mean NLL ± SE |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for e in exps:
+        p, g = e.get("ppl") or {}, e.get("qat_gain_served")
+        gain = "n/a"
+        if g:
+            se = g.get("mean_nll_delta_se")
+            gain = (
+                f"{g['mean_nll_delta']:+.4f} ± {se:.4f}" if se is not None else f"{g['mean_nll_delta']:+.4f}"
+            )
+            gain += f" ({'better' if g.get('better') else 'not separated'})"
+        lines.append(
+            f"| `{e.get('experiment')}` ({(e.get('settings') or {}).get('format')}) | {_f(p.get('bf16'), 4)} "
+            f"| {_f(p.get('ptq'), 4)} | {_f(p.get('qat'), 4)} | {_f(p.get('deployed'), 4)} "
+            f"| {_served_cell(e.get('served_ptq') or {})} | {_served_cell(e.get('served') or {})} | {gain} |"
+        )
+    lines += [
+        "",
+        "| experiment | served export | engine | per-window \\|ΔNLL\\| vs emulated, nats |",
+        "|---|---|---|---|",
+    ]
+    for e in exps:
+        for v, what in (("served_ptq", "PTQ"), ("served", "QAT")):
+            row = e.get(v) or {}
+            if not row.get("skipped"):
+                lines.append(f"| `{e.get('experiment')}` | {what} | {row.get('label')} | {_dnll(row)} |")
+    capped = r.doc.get("isa_capped") or []
+    if capped:
+        lines += [
+            "",
+            "The int8 exports served again with oneDNN capped below int8 VNNI (`ONEDNN_MAX_CPU_ISA`), as on an "
+            "AVX2 CPU: the engine's GEMM then saturates adjacent products at int16, which the emulation models "
+            "(`qatlib.runtime.cpu_int8`).",
+            "",
+            "| experiment | served export | ISA cap | served PPL | \\|ΔNLL\\| vs emulated, nats |",
+            "|---|---|---|---|---|",
+        ]
+        for c in capped:
+            lines.append(
+                f"| `{c.get('experiment')}` | {c.get('variant')} | {c.get('onednn_max_cpu_isa')} "
+                f"| {_served_cell(c)} | {_dnll(c)} |"
+            )
+    return lines + [""] + targets(r)
+
+
+def served_headline(r: Result) -> tuple[str, str]:
+    parts = []
+    for e in r.doc.get("experiments") or []:
+        g = e.get("qat_gain_served")
+        fmt = (e.get("settings") or {}).get("format")
+        if g:
+            parts.append(f"{fmt}: served PTQ {g['ppl_ptq']:.3f} -> QAT {g['ppl_qat']:.3f}")
+        else:
+            parts.append(f"{fmt}: {(e.get('served') or {}).get('skipped', 'not served')}"[:80])
+    return "Served by vLLM's engine (PTQ vs QAT exports)", "; ".join(parts) or "no experiment"
