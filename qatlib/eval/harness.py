@@ -13,32 +13,11 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..scores import is_score
+from ..scores import flatten_results, split_tasks
 
 UPSTREAM_TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande")
 
 __all__ = ["UPSTREAM_TASKS", "evaluate_tasks", "flatten_results", "split_tasks"]
-
-
-def split_tasks(tasks: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
-    """``(task names, include paths, hub task names)`` of ``evaluation.tasks``: a local task folder
-    (``<dir>/<name>.yaml``, e.g. the corpus rule's multiple-choice task) gives its name and its
-    folder to include; anything else is an lm-eval task name. A folder without its YAML is a
-    ValueError naming it."""
-    names, include, hub = [], [], []
-    for t in tasks:
-        p = Path(t)
-        if p.is_dir():
-            if not (p / f"{p.name}.yaml").is_file():
-                raise ValueError(
-                    f"evaluation.tasks: {p} has no {p.name}.yaml (a local task folder is named after its task)"
-                )
-            names.append(p.name)
-            include.append(str(p))
-        else:
-            names.append(t)
-            hub.append(t)
-    return names, include, hub
 
 
 def set_hf_home(hf_home: str | Path) -> None:
@@ -53,23 +32,6 @@ def set_hf_home(hf_home: str | Path) -> None:
     cfg = sys.modules.get("datasets.config")
     if cfg is not None:
         cfg.HF_DATASETS_CACHE = home / "datasets"
-
-
-def flatten_results(results: dict) -> dict[str, dict[str, float]]:
-    """``{task: {acc, acc_stderr, acc_norm, acc_norm_stderr, ...}}`` from lm-eval's ``results``
-    (the ``,none`` filter suffix dropped; non-numeric entries such as ``alias`` and bookkeeping
-    such as ``sample_len`` skipped: `qatlib.scores.is_score`)."""
-    flat: dict[str, dict[str, float]] = {}
-    for task, metrics in results.items():
-        row = {}
-        for key, value in metrics.items():
-            if not is_score(key, value):
-                continue
-            metric, _, filt = key.partition(",")
-            name = metric if filt in ("", "none") else f"{metric},{filt}"
-            row[name] = float(value)
-        flat[task] = row
-    return flat
 
 
 def evaluate_tasks(

@@ -14,10 +14,15 @@ log = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- serve_evaluate
 SERVE_OFF_ENV = "QATLIB_NO_SERVE"  # =1: no engine is launched (install.sh skips the environment too)
 SERVE_DISABLED = "serving disabled (--config serve=false)"
-SERVE_FATAL = ("no_env", "bad_export")  # the stage fails on these; any other kind is a skipped record
+SERVE_FATAL = (
+    "no_env",
+    "bad_export",
+    "bad_task",
+)  # the stage fails on these; any other kind is a skipped record
 SERVE_FIX = {
     "no_env": "run bash install.sh, or --config serve=false",
     "bad_export": "re-make the export (snakemake --forcerun convert_export), or --config serve=false",
+    "bad_task": "correct evaluation.tasks (an lm-eval task name or a local task folder)",
 }
 BF16_FALLBACK = (
     "the engine has no float32 kernel for this format on this machine ({error}); served in bfloat16, "
@@ -118,7 +123,41 @@ def run_serve_evaluate(
     record["label"] = f"{served.label}, {SHORT_DTYPES.get(dtype, dtype)}"
     record["ppl"] = _served_record(served, windows, list(cfg.evaluation.ppl))
     record["emulated"] = _emulated_record(export_dir, windows, record["ppl"], served.engine)
+    if cfg.evaluation.tasks:  # the experiment's tasks through lm-eval's own vLLM backend
+        record.update(
+            _served_tasks(cfg, export_dir, dtype, cache_dir=cache_dir, python=python, timeout_s=timeout_s)
+        )
     return record
+
+
+def _served_tasks(cfg, export_dir, dtype: str, **kw: Any) -> dict[str, Any]:
+    """``{"tasks": {task: {acc, ...}}, "tasks_engine": {...}}`` of ``evaluation.tasks`` served by
+    lm-eval's vLLM backend (`qatlib.serve.serve_tasks`) in the dtype the perplexity was served in;
+    a refusal there is ``{"tasks_skipped": <one line>, "tasks_kind": ...}`` (the perplexity stands)."""
+    from ..serve import ServeError, serve_tasks
+
+    ev = cfg.evaluation
+    timeout = {} if kw["timeout_s"] is None else {"timeout_s": kw["timeout_s"]}
+    try:
+        t = serve_tasks(
+            export_dir,
+            list(ev.tasks),
+            limit=ev.limit,
+            num_fewshot=ev.num_fewshot,
+            batch_size=ev.batch_size,
+            dtype=dtype,
+            max_model_len=ev.max_seq_length,
+            seed=cfg.global_.seed,
+            hf_home=kw["cache_dir"],
+            python=kw["python"],
+            **timeout,
+        )
+    except ServeError as e:
+        if e.kind in SERVE_FATAL:
+            raise
+        return {"tasks_skipped": str(e), "tasks_kind": e.kind}
+    engine = {k: t.get(k) for k in ("label", "lm_eval_version", "vllm_version", "n_samples")}
+    return {"tasks": t["tasks"], "tasks_engine": engine}
 
 
 def _emulated_record(

@@ -14,6 +14,7 @@ Importing this package imports neither vLLM nor torch.
 
 from .engine import ServedResult, ServeJob, classify, serve_perplexities, serve_perplexity
 from .env import KINDS, ServeError, serve_python
+from .tasks import serve_tasks as serve_tasks  # lm-eval tasks through lm-eval's vLLM backend
 
 __all__ = [
     "KINDS",

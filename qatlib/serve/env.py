@@ -28,6 +28,7 @@ KINDS = {
     "no_kernel": "the engine has no kernel for this format on this machine",
     "unsupported": "the engine refuses this format or model",
     "bad_export": "the engine cannot read the export (missing or malformed files)",
+    "bad_task": "lm-eval has no such task (evaluation.tasks)",
     "oom": "out of memory",
     "timeout": "the engine did not finish in time",
     "engine_died": "the engine died",
