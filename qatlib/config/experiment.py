@@ -362,8 +362,9 @@ class ExperimentConfig(Section):
 
     def prepare_options(self) -> PrepareOptions:
         """`PrepareOptions` from ``compression.QAT.plugin_config.quant_config`` (init values, LWC,
-        compiled fake quantization) and ``deploy.target`` (the scales that runtime merges are tied:
-        `qatlib.runtime.tying.tie_for`), shared by PTQ, QAT, export and evaluation."""
+        compiled fake quantization) and ``deploy`` (``target``: the scales that runtime merges are
+        tied, `qatlib.runtime.tying.tie_for`; ``int8_gemm``: the int8 GEMM trained against), shared
+        by PTQ, QAT, export and evaluation."""
         qc = self.qat.plugin_config.quant_config
         return PrepareOptions(
             weight_init_value=qc.weight_scale_init_value,
@@ -372,6 +373,7 @@ class ExperimentConfig(Section):
             compile_fake_quant=qc.compile_fake_quant,
             strict_ignore=self.quantization.strict_ignore_layers,
             deploy=tie_for(self.deploy.target),
+            int8_gemm=self.deploy.int8_gemm,
         )
 
     def loss_config(self) -> LossConfig:

