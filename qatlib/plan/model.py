@@ -268,6 +268,11 @@ STREAMED_STAGES = ("ptq_calibrate", "convert_export")
 HEAD = "lm_head"  # the output head's module name (Llama / Qwen families)
 
 
+# presets whose input is quantized per token at run time (`qatlib.quant.spec.PRESETS`: int8 and its
+# alias w8a8); tests/test_plan.py holds the two readings equal for every shipped experiment
+DYNAMIC_INPUT_PRESETS = ("int8", "w8a8")
+
+
 def _static_input(raw: dict[str, Any]) -> bool:
     """A static input (activation) scale on every quantized linear, as `qatlib.config.scheme`
     resolves ``compression.quantization`` (tests/test_plan.py checks it for every experiment)."""
@@ -276,8 +281,11 @@ def _static_input(raw: dict[str, Any]) -> bool:
     use_act = bool(qc.get("use_activation_quant", True)) and "weight_only" not in name
     # MXFP4 inputs: an E8M0 scale per 32 from each input, nothing static (NVFP4 keeps a static
     # per-tensor input global scale, which PTQ calibrates)
-    qtype = str((qc.get("activation") or {}).get("qtype") or name)
-    return use_act and "dynamic" not in name and "mxfp4" not in qtype
+    act = qc.get("activation") or {}
+    qtype = str(act.get("qtype") or name)
+    # dynamic: as the YAML sets it, else the preset's (fp8_dynamic; int8 / w8a8: per-token dynamic)
+    dynamic = bool(act["dynamic"]) if "dynamic" in act else "dynamic" in name or name in DYNAMIC_INPUT_PRESETS
+    return use_act and not dynamic and "mxfp4" not in qtype
 
 
 def _gptq(raw: dict[str, Any]) -> bool:
