@@ -191,17 +191,34 @@ def run_worker(
     earlier run is removed first: after a failure there is none. ``env``: merged last into the
     worker's environment (e.g. ``{"ONEDNN_MAX_CPU_ISA": "AVX2"}``: oneDNN as on a CPU without VNNI)."""
     specs = [j.spec() for j in jobs]  # a bad folder is named before any environment is looked for
+    return launch(WORKER, {"models": specs}, out, timeout_s=timeout_s, python=python, env=env)
+
+
+def launch(
+    script: str | os.PathLike,
+    spec: Mapping[str, Any],
+    out: str | os.PathLike,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    python: str | os.PathLike | None = None,
+    env: Mapping[str, str] | None = None,
+) -> dict:
+    """Run ``script SPEC.json`` (``spec`` plus ``"out"``) with the serving python, isolated, in its own
+    session with a temporary working folder, stdout + stderr to a log; after ``timeout_s`` its whole
+    process group is killed. Returns the JSON the script wrote to ``out``; raises `ServeError`
+    (``timeout``, else `classify`'s kind of its error line). The one launcher of every worker script
+    (`worker.py`, `tasks_worker.py`)."""
     exe = serve_python(python)
     out = Path(out).resolve()
     out.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="qatlib-serve-") as tmp:
         spec_path = Path(tmp) / "spec.json"
-        spec_path.write_text(json.dumps({"out": str(out), "models": specs}))
+        spec_path.write_text(json.dumps({**spec, "out": str(out)}))
         log_path = Path(tmp) / "worker.log"
         with open(log_path, "w+") as log:
             try:
                 proc = subprocess.Popen(
-                    [str(exe), "-I", str(WORKER), str(spec_path)],
+                    [str(exe), "-I", str(script), str(spec_path)],
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     cwd=tmp,

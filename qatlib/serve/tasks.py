@@ -27,10 +27,8 @@ evaluate stage's ``--hf-home``), else into a temporary folder removed after the 
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -38,12 +36,11 @@ from typing import Any
 
 from ..scores import flatten_results, split_tasks
 from . import engine
-from .env import KINDS, MAKE_IT, ServeError, serve_python
+from .env import MAKE_IT, ServeError
 
 TASKS_WORKER = Path(__file__).with_name("tasks_worker.py")
-# An unknown task: its own kind once env.KINDS has one (proposed: "bad_task", fatal to the stage like
-# bad_export); until then "unsupported" (the engine side refuses the request).
-BAD_TASK = "bad_task" if "bad_task" in KINDS else "unsupported"
+# An unknown task (env.KINDS; fatal to the serve stage like bad_export)
+BAD_TASK = "bad_task"
 _NO_TASK = re.compile(r"^LookupError: lm-eval has no task")
 # a serving environment made before lm-eval was in it (engine.classify knows only vllm / torch missing)
 _NO_LM_EVAL = re.compile(r"No module named 'lm_eval\b")
@@ -79,52 +76,24 @@ def launch(
     python: str | os.PathLike | None = None,
     env: Mapping[str, str] | None = None,
 ) -> dict:
-    """Run ``script SPEC.json`` with the serving python as `engine.run_worker` runs its worker (own
-    session, ``timeout_s`` then the group killed, stdout + stderr to a log); return its JSON ``out``.
-    Raises `ServeError`: ``timeout``, `BAD_TASK` for an unknown task, ``no_env`` where lm-eval is
-    missing, else `engine.classify`'s kind."""
-    exe = serve_python(python)
-    out = Path(out).resolve()
-    out.unlink(missing_ok=True)
+    """`engine.launch` with the tasks' environment (``TASKS_ENV``; the datasets Arrow cache in a
+    run-local folder unless ``env`` names one) and their two failure kinds: `BAD_TASK` for an
+    unknown task, ``no_env`` where lm-eval is missing from the serving environment."""
     with tempfile.TemporaryDirectory(prefix="qatlib-serve-tasks-") as tmp:
-        spec_path = Path(tmp) / "spec.json"
-        spec_path.write_text(json.dumps({**spec, "out": str(out)}))
         extra = dict(env or {})
-        if "HF_HOME" not in extra:  # the datasets Arrow cache: a run-local folder unless given
-            extra["HF_HOME"] = str(Path(tmp) / "hf")
+        extra.setdefault("HF_HOME", str(Path(tmp) / "hf"))
         extra.setdefault("HF_DATASETS_CACHE", str(Path(extra["HF_HOME"]) / "datasets"))
-        log_path = Path(tmp) / "worker.log"
-        with open(log_path, "w+") as log:
-            try:
-                proc = subprocess.Popen(
-                    [str(exe), "-I", str(script), str(spec_path)],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    cwd=tmp,
-                    env=engine._worker_env({**TASKS_ENV, **extra}),
-                    start_new_session=True,  # its own process group: a timeout kills all of it
-                )
-            except OSError as e:
-                raise ServeError("no_env", f"cannot run {exe}: {e}") from None
-            try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                rc = None
-            finally:
-                engine._kill_group(proc)
-            log.seek(0)
-            text = log.read()
-    if rc is None:
-        _, _, model_dir = engine.classify(text, None)
-        raise ServeError("timeout", f"killed after {timeout_s:g} s", model_dir=model_dir)
-    if rc != 0 or not out.is_file():
-        kind, detail, model_dir = engine.classify(text, rc)
-        if _NO_TASK.match(detail):
-            kind = BAD_TASK
-        elif _NO_LM_EVAL.search(detail):
-            kind, detail = "no_env", f"{detail} (the serving environment lacks lm-eval: {MAKE_IT})"
-        raise ServeError(kind, detail, model_dir=model_dir, log_tail="\n".join(text.splitlines()[-40:]))
-    return json.loads(out.read_text())
+        try:
+            return engine.launch(
+                script, spec, out, timeout_s=timeout_s, python=python, env={**TASKS_ENV, **extra}
+            )
+        except ServeError as e:
+            if _NO_TASK.match(e.detail):
+                raise ServeError(BAD_TASK, e.detail, model_dir=e.model_dir, log_tail=e.log_tail) from None
+            if _NO_LM_EVAL.search(e.detail):
+                detail = f"{e.detail} (the serving environment lacks lm-eval: {MAKE_IT})"
+                raise ServeError("no_env", detail, model_dir=e.model_dir, log_tail=e.log_tail) from None
+            raise
 
 
 def label_of(facts: Mapping[str, Any], dtype: str) -> str:
