@@ -71,8 +71,10 @@ def main(argv=None) -> int:
         if cfg.zero3_enabled and rank() == 0:  # keys of the user's JSON that cost memory
             from qatlib.plan import run_warnings
 
-            for w in run_warnings(cfg.raw, cfg.deepspeed_config, model_dir, world_size()):
+            warns = run_warnings(cfg.raw, cfg.deepspeed_config, model_dir, world_size())
+            for w in warns:
                 print(f"warning: {cfg.deepspeed_config_path or 'hf_args.deepspeed'}: {w}", flush=True)
+            record["plan_warnings"] = warns  # in the stage's timing record (what the plan could not size)
         # first: deepspeed.comm and the HF DeepSpeed config, before any TrainingArguments / model
         kw = dict(dtype=resolve_dtype(cfg.model.torch_dtype), timeout_s=cfg.global_.collective_timeout_s)
         ctx = zero3_io.init_zero3(cfg.deepspeed_config, **kw) if cfg.zero3_enabled else None

@@ -103,6 +103,7 @@ __all__ = [
     "find_model_config",
     "from_experiment",
     "plan",
+    "not_computed_warnings",
     "not_streamed",
     "run_warnings",
     "section",
@@ -149,10 +150,21 @@ def find_model_config(model_path: str, repo: Path = REPO, base_models: str = BAS
     )
 
 
+def not_computed_warnings(shape: ModelShape) -> list[str]:
+    """One line per model term the plan could not compute (`ModelShape.not_computed`): the run
+    still starts; the plan's figures leave that term out (top-k: count every expert)."""
+    return [f"memory plan: not computed: {t}" for t in shape.not_computed]
+
+
 def run_warnings(raw: dict[str, Any], ds: dict[str, Any] | None, model_path: str, world: int) -> list[str]:
-    """`zero3_setting_warnings` for a run of ``world`` ranks of the experiment ``raw`` on the model
+    """What the plan could not compute of the model (`ModelShape.not_computed`), then
+    `zero3_setting_warnings`, for a run of ``world`` ranks of the experiment ``raw`` on the model
     at ``model_path`` (its config.json, `find_model_config`): what the QAT stage prints."""
     mcfg = find_model_config(model_path)
-    shape = ModelShape.from_config(mcfg, f"{model_path}: config.json")
+    try:
+        shape = ModelShape.from_config(mcfg, f"{model_path}: config.json")
+    except PlanError as e:  # the plan sizes jobs; it never stops a run it cannot size
+        return [f"memory plan: not computed: the whole model ({e})"]
     run = Run(gpus=0, cpu_ranks=max(1, world))
-    return zero3_setting_warnings(shape, raw, ds, run, mcfg.get("torch_dtype") or mcfg.get("dtype"))
+    dtype = mcfg.get("torch_dtype") or mcfg.get("dtype")
+    return not_computed_warnings(shape) + zero3_setting_warnings(shape, raw, ds, run, dtype)

@@ -1,7 +1,10 @@
 """``python -m qatlib.plan EXPERIMENT.yaml --gpus N [--nodes M] [--json]``: the memory plan.
 
 Exit status 0 when every stage fits, 3 when one does not (the table says which term), 1 for a
-config error (``FILE: dotted.path: message``).
+config error (``FILE: dotted.path: message``). A model term the plan cannot compute (a family or
+a key `qatlib.plan.families` does not know) is a warning naming the term and the key looked for,
+in the table and the JSON (``model.not_computed``, each stage's ``not_computed``); it never
+changes the exit status by itself.
 """
 
 from __future__ import annotations
@@ -11,7 +14,16 @@ import json
 import sys
 from dataclasses import replace
 
-from . import GIB, PlanError, Run, find_model_config, from_experiment, plan, zero3_setting_warnings
+from . import (
+    GIB,
+    PlanError,
+    Run,
+    find_model_config,
+    from_experiment,
+    not_computed_warnings,
+    plan,
+    zero3_setting_warnings,
+)
 from .model import ModelShape, WeightFormat
 
 
@@ -47,7 +59,9 @@ def build(args) -> tuple[ModelShape, list, list[str]]:
         args.threads,
     )
     dtype = mcfg.get("torch_dtype") or mcfg.get("dtype")
-    warnings = zero3_setting_warnings(shape, raw, cfg.deepspeed_config, run, dtype)
+    warnings = not_computed_warnings(shape) + zero3_setting_warnings(
+        shape, raw, cfg.deepspeed_config, run, dtype
+    )
     return shape, plan(shape, x, run), warnings
 
 
@@ -107,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                 "total_params": shape.total_params,
                 "active_params": shape.active_params,
                 "layers": shape.layers,
+                "model_type": shape.model_type,
+                "not_computed": list(shape.not_computed),
             },
             "stages": [s.to_dict() for s in stages],
             "warnings": warnings,

@@ -1,5 +1,5 @@
-"""The plan's inputs: a model's sizes (config.json), the experiment values the plan reads, and
-the terms / stage results it returns (dataclasses, no torch)."""
+"""The plan's inputs: a model's sizes (`qatlib.plan.shape`, from config.json), the experiment
+values the plan reads, and the terms / stage results it returns (dataclasses, no torch)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from qatlib.patterns import matches_any
-from qatlib.yamlio import ConfigError, section
+from qatlib.yamlio import section
 from qatlib.zero3.ds_config import gathers_whole_layers
+
+from .shape import ModelShape, PlanError  # noqa: F401 (the plan's model sizes, re-exported)
 
 DTYPE_BYTES = {
     "bf16": 2,
@@ -21,109 +23,6 @@ DTYPE_BYTES = {
     "float32": 4,
     "float": 4,
 }
-
-
-class PlanError(ConfigError):
-    """A model config or an experiment value the plan cannot use (the message names it)."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes of a Qwen3 / Qwen3-MoE decoder, from its config.json."""
-
-    vocab: int
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int  # dense MLP (Qwen3; Qwen3-MoE's mlp_only_layers)
-    experts: int = 0
-    top_k: int = 0
-    moe_intermediate: int = 0
-    tied: bool = False
-    dense_layers: int = 0  # MoE models: layers with a dense MLP instead
-
-    @classmethod
-    def from_config(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelShape:
-        def need(key: str) -> int:
-            if not isinstance(cfg.get(key), int):
-                raise PlanError(f"{source}: {key}: missing or not an integer (needed by the memory plan)")
-            return cfg[key]
-
-        hidden, heads = need("hidden_size"), need("num_attention_heads")
-        # a dense config (model_type qwen3) ignores MoE keys, as transformers does
-        # (transformers 5 writes num_local_experts, the hub's config.json num_experts)
-        n = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
-        experts = int(n) if "moe" in str(cfg.get("model_type", "moe")) else 0
-        layers = need("num_hidden_layers")
-        dense = sum(1 for i in cfg.get("mlp_only_layers") or [] if i < layers) if experts else 0
-        return cls(
-            vocab=need("vocab_size"),
-            hidden=hidden,
-            layers=layers,
-            heads=heads,
-            kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate=int(cfg.get("intermediate_size") or 0),
-            experts=experts,
-            top_k=need("num_experts_per_tok") if experts else 0,
-            moe_intermediate=need("moe_intermediate_size") if experts else 0,
-            tied=bool(cfg.get("tie_word_embeddings", False)),
-            dense_layers=dense,
-        )
-
-    # linears as (out, in); a decoder layer's quantized linears and their parameter counts
-    def attn_linears(self) -> list[tuple[int, int]]:
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return [(q, self.hidden), (kv, self.hidden), (kv, self.hidden), (self.hidden, q)]
-
-    def mlp_linears(self, moe: bool) -> list[tuple[int, int]]:
-        i = self.moe_intermediate if moe else self.intermediate
-        one = [(i, self.hidden), (i, self.hidden), (self.hidden, i)]
-        return one * (self.experts if moe else 1)
-
-    def layer_linears(self, moe: bool) -> list[tuple[int, int]]:
-        return self.attn_linears() + self.mlp_linears(moe)
-
-    def layer_params(self, moe: bool) -> int:
-        norms = 2 * self.hidden + 2 * self.head_dim  # input / post-attention norms, q_norm / k_norm
-        router = self.experts * self.hidden if moe else 0
-        return sum(o * i for o, i in self.layer_linears(moe)) + norms + router
-
-    @property
-    def moe_layers(self) -> int:
-        return self.layers - self.dense_layers if self.experts else 0
-
-    @property
-    def largest_layer(self) -> int:
-        return self.layer_params(self.moe_layers > 0)
-
-    @property
-    def embed_params(self) -> int:
-        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden  # + final norm
-
-    @property
-    def total_params(self) -> int:
-        moe, dense = self.moe_layers, self.layers - self.moe_layers
-        return self.embed_params + moe * self.layer_params(True) + dense * self.layer_params(False)
-
-    @property
-    def active_params(self) -> int:
-        """Parameters one token's forward multiplies by (top-k experts, the lm_head)."""
-        per_expert = 3 * self.hidden * self.moe_intermediate
-        moe_active = self.layer_params(True) - (self.experts - self.top_k) * per_expert
-        moe, dense = self.moe_layers, self.layers - self.moe_layers
-        return self.vocab * self.hidden + moe * moe_active + dense * self.layer_params(False)
-
-    @property
-    def largest_fused(self) -> int:
-        """The largest fused expert tensor (``gate_up_proj [E, 2I, H]``): linearisation's transient."""
-        return self.experts * 2 * self.moe_intermediate * self.hidden if self.moe_layers else 0
-
-    @property
-    def largest_linear(self) -> int:
-        return max(o * i for o, i in self.layer_linears(self.moe_layers > 0))
 
 
 @dataclass(frozen=True)
@@ -207,6 +106,9 @@ class StagePlan:
     host_capacity: int  # one node
     runtime_min: int
     notes: list[str] = field(default_factory=list)
+    # terms of the model the plan could not compute (`ModelShape.not_computed`): counted as zero
+    # (top-k: every expert), so the stage's figures are a lower bound by that much
+    not_computed: list[str] = field(default_factory=list)
 
     @property
     def device_peak(self) -> int:

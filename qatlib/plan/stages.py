@@ -34,12 +34,16 @@ def act_per_token(m: ModelShape, d: int, act_quant: bool, moe: bool) -> int:
     layer input, normed input, q/k/v before and after norm + RoPE, SDPA output (+ its fp32 LSE per
     head), the o_proj input; the MLP's residual and normed input, the router's fp32 logits and
     probabilities, and per routed copy (top-k) the expert input, gate/up outputs, activation and
-    down output. Activation fake-quant keeps one more copy of each quantized input."""
-    h, q, kv, aq = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim, int(act_quant)
+    down output (+ the shared experts' on every token). Activation fake-quant keeps one more copy
+    of each quantized input. Attention is sized as a full-attention layer's (q / k widths of MLA
+    included) for every layer: linear-attention layers keep less per token."""
+    h, q, kv, aq = m.hidden, m.q_width, m.kv_width, int(act_quant)
     attn = d * (2 * h + aq * h + 2 * q + 4 * kv + q + aq * q) + 4 * m.heads
     if moe:
         i, k = m.moe_intermediate, m.top_k
         mlp = d * (2 * h + aq * h) + 4 * 2 * m.experts + k * d * (2 * h + aq * h + 3 * i + aq * i)
+        s = m.shared_width  # the shared experts run on every token: gate/up outputs, activation, down
+        mlp += d * (3 * s + aq * s + h) if s else 0
     else:
         i = m.intermediate
         mlp = d * (3 * h + aq * h + 3 * i + aq * i)
@@ -61,9 +65,7 @@ def _logits(m: ModelShape, tokens: int, d: int, kd: bool) -> list[Term]:
 
 def _n_scales(m: ModelShape, w: WeightFormat, inputs: bool) -> int:
     """Weight scales of every quantized linear, plus its static input scale when ``inputs``."""
-    moe, dense = m.moe_layers, m.layers - m.moe_layers
-    per = [sum(w.scales(o, i) + inputs for o, i in m.layer_linears(b)) for b in (True, False)]
-    return moe * per[0] + dense * per[1]
+    return sum(w.scales(o, i) + inputs for lin, moe in m.layer_kinds() for o, i in m.layer_linears(moe, lin))
 
 
 def _persistent(m: ModelShape, threshold: int, cap: int | None) -> int:
@@ -71,12 +73,11 @@ def _persistent(m: ModelShape, threshold: int, cap: int | None) -> int:
     ``threshold`` elements (``stage3_param_persistence_threshold``) while the running total stays
     within ``cap`` (``stage3_model_persistence_threshold``; DeepSpeed's
     ``mark_persistent_parameters``). Quantizer scales are left out (a few per linear)."""
-    sizes = [m.vocab * m.hidden]  # in transformers' Qwen3 / Qwen3-MoE parameter order
-    for i in range(m.layers):
-        moe = i >= m.layers - m.moe_layers  # which layers are dense does not change the sum
-        sizes += [o * n for o, n in m.attn_linears()] + [m.head_dim, m.head_dim]  # + q_norm, k_norm
-        sizes += ([m.experts * m.hidden] if moe else []) + [o * n for o, n in m.mlp_linears(moe)]
-        sizes += [m.hidden, m.hidden]  # input / post-attention norms
+    sizes = [m.vocab * m.hidden]  # in transformers' parameter order (within a layer: near enough)
+    for lin, moe in m.layer_kinds():
+        sizes += [o * n for o, n in m.attn_linears(lin)] + m.attn_small(lin)
+        sizes += m.mlp_small(moe)[:1] + [o * n for o, n in m.mlp_linears(moe)] + m.mlp_small(moe)[1:]
+        sizes += [m.hidden] * m.norms  # input / post-attention (Gemma 3: + pre / post-MLP) norms
     sizes += [m.hidden] + ([] if m.tied else [m.vocab * m.hidden])
     total, limit = 0, cap if cap is not None else float("inf")
     for n in sizes:
@@ -174,7 +175,8 @@ def _ptq(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
             Term("layer forward working set (one batch)", tok * act_per_token(m, d, x.act_quant, True))
         )
     if x.gptq:
-        work.append(Term("GPTQ Hessians (one layer)", sum(i * i * 4 for _, i in m.layer_linears(True))))
+        hessians = max(sum(i * i * 4 for _, i in m.layer_linears(moe, lin)) for lin, moe in m.layer_kinds())
+        work.append(Term("GPTQ Hessians (one layer)", hessians))
     work.append(Term("fake-quant temporaries (one linear)", m.largest_linear * (d + 4)))
     work.append(Term("scales being written (fp32)", _n_scales(m, x.weight, x.act_quant) * 4))
     # GPU: a layer is read into host memory, then copied to the device; CPU: it is read in place
@@ -208,7 +210,7 @@ def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
         if emb * d > PARTITION_BYTES:
             emb = (2 * PARTITION_BYTES) // d
         if x.expert_leaf and m.moe_layers:
-            unit_params = max(3 * m.hidden * m.moe_intermediate, *(o * i for o, i in m.attn_linears()))
+            unit_params = max(m.per_expert, m.largest_linear)
             name = "gathered unit (one expert or linear, or the embeddings / a 64 MiB block of them + 64 MiB fp32, + prefetch)"
         else:
             name = "gathered unit (one decoder layer, or the embeddings / a 64 MiB block of them + 64 MiB fp32, + prefetch)"
@@ -226,7 +228,7 @@ def _qat(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
         if zero3 and x.expert_leaf and m.moe_layers:
             if x.ckpt_reentrant:
                 # the recompute gathers every expert; DeepSpeed holds them to the layer's end
-                experts = m.experts * 3 * m.hidden * m.moe_intermediate * d
+                experts = m.experts * m.per_expert * d
                 acts.append(Term("a layer's frozen experts held through its recompute (reentrant)", experts))
             else:  # `qatlib.surgery.moe.recompute_experts_one_by_one`: their shared input, indices, weights
                 kept = m.moe_layers * tokens * (m.hidden * d + m.top_k * (16 + d))
@@ -333,4 +335,7 @@ def _evaluate(m: ModelShape, x: PlanInputs, run: Run) -> StagePlan:
 
 def plan(m: ModelShape, x: PlanInputs, run: Run) -> list[StagePlan]:
     """The four stages' plans (`STAGES` order)."""
-    return [_ptq(m, x, run), _qat(m, x, run), _export(m, x, run), _evaluate(m, x, run)]
+    stages = [_ptq(m, x, run), _qat(m, x, run), _export(m, x, run), _evaluate(m, x, run)]
+    for s in stages:  # what the plan could not size is said with every stage's figures
+        s.not_computed = list(m.not_computed)
+    return stages
