@@ -43,6 +43,7 @@ from .checkpoint.layout import (
     scale_files,
     weight_files,
 )
+from .checkpoint.saved_keys import written_names
 from .quant import QuantScheme
 from .quant.quantizer import Quantizer
 
@@ -140,15 +141,16 @@ def load_saved_weights(model: nn.Module, model_dir: str | os.PathLike) -> int:
             "(zero3_load.build_qat_model(path, ..., from_ptq_ckpt=path))"
         )
     qpre = _quantizer_prefixes(model)
+    keys = written_names(model)  # a linearised expert under the hub's key (Mixtral: ...w1.weight)
     targets: dict[str, torch.Tensor] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         if not n.startswith(qpre):
-            targets[n] = p
+            targets.update(dict.fromkeys(keys(n), p))
     for mname, m in model.named_modules():
         for bname, b in m.named_buffers(recurse=False):
             full = f"{mname}.{bname}" if mname else bname
             if b is not None and bname not in m._non_persistent_buffers_set and not full.startswith(qpre):
-                targets[full] = b
+                targets.update(dict.fromkeys(keys(full), b))
     if not weight_files(model_dir):
         raise ResumeError(f"{model_dir}: no weight files (*.safetensors)")
     filled: set[int] = set()
@@ -188,8 +190,16 @@ def saved_weights_derive_from(model: nn.Module, model_dir: str | os.PathLike) ->
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         return False
     qpre = _quantizer_prefixes(model)
-    own = {n: p for n, p in model.named_parameters(remove_duplicate=False) if not n.startswith(qpre)}
-    qlinears = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    keys = written_names(model)  # a linearised expert under the hub's key (Mixtral: ...w1.weight)
+    own = {
+        k: p
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if not n.startswith(qpre)
+        for k in keys(n)
+    }
+    qlinears = {
+        k: m for n, m in model.named_modules() if isinstance(m, QuantLinear) for k in keys(f"{n}.weight")
+    }
     seen = 0
     for key, fh in _saved_keys(model_dir):
         mine = own.get(key)

@@ -128,7 +128,6 @@ def _fake_fused(**attrs):
     "attrs,match",
     [
         (dict(is_transposed=True), "transposed"),
-        (dict(is_concatenated=False), "interleaved"),
         (dict(has_bias=True), "biases"),
         (dict(has_post_expert_norm=True), "post-expert norm"),
         (dict(intermediate_dim=3), "instead of"),

@@ -1,5 +1,5 @@
-"""Reading safetensors files tensor by tensor, and the plans that map checkpoint keys to
-parameter slices (dense, fused and per-expert MoE layouts).
+"""Reading safetensors files tensor by tensor, and the plans that map their tensors to parameter
+slices (where each key goes is `qatlib.checkpoint.conversion`'s, transformers' own rules).
 
 The reader is hand-written (8-byte header length, JSON header, raw data) and reads with plain file
 reads, no mmap: mapped pages would count in the RSS of the reading process (rank 0 of a ZeRO-3
@@ -24,15 +24,16 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from ..quant.quantizer import role_parameters
-from ..surgery.moe import LinearizedMoeExperts, is_fused_experts
+# the plans' vocabulary is the key mapping's (re-exported: readers name them through this module)
+from .conversion import Assign, ExpertBlock, ModelTensors, model_tensors, place_keys
 from .layout import CheckpointError
 from .st_write import ST_DTYPES as _ST_DTYPES
 from .st_write import numel as _numel
 
 log = logging.getLogger(__name__)
+
+__all__ = ["Assign", "ExpertBlock", "ModelTensors", "PlanEntry", "TensorInfo", "model_tensors", "weight_plan"]
 
 # Checkpoint keys a model never has a parameter for (old checkpoints stored RoPE tables).
 DEFAULT_IGNORED_KEYS = (r".*\.rotary_emb\.inv_freq$",)
@@ -150,64 +151,9 @@ def read_elements(fh, info: TensorInfo, start: int, out: torch.Tensor) -> torch.
 
 # =========================================================================== plans
 @dataclasses.dataclass(frozen=True)
-class Assign:
-    """Copy ``source[src]`` into ``target[dst]`` (``target``: a parameter or buffer name)."""
-
-    target: str
-    dst: tuple | None = None
-    src: tuple | None = None
-
-
-@dataclasses.dataclass(frozen=True)
 class PlanEntry:
     info: TensorInfo
     assigns: tuple[Assign, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpertBlock:
-    """An MoE experts module: fused 3-D tensors (``gate_up_proj [E, 2I, H]``, ``down_proj``) or
-    linearised per-expert ``{e}.gate_proj|up_proj|down_proj`` linears."""
-
-    num_experts: int
-    intermediate_dim: int
-    fused: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelTensors:
-    """What a plan knows of a model: names and full shapes, no tensor."""
-
-    params: dict[str, tuple[int, ...]]  # every parameter, once (tied: under its first name)
-    buffers: dict[str, tuple[int, ...]]  # persistent buffers
-    aliases: dict[str, str]  # another name of a tied parameter -> its first name
-    experts: dict[str, ExpertBlock]  # module name -> experts module
-    optional: frozenset[str]  # quantizer parameters: filled when a checkpoint has them
-
-
-def model_tensors(
-    model: nn.Module, shape_of: Callable[[torch.Tensor], Sequence[int]] = torch.Tensor.size
-) -> ModelTensors:
-    """The `ModelTensors` of ``model``; ``shape_of`` gives a parameter's full shape (a partitioned
-    parameter's is not its ``shape``)."""
-    params = {n: tuple(shape_of(p)) for n, p in model.named_parameters()}
-    canon = {id(p): n for n, p in model.named_parameters()}
-    aliases = {
-        n: canon[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if canon[id(p)] != n
-    }
-    buffers = {}
-    for mname, m in model.named_modules():
-        for bname, b in m.named_buffers(recurse=False):
-            if b is not None and bname not in m._non_persistent_buffers_set:
-                buffers[f"{mname}.{bname}" if mname else bname] = tuple(b.shape)
-    experts = {}
-    for n, m in model.named_modules():
-        if isinstance(m, LinearizedMoeExperts):
-            experts[n] = ExpertBlock(len(m), m.intermediate_dim, fused=False)
-        elif is_fused_experts(m):
-            experts[n] = ExpertBlock(m.num_experts, m.intermediate_dim, fused=True)
-    optional = frozenset(n for n, _ in role_parameters(model))
-    return ModelTensors(params, buffers, aliases, experts, optional)
 
 
 def format_problems(where: str, problems: dict[str, list[str]], limit: int = 20) -> str:
@@ -235,39 +181,10 @@ def _fmt(shape: Sequence[int] | None) -> str:
     return "(does not fit)" if shape is None else str(list(shape))
 
 
-_FUSED_KEY = re.compile(r"^(?P<prefix>.+)\.(?P<proj>gate_up_proj|down_proj)$")
-_EXPERT_KEY = re.compile(r"^(?P<prefix>.+)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-
-
-def _expert_weight_assigns(
-    key: str, info: TensorInfo, experts: dict[str, ExpertBlock]
-) -> list[Assign] | str | None:
-    """Assigns of an MoE weight key in the other layout than the model's: a fused key into
-    linearised experts, a per-expert key into fused ones; ``"unexpected"`` for an expert index the
-    model lacks, a message for a mismatched expert count, None when the key is no such key."""
-    m_f, m_e = _FUSED_KEY.match(key), _EXPERT_KEY.match(key)
-    if m_f and (blk := experts.get(m_f["prefix"])) and not blk.fused:
-        p, inter = m_f["prefix"], blk.intermediate_dim
-        if info.shape[:1] != (blk.num_experts,):
-            return f"{key}: checkpoint {list(info.shape)}, model has {blk.num_experts} experts"
-        assigns = []
-        for e in range(blk.num_experts):
-            if m_f["proj"] == "gate_up_proj":
-                assigns += [
-                    Assign(f"{p}.{e}.gate_proj.weight", src=(e, slice(0, inter))),
-                    Assign(f"{p}.{e}.up_proj.weight", src=(e, slice(inter, 2 * inter))),
-                ]
-            else:
-                assigns.append(Assign(f"{p}.{e}.down_proj.weight", src=(e,)))
-        return assigns
-    if m_e and (blk := experts.get(m_e["prefix"])) and blk.fused:
-        p, e, inter = m_e["prefix"], int(m_e["e"]), blk.intermediate_dim
-        if e >= blk.num_experts:
-            return "unexpected"
-        dst = {"gate_proj": (e, slice(0, inter)), "up_proj": (e, slice(inter, 2 * inter)), "down_proj": (e,)}
-        target = f"{p}.down_proj" if m_e["proj"] == "down_proj" else f"{p}.gate_up_proj"
-        return [Assign(target, dst=dst[m_e["proj"]])]
-    return None
+def _src_shape(shape: Sequence[int], a: Assign) -> tuple[int, ...] | None:
+    """Shape of what ``a`` copies from a checkpoint tensor of ``shape``."""
+    out = _shape_after(shape, a.src)
+    return out if out is None or a.perm is None else tuple(out[i] for i in a.perm)
 
 
 def weight_plan(
@@ -277,62 +194,56 @@ def weight_plan(
     where: str,
     ignore: Sequence[str] = DEFAULT_IGNORED_KEYS,
 ) -> list[PlanEntry]:
-    """Map every tensor of the weight ``files`` to the parameter slices it fills; any missing,
-    unexpected, duplicate or shape-mismatched key is one `CheckpointError` listing them all.
-    Per-expert and fused MoE keys both fill linearised and fused experts; tied parameters need only
-    one of their names; keys matching ``ignore`` (regexes) are skipped; quantizer parameters
-    (``model.optional``) are filled when present and not required."""
+    """Map every tensor of the weight ``files`` to the parameter slices it fills (the keys placed
+    by `qatlib.checkpoint.conversion.place_keys`: transformers' renamings and converters for the
+    model, fused and per-expert MoE layouts into fused or linearised experts); any missing,
+    unexpected, duplicate, unconvertible or shape-mismatched key is one `CheckpointError` listing
+    them all. Tied parameters need only one of their names; keys matching ``ignore`` (regexes) or
+    the model class's ignore list are skipped; quantizer parameters (``model.optional``) are
+    filled when present and not required."""
     shapes = {**model.params, **model.buffers}
-    ignore_re = [re.compile(p) for p in ignore]
-    covered: dict[str, int] = {}
-    seen: dict[tuple, str] = {}
-    missing, unexpected, mismatched, duplicate, tied = [], [], [], [], []
-    reported: set[str] = set()  # targets of mismatched keys: not also listed as missing
-    plan = []
+    infos: list[TensorInfo] = []
+    duplicate: list[str] = []
+    first: dict[str, str] = {}
     for path in files:
         for info in read_header(path):
-            key = info.key
-            if key in shapes:
-                assigns = [Assign(key)]
-            elif key in model.aliases:
-                tied.append(key)  # the same Parameter as aliases[key]: filled by that key
+            if info.key in first:
+                duplicate.append(f"{info.key} (in {Path(info.file).name} and {Path(first[info.key]).name})")
                 continue
-            elif (moe := _expert_weight_assigns(key, info, model.experts)) is not None:
-                if moe == "unexpected":
-                    unexpected.append(key)
-                    continue
-                if isinstance(moe, str):
-                    mismatched.append(moe)
-                    continue
-                assigns = moe
-            elif any(r.fullmatch(key) for r in ignore_re):
-                continue
-            else:
-                unexpected.append(key)
-                continue
-            ok = True
+            first[info.key] = info.file
+            infos.append(info)
+    placed = place_keys({i.key: i.shape for i in infos}, model, ignore)
+    covered: dict[str, int] = {}
+    seen: dict[tuple, str] = {}
+    mismatched = placed.problems["shape mismatch"]
+    reported = set(placed.reported)  # targets of mismatched keys: not also listed as missing
+    plan = []
+    for info in infos:
+        assigns = placed.assigns.get(info.key)
+        if not assigns:
+            continue
+        ok = True
+        for a in assigns:
+            src_shape = _src_shape(info.shape, a)
+            dst_shape = _shape_after(shapes[a.target], a.dst)
+            if src_shape != dst_shape:
+                mismatched.append(
+                    f"{info.key}: checkpoint {_fmt(src_shape)} vs model {a.target} {_fmt(dst_shape)}"
+                )
+                reported.add(a.target)
+                ok = False
+                break
+            piece = (a.target, repr(a.dst))
+            if piece in seen:
+                duplicate.append(f"{info.key} (also {seen[piece]})")
+                ok = False
+                break
+            seen[piece] = info.key
+        if ok:
             for a in assigns:
-                src_shape = _shape_after(info.shape, a.src)
-                dst_shape = _shape_after(shapes[a.target], a.dst)
-                if src_shape != dst_shape:
-                    mismatched.append(
-                        f"{key}: checkpoint {_fmt(src_shape)} vs model {a.target} {_fmt(dst_shape)}"
-                    )
-                    reported.add(a.target)
-                    ok = False
-                    break
-                piece = (a.target, repr(a.dst))
-                if piece in seen:
-                    duplicate.append(f"{key} (also {seen[piece]})")
-                    ok = False
-                    break
-                seen[piece] = key
-            if ok:
-                for a in assigns:
-                    covered[a.target] = covered.get(a.target, 0) + _numel(
-                        _shape_after(shapes[a.target], a.dst)
-                    )
-                plan.append(PlanEntry(info, tuple(assigns)))
+                covered[a.target] = covered.get(a.target, 0) + _numel(_shape_after(shapes[a.target], a.dst))
+            plan.append(PlanEntry(info, tuple(assigns)))
+    missing = []
     for name, shape in shapes.items():
         if name in reported or (name in model.optional and name not in covered):
             continue
@@ -340,16 +251,15 @@ def weight_plan(
             missing.append(
                 name if name not in covered else f"{name} (partly: {covered[name]}/{_numel(shape)})"
             )
-    problems = {
-        "missing": missing,
-        "unexpected": unexpected,
-        "shape mismatch": mismatched,
-        "duplicate": duplicate,
-    }
+    problems = {"missing": missing, **placed.problems, "duplicate": duplicate}
     if any(problems.values()):
         raise CheckpointError(format_problems(f"checkpoint {where} does not match the model", problems))
-    if tied:
-        log.info("skipped %d tied checkpoint keys (%s)", len(tied), ", ".join(tied[:5]))
+    if placed.tied:
+        log.info("skipped %d tied checkpoint keys (%s)", len(placed.tied), ", ".join(placed.tied[:5]))
+    if placed.skipped:
+        log.info(
+            "skipped %d ignored checkpoint keys (%s)", len(placed.skipped), ", ".join(placed.skipped[:5])
+        )
     return plan
 
 
@@ -469,7 +379,7 @@ def copy_entry(
     """Read ``e``'s tensor from the open file ``fh`` into its targets (``dest_of(name)``: the tensor
     to write); a whole-tensor, same-dtype CPU target is read into directly."""
     a0 = e.assigns[0]
-    if len(e.assigns) == 1 and a0.dst is None and a0.src is None and cast is None:
+    if len(e.assigns) == 1 and a0.dst is None and a0.src is None and a0.perm is None and cast is None:
         d = dest_of(a0.target)
         if d.is_contiguous() and d.dtype == _ST_DTYPES[e.info.dtype] and d.device.type == "cpu":
             read_tensor(fh, e.info, out=d)
@@ -479,6 +389,8 @@ def copy_entry(
         d = dest_of(a.target)
         view = d[a.dst] if a.dst else d
         src = t[a.src] if a.src else t
+        if a.perm is not None:
+            src = src.permute(a.perm)
         if cast is not None:
             src = cast(src)
         if src.shape != view.shape:  # only a 1-element scalar <-> [1] (validated in the plan)

@@ -45,7 +45,9 @@ scales beside real weights) go to ``qatlib/`` (`qatlib.checkpoint.layout.EXPORT_
 match ``re:`` entries by prefix (``re.match``), qatlib's ``ignore_layers`` by full match, so a
 pattern copied over would change meaning. An ignore set that quantizes part of a fused group
 (q/k/v, gate/up, a layer's experts; `qatlib.runtime.fusion`) is refused. What the deployed
-arithmetic still changes is recorded in ``qatlib_export.json`` (`qatlib.runtime.differences`).
+arithmetic still changes is recorded in ``qatlib_export.json`` (`qatlib.runtime.differences`), and
+so is, per module type, what was quantized and what was kept in high precision and why
+(``coverage``, `qatlib.export.coverage`: ignore list, router, embedding, a refused fused layout).
 
 How an export runs, top to bottom (the package's modules, each importing only those below it):
 
@@ -80,7 +82,9 @@ import torch
 from torch import nn
 
 from ..checkpoint.layout import AtomicDir
+from ..checkpoint.saved_keys import expert_names
 from ..quant import QuantScheme
+from ..zero3.io import is_zero3_param
 from .compress import iter_export_tensors, write_side_files
 from .format import ExportError, compressed_tensors_format
 from .plan import SAVE_FORMATS, ExportPlan, log_plan, plan_export
@@ -170,7 +174,10 @@ def export(
         return None
     with target as tmp:
         if plan.weights is not None:
-            model.save_pretrained(str(tmp), state_dict=state)
+            # linearised experts under the hub's per-expert keys (vLLM's and from_pretrained's); the
+            # rest reverse-converted by save_pretrained as ever
+            name_of = expert_names(model, lambda p: p.ds_shape if is_zero3_param(p) else p.shape)
+            model.save_pretrained(str(tmp), state_dict={name_of(k): v for k, v in state.items()})
         write_side_files(tmp, plan, tokenizer=tokenizer, kv_scales=kv, resume_scales=resume)
     log.info("exported %s (%s) to %s", scheme.name, save_format, out_dir)
     return Path(out_dir)

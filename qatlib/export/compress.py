@@ -26,6 +26,7 @@ from ..quant import functional as F
 from ..quant.linear import weight_readable
 from ..quant.quantizer import Quantizer
 from ..quant.spec import CheckpointFormat, Granularity
+from .experts import check_format, fused_expert_tensors, is_interleaved_expert
 from .format import CTFormat, ExportError
 from .plan import ExportPlan
 
@@ -161,10 +162,32 @@ def iter_export_tensors(
     ``iter_onloaded_modules``). ``keep=False`` (non-main ranks) walks the units without computing
     anything."""
     weights, fmt = plan.weights, plan.fmt
+    fused: list[str] = []  # interleaved experts written whole (`qatlib.export.experts`)
+    interleaved = (
+        {f"{n}." for n, m in model.named_modules() if is_interleaved_expert(m)}
+        if weights == "real"
+        else set()
+    )
     for name, module in model.named_modules() if modules is None else modules:
         if not keep or isinstance(module, Quantizer):
             continue  # quantizers are read with their QuantLinear
         prefix = f"{name}." if name else ""
+        if fused and name.startswith(fused[-1]):
+            continue  # a linear of an interleaved expert, written with it
+        if interleaved and f"{name.rpartition('.')[0]}." in interleaved:
+            raise ExportError(
+                f"{name}: a linear of an interleaved gate/up expert reached the export without its expert "
+                "module (a module walk that hands over linears one at a time): the expert is written whole"
+            )
+        if weights == "real" and is_interleaved_expert(module):
+            check_format(fmt, name)
+            fused.append(prefix)
+            linears = [(f"{prefix}{p}", getattr(module, p)) for p in ("gate_proj", "up_proj", "down_proj")]
+            if resume_scales is not None:
+                resume_scales.update(scale_state_dict(model, linears=linears))
+            parts = [compress_linear(ql, fmt, name=n, verify=verify) for n, ql in linears]
+            yield from fused_expert_tensors(name, *parts).items()
+            continue
         if not isinstance(module, QuantLinear):
             if weights is not None:
                 for k, t in _own_tensors(module, prefix).items():

@@ -16,6 +16,7 @@ answer (`ExportPlan` field)                     owner
 ``deployment``: what each runtime's load        `qatlib.runtime.differences.deployment_differences`
 changes, refuses, or was trained with
 ``kv_file`` / ``resume_file``: the side files   `qatlib.checkpoint.layout`
+``coverage``: quantized / kept per module type  `qatlib.export.coverage.export_coverage`
 ==============================================  ==================================================
 
 The writers (`qatlib.export` in memory, `qatlib.export.stream` layer by layer; both through
@@ -26,7 +27,7 @@ formats and records, not the model: it is the same for every process of a ZeRO-3
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -37,16 +38,18 @@ from .. import __version__
 from ..checkpoint.keys import kv_role
 from ..checkpoint.layout import EXPORT_KV_SCALES_FILE, FAKE_EXPORT_SCALES_FILE, KV_SCALES_FILE
 from ..checkpoint.safetensors import model_tensors
+from ..checkpoint.saved_keys import checkpoint_names
 from ..quant import QuantLinear, QuantScheme, quant_linears
 from ..quant.calibration import prepared_mismatch
 from ..quant.health import bad_quant_params
-from ..quant.linear import attention_role, is_router
+from ..quant.linear import attention_role
 from ..quant.quantizer import Quantizer
 from ..quant.spec import CheckpointFormat, Granularity
 from ..runtime.differences import deployment_differences
 from ..runtime.facts import TARGETS, layout_of
 from ..runtime.ignore import ignore_problems
 from ..runtime.tying import TiedGroup, tie_plan
+from .coverage import export_coverage, is_router_like
 from .format import CTFormat, ExportError, compressed_tensors_format
 
 log = logging.getLogger(__name__)
@@ -90,6 +93,8 @@ class ExportPlan:
     # the side files, relative to the export folder (`qatlib.checkpoint.layout`), or None
     kv_file: str | None
     resume_file: str | None
+    # per module type: how many were quantized, how many kept and why (`qatlib.export.coverage`)
+    coverage: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def weights(self) -> str | None:
@@ -98,7 +103,8 @@ class ExportPlan:
 
     def record(self) -> dict[str, Any]:
         """``qatlib_export.json``: the version, format and scheme, the compressed-tensors mapping's
-        changes and runtime notes, and the deployment differences."""
+        changes and runtime notes, the deployment differences, and what was quantized and kept
+        per module type (``coverage``)."""
         info: dict[str, Any] = {
             "qatlib_version": __version__,
             "save_format": self.save_format,
@@ -116,6 +122,8 @@ class ExportPlan:
             info["deployment"] = dict(self.deployment)
         if self.save_format == "fake":
             info["note"] = FAKE_NOTE
+        if self.coverage:
+            info["coverage"] = [dict(r) for r in self.coverage]
         return info
 
 
@@ -146,7 +154,7 @@ def plan_export(
     deployment: dict[str, Any] = {}
     if fmt is not None:
         check_ignore(model, ignore)
-        names = tuple(unquantized_modules(model))
+        names = tuple(unquantized_modules(model, checkpoint_names(model)))
         if scheme.checkpoint_format is CheckpointFormat.FP8:
             header = fp8_native_config(scheme, names)
         else:
@@ -170,6 +178,7 @@ def plan_export(
         deployment=MappingProxyType(deployment),
         kv_file=kv_file,
         resume_file=FAKE_EXPORT_SCALES_FILE if save_format == "fake" else None,
+        coverage=tuple(export_coverage(model, ignore)) if weights is not None else (),
     )
 
 
@@ -185,13 +194,17 @@ def tied_names(model: nn.Module) -> frozenset[str]:
 
 
 def log_plan(plan: ExportPlan) -> None:
-    """Warn about what the exported arithmetic changes and what the runtimes may do differently."""
+    """Warn about what the exported arithmetic changes and what the runtimes may do differently
+    (the format's notes, then each module type's coverage notes)."""
     if plan.fmt is None:
         return
     for msg in plan.fmt.changes:
         log.warning("export (%s): %s", plan.scheme.name, msg)
     for msg in plan.fmt.runtime_notes:
         log.warning("export (%s), deployment: %s", plan.scheme.name, msg)
+    for row in plan.coverage:
+        for msg in row.get("notes", ()):
+            log.warning("export (%s), %s: %s", plan.scheme.name, row["module_type"], msg)
 
 
 # --------------------------------------------------------------------------- validation
@@ -266,9 +279,13 @@ def check_ignore(model: nn.Module, patterns: Sequence[str]) -> None:
 
 
 # --------------------------------------------------------------------------- config.json's header
-def unquantized_modules(model: nn.Module) -> list[str]:
+def unquantized_modules(model: nn.Module, key_of: Callable[[str], str] = str) -> list[str]:
     """Module names compressed-tensors / vLLM must leave unquantized: every plain linear (e.g.
-    ``lm_head``), embedding and MoE router gate, by resolved name only.
+    ``lm_head``), embedding and MoE router (`is_router_like`: also GPT-OSS's ``router``, a module
+    of its own), by resolved name only, as the checkpoint names
+    them (``key_of``: a tensor's module name -> its checkpoint key, `checkpoint_names`; a runtime
+    matches the ignore list against its own module names, which follow the checkpoint's: Mixtral's
+    router is ``block_sparse_moe.gate`` there, ``mlp.gate`` in transformers 5).
 
     The user's ``ignore_layers`` (names or ``re:`` regexes, qatlib's matching) are checked
     (`check_ignore`), never copied: a runtime reads ``re:`` entries with ``re.match`` (prefix;
@@ -281,8 +298,8 @@ def unquantized_modules(model: nn.Module) -> list[str]:
         if not name or isinstance(m, (QuantLinear, Quantizer)):
             continue
         parent_name, _, child = name.rpartition(".")
-        if isinstance(m, (nn.Linear, nn.Embedding)) or is_router(mods.get(parent_name), child):
-            names.append(name)
+        if isinstance(m, (nn.Linear, nn.Embedding)) or is_router_like(mods.get(parent_name), child, m):
+            names.append(key_of(f"{name}.weight").removesuffix(".weight"))
     return names
 
 

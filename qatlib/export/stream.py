@@ -8,7 +8,8 @@ every weight on the meta device); each decoder layer is onloaded from the checkp
 as soon as it is full, each tensor spilled to disk as it comes. Host memory: one output tensor +
 one onloaded layer and one linear's compression temporaries (``benchmarks/stream_memory.py`` and
 ``benchmarks/plan_rehearsal.py`` measure it). Same tensors as the in-memory export (and, for a
-model within one shard, the same bytes).
+model within one shard, the same bytes: the keys named by
+`qatlib.checkpoint.saved_keys.checkpoint_names`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.layout import WEIGHTS_FILE, AtomicDir, name_weight_shards
+from ..checkpoint.saved_keys import checkpoint_names
 from ..checkpoint.st_write import ShardWriter
 from .compress import iter_export_tensors, write_side_files
 from .plan import ExportPlan
@@ -61,7 +63,10 @@ def export_streaming(
             # config.json / generation_config.json exactly as save_pretrained writes them
             model.save_pretrained(str(tmp), state_dict={})
             (tmp / WEIGHTS_FILE).unlink(missing_ok=True)
-            write_shards(tmp, tensors, max_shard_size)
+            # the keys the in-memory export's save_pretrained writes (`checkpoint_names`: linearised
+            # experts under the hub's per-expert keys, the rest by transformers' reverse renamings)
+            name_of = checkpoint_names(model)
+            write_shards(tmp, ((name_of(k), t) for k, t in tensors), max_shard_size)
         else:
             for _ in tensors:
                 pass

@@ -119,9 +119,9 @@ def run_ptq(
                 model_dir, scheme, batches, device=device.current(), **kw, **common
             )
         except CheckpointError as e:
-            # The streamed reader maps the shards' keys one to one onto the model's names; a
-            # checkpoint whose keys transformers renames while loading (its conversion mapping,
-            # e.g. HunYuan v3's router / shared_mlp) is read whole, as whole_model would.
+            # The streamed reader places keys by transformers' conversion mapping, slice by slice
+            # (`qatlib.checkpoint.conversion`); a converter with no slice reading (Interleave,
+            # PermuteForRope, custom ops) is refused there and the checkpoint is read whole.
             if low_memory:
                 raise StageInputError(
                     f"{cfg.source}: {LOW_MEMORY}: the streamed calibration cannot read {model_dir} "

@@ -34,6 +34,7 @@ from torch import nn
 from .. import __version__
 from ..checkpoint.keys import scale_state_dict
 from ..checkpoint.layout import SCALES_FILE, SCHEME_FILE, WEIGHTS_FILE, AtomicDir, write_json
+from ..checkpoint.saved_keys import expert_names
 from ..checkpoint.st_write import save_tensors
 from ..quant import QuantScheme, QuantSpec, quant_linears
 from ..quant.calibration import (
@@ -264,7 +265,10 @@ def save_ptq_checkpoint(
             if not hasattr(model, "save_pretrained"):
                 save_file(weights_state_dict(model), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
             else:
-                model.save_pretrained(str(tmp), state_dict=weights_state_dict(model))
+                name_of = expert_names(model)  # linearised experts under the hub's keys (from_pretrained's)
+                model.save_pretrained(
+                    str(tmp), state_dict={name_of(k): v for k, v in weights_state_dict(model).items()}
+                )
                 if tokenizer is not None:
                     tokenizer.save_pretrained(str(tmp))
         write_json(tmp / SCHEME_FILE, meta, sort_keys=True)

@@ -344,6 +344,19 @@ def is_router(parent: nn.Module | None, child_name: str) -> bool:
     return child_name == "gate" and parent is not None and hasattr(parent, "experts")
 
 
+def kept_plain(parent: nn.Module | None, child_name: str, child: nn.Module) -> bool:
+    """A linear the deployment runtime builds unquantized whatever the checkpoint says, so a quantized
+    one would not load (vLLM 0.33: "no module or parameter named ...input_scale"): a shared-expert
+    gate (one output, beside the experts: qwen2_moe.py:148-153, qwen3_next.py:196-202,
+    ``quant_config=None``) and a sparse-attention indexer's ``wk`` / ``weights_proj`` (fused into
+    ``wk_weights_proj`` with ``quant_config=None``, deepseek_v2.py:712-718). Found by structure."""
+    if parent is None:
+        return False
+    if hasattr(parent, "experts") and getattr(child, "out_features", None) == 1:
+        return True
+    return child_name in ("wk", "weights_proj") and all(hasattr(parent, a) for a in ("wk", "weights_proj"))
+
+
 def attention_role(parent: nn.Module | None, child_name: str) -> str | None:
     """'q' / 'k' / 'v' for the projections of an attention module (found by structure: a
     ``q_proj`` / ``k_proj`` / ``v_proj`` child of a module that has all three)."""
@@ -432,7 +445,11 @@ def prepare(
             if type(child) is not nn.Linear:
                 continue
             full = f"{name}.{child_name}" if name else child_name
-            if matches_any(full, ignore) or is_router(module, child_name):
+            if (
+                matches_any(full, ignore)
+                or is_router(module, child_name)
+                or kept_plain(module, child_name, child)
+            ):
                 continue
             todo.append((module, child_name, child, full))
     w = scheme.weight

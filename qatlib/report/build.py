@@ -17,6 +17,8 @@ experiment directory:
   (`qatlib.analysis.checkpoint_sqnr`) when they are small enough;
 - ``qat/scale_load.json``, ``qat/run_metadata.json``, ``timings/*.json``, the experiment YAML,
   and the benchmark JSONs of ``bench_dir``.
+- ``export/qatlib_export.json``'s ``coverage`` (`qatlib.export.coverage`): what the export quantized
+  and kept, and why, per module type (the section is left out when there is no ``export/``).
 
 Every section but the evaluation table is optional: a missing input renders as "not available".
 Nothing in the HTML points outside the file (figures are base64 PNG, CSS is inline), so it opens
@@ -126,6 +128,8 @@ def build_report(
         ),
         _optional("Benchmarks", "bench", lambda: sections.bench_section(bench)),
     ]
+    if (exp / "export").is_dir():  # an experiment without an export stage has no coverage to show
+        secs.insert(-2, _optional("Export coverage", "export", lambda: sections.export_section(exp)))
     for s in secs:
         s.setdefault("unavailable", "")
     html = _render(

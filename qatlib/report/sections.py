@@ -12,7 +12,7 @@ from typing import Any
 
 from .. import analysis
 from ..checkpoint.keys import load_scales
-from ..checkpoint.layout import TRAIN_LOG_FILE
+from ..checkpoint.layout import EXPORT_INFO_FILE, TRAIN_LOG_FILE
 from ..scores import not_applied_sentence
 from . import inputs
 from .blocks import cell, fmt, h3, img, json_tables, nbytes, para, pre, seconds, table, unavailable
@@ -470,6 +470,54 @@ def metadata_section(
     else:
         sec["blocks"].append(h3(f"Experiment config ({cfg.name})"))
         sec["blocks"].append(pre(cfg.read_text()))
+    return sec
+
+
+def coverage_rows(coverage: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
+    """The rows of the export coverage table: one per (module type, kept reason); a type with
+    nothing kept gets one row with an empty reason. Notes (what the runtime reads differently)
+    go into the reason column of the type's first row."""
+    rows = []
+    for r in coverage:
+        kept = dict(r.get("kept", {}))
+        notes = "; ".join(r.get("notes", []))
+        first = True
+        for reason, n in (kept or {"": 0}).items():
+            why = "; ".join(x for x in (reason, notes if first else "") if x)
+            rows.append(
+                [
+                    r["module_type"],
+                    fmt(r["quantized"]) if first else "",
+                    fmt(n) if reason else "0",
+                    cell(why, "text"),
+                ]
+            )
+            first = False
+    return rows
+
+
+def export_section(exp: Path) -> dict:
+    """What the export quantized and kept, per module type (``export/qatlib_export.json``'s
+    ``coverage``, `qatlib.export.coverage`)."""
+    sec = {"id": "export", "title": "Export coverage", "blocks": []}
+    path = exp / "export" / EXPORT_INFO_FILE
+    if not path.is_file():
+        sec["unavailable"] = f"Export coverage not available: no {path}."
+        return sec
+    coverage = inputs.read_json(path).get("coverage")
+    if not coverage:
+        sec["unavailable"] = f"Export coverage not available: {path} has no coverage record."
+        return sec
+    q = sum(r["quantized"] for r in coverage)
+    k = sum(sum(r.get("kept", {}).values()) for r in coverage)
+    sec["blocks"].append(para(f"{q} module(s) quantized, {k} kept in high precision ({path.name})."))
+    sec["blocks"].append(
+        table(
+            ["module type", "quantized", "kept", "why kept"],
+            coverage_rows(coverage),
+            "Quantized and kept modules per type (qatlib.export.coverage)",
+        )
+    )
     return sec
 
 

@@ -34,7 +34,7 @@ from .facts import (
     load_refusal,
     transforms,
 )
-from .fusion import GroupKind, fused_groups, has_experts
+from .fusion import DENSE_FUSED, GroupKind, fused_groups, has_experts
 
 
 def _static_scale(ql: QuantLinear | None, role: str) -> torch.Tensor | None:
@@ -82,20 +82,20 @@ def _expert_names(model: nn.Module) -> set[str]:
 
 def _measure(model: nn.Module, t: Transform, dtype: torch.dtype) -> str:
     if t is Transform.WEIGHT_SCALE_MAX:
-        bad, n = _differing(model, {GroupKind.QKV, GroupKind.GATE_UP}, "weight")
+        bad, n = _differing(model, set(DENSE_FUSED), "weight")
         return f"{bad} of {n} fused groups have different weight scales (their shards are re-rounded)"
     if t is Transform.EXPERT_WEIGHT_SCALE_MAX:
         bad, n = _differing(model, {GroupKind.GATE_UP}, "weight", experts=_expert_names(model))
         return f"{bad} of {n} experts have different gate / up weight scales (re-rounded)"
     if t in (Transform.INPUT_SCALE_MAX, Transform.INPUT_SCALE_LAST):
-        bad, n = _differing(model, {GroupKind.QKV, GroupKind.GATE_UP}, "input")
+        bad, n = _differing(model, set(DENSE_FUSED), "input")
         return f"{bad} of {n} fused groups have different input scales"
     if t is Transform.EXPERT_INPUT_SCALE_MAX:
         bad, n = _differing(model, {GroupKind.EXPERTS_W13, GroupKind.EXPERTS_W2}, "input")
         return f"{bad} of {n} expert groups (w13 / w2 per layer) have different input scales"
     if t in (Transform.FP4_GLOBAL_SCALE_MAX, Transform.FP4_GLOBAL_SCALE_MUST_MATCH):
-        bad, n = _differing(model, {GroupKind.QKV, GroupKind.GATE_UP}, "weight", _global_scale)
-        bad_in, _ = _differing(model, {GroupKind.QKV, GroupKind.GATE_UP}, "input", _global_scale)
+        bad, n = _differing(model, set(DENSE_FUSED), "weight", _global_scale)
+        bad_in, _ = _differing(model, set(DENSE_FUSED), "input", _global_scale)
         return f"{bad} of {n} fused groups have different weight global scales, {bad_in} different input ones"
     if t in (Transform.EXPERT_W13_GLOBAL_SCALE, Transform.FP4_ACTIVATIONS_UNQUANTIZED):
         return "not counted"

@@ -49,7 +49,7 @@ from .facts import (
     transforms,
     w4a8_kernel_refusal,
 )
-from .fusion import FusedGroup, GroupKind, fused_groups
+from .fusion import DENSE_FUSED, FusedGroup, GroupKind, fused_groups
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -265,7 +265,7 @@ class StaticFP8(nn.Module):
 def _apply_weight_scale_max(stored: dict[str, Stored], groups: list[FusedGroup]) -> int:
     n = 0
     for g in groups:
-        if g.kind in (GroupKind.QKV, GroupKind.GATE_UP) and all(m in stored for m in g.members):
+        if g.kind in DENSE_FUSED and all(m in stored for m in g.members):
             members = [stored[m] for m in g.members]
             if any(s.scale.numel() != 1 for s in members):
                 continue
@@ -522,9 +522,9 @@ def emulate_export(
         elif t is Transform.EXPERT_WEIGHT_SCALE_MAX:
             n = _apply_weight_scale_max(stored, [g for g in groups if g.members[0] in experts])
         elif t is Transform.INPUT_SCALE_MAX:
-            n = _apply_input_scale(stored, groups, {GroupKind.QKV, GroupKind.GATE_UP}, "max")
+            n = _apply_input_scale(stored, groups, set(DENSE_FUSED), "max")
         elif t is Transform.INPUT_SCALE_LAST:
-            n = _apply_input_scale(stored, groups, {GroupKind.QKV, GroupKind.GATE_UP}, "last")
+            n = _apply_input_scale(stored, groups, set(DENSE_FUSED), "last")
         elif t is Transform.EXPERT_INPUT_SCALE_MAX:
             n = _apply_input_scale(stored, groups, {GroupKind.EXPERTS_W13, GroupKind.EXPERTS_W2}, "max")
         elif t is Transform.DYNAMIC_PER_TOKEN:

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..quant import functional as F
 from .facts import Layout, Transform
-from .fusion import FusedGroup, GroupKind
+from .fusion import DENSE_FUSED, FusedGroup
 
 NATIVE_FP4 = 10.0  # SM100: the first compute capability with FP4 tensor cores (CUTLASS / FlashInfer)
 
@@ -75,7 +75,7 @@ def collapse_global_scales(stored: dict[str, StoredFP4], groups: list[FusedGroup
     (counted only where the members disagreed)."""
     n = 0
     for g in groups:
-        if g.kind not in (GroupKind.QKV, GroupKind.GATE_UP) or not all(m in stored for m in g.members):
+        if g.kind not in DENSE_FUSED or not all(m in stored for m in g.members):
             continue
         members = [stored[m] for m in g.members]
         if any(s.global_scale is None for s in members):
@@ -190,7 +190,7 @@ def replace_fp4_linears(
             bad = [
                 g.parent
                 for g in groups
-                if g.kind in (GroupKind.QKV, GroupKind.GATE_UP)
+                if g.kind in DENSE_FUSED
                 and all(m in stored for m in g.members)
                 and len({float(stored[m].global_scale) for m in g.members}) > 1
             ]

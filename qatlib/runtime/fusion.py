@@ -7,8 +7,10 @@ or none of them) and, for static per-tensor scales, the runtime collapses the sh
 one (`qatlib.runtime.facts`). The groups here are what the export's ignore check, the runtime
 emulator and scale tying share, so all three agree on what "fused" means.
 
-Selection is structural (``q_proj`` / ``k_proj`` / ``v_proj`` children of one module, ``gate_proj`` +
-``up_proj`` children of one module, an ``experts`` module list beside a router ``gate``), like
+Selection is structural (the children `PACKED` names, all of them under one module: ``q_proj`` /
+``k_proj`` / ``v_proj``, ``gate_proj`` + ``up_proj``, MLA's ``q_a_proj`` + ``kv_a_proj_with_mqa``,
+linear attention's ``in_proj_qkv`` + ``in_proj_z`` and ``in_proj_b`` + ``in_proj_a``; an ``experts``
+module list beside a router ``gate``), like
 `qatlib.quant.linear.attention_role` / `is_router`.
 """
 
@@ -23,9 +25,29 @@ from torch import nn
 class GroupKind(enum.Enum):
     QKV = "qkv"  # one attention's q/k/v -> qkv_proj
     GATE_UP = "gate_up"  # one MLP's (or one expert's) gate/up -> gate_up_proj / w13[e]
+    QKV_A = "qkv_a"  # MLA's q_a_proj / kv_a_proj_with_mqa -> fused_qkv_a_proj (DeepSeek-V3, GLM-5)
+    QKVZ = "qkvz"  # gated-delta linear attention's in_proj_qkv / in_proj_z -> in_proj_qkvz (Qwen3.5)
+    BA = "ba"  # its in_proj_b / in_proj_a -> in_proj_ba (Qwen3.5)
     EXPERTS_W13 = "experts_w13"  # every expert's gate/up of one MoE layer -> w13 (one input scale)
     EXPERTS_W2 = "experts_w2"  # every expert's down of one MoE layer -> w2 (one input scale)
     MOE_LAYER = "moe_layer"  # every expert projection of one MoE layer: one scheme (vLLM reads expert 0)
+
+
+# The dense fused modules: vLLM 0.33's ``packed_modules_mapping`` (fused module -> the checkpoint
+# modules it loads as its shards), one entry per kind: llama.py / qwen3.py ... (qkv_proj,
+# gate_up_proj), deepseek_v2.py:1909 (fused_qkv_a_proj, set where ``q_lora_rank`` is not None;
+# GlmMoeDsa inherits it), qwen3_5.py:315-316 (in_proj_qkvz, in_proj_ba). Qwen3-Next's checkpoint
+# already holds in_proj_qkvz / in_proj_ba as single linears (qwen3_next.py:832-833: one shard
+# each). tests/test_families.py checks this table against the mapping of each family's loaded vLLM
+# model (`qatlib.runtime.load`), so a vLLM that fuses more is a failing test, not a silent split.
+PACKED: dict[GroupKind, tuple[str, ...]] = {
+    GroupKind.QKV: ("q_proj", "k_proj", "v_proj"),
+    GroupKind.GATE_UP: ("gate_proj", "up_proj"),
+    GroupKind.QKV_A: ("q_a_proj", "kv_a_proj_with_mqa"),
+    GroupKind.QKVZ: ("in_proj_qkv", "in_proj_z"),
+    GroupKind.BA: ("in_proj_b", "in_proj_a"),
+}
+DENSE_FUSED = tuple(PACKED)  # the kinds whose shards' per-tensor scales the runtime collapses to one
 
 
 @dataclass(frozen=True)
@@ -54,14 +76,9 @@ def fused_groups(model: nn.Module) -> list[FusedGroup]:
     """Every fused group of ``model`` (prepared or not), in module order."""
     out: list[FusedGroup] = []
     for name, module in model.named_modules():
-        if all(isinstance(getattr(module, a, None), nn.Module) for a in ("q_proj", "k_proj", "v_proj")):
-            out.append(
-                FusedGroup(GroupKind.QKV, name, tuple(_join(name, a) for a in ("q_proj", "k_proj", "v_proj")))
-            )
-        if all(isinstance(getattr(module, a, None), nn.Module) for a in ("gate_proj", "up_proj")):
-            out.append(
-                FusedGroup(GroupKind.GATE_UP, name, (_join(name, "gate_proj"), _join(name, "up_proj")))
-            )
+        for kind, members in PACKED.items():
+            if all(isinstance(getattr(module, a, None), nn.Module) for a in members):
+                out.append(FusedGroup(kind, name, tuple(_join(name, a) for a in members)))
         experts = _experts(module)
         if experts is not None:
             base = _join(name, "experts")

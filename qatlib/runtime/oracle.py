@@ -43,8 +43,8 @@ SUBSTITUTIONS: tuple[tuple[str, str, str], ...] = (
     ),
     (
         "fused-MoE backend selection (select_fp8_moe_backend of compressed-tensors' and of the fp8 format's "
-        "Fp8MoEMethod, select_nvfp4_moe_backend)",
-        "fp8: Fp8MoeBackend.TRITON; NVFP4: NvFp4MoeBackend.EMULATION",
+        "Fp8MoEMethod, select_int8_moe_backend, select_nvfp4_moe_backend)",
+        "fp8: Fp8MoeBackend.TRITON; int8: Int8MoeBackend.TRITON; NVFP4: NvFp4MoeBackend.EMULATION",
         "the CPU has no fused-MoE backend; these need no load-time layout change (their input-scale "
         "handling is backend-specific and not compared for NVFP4 experts)",
     ),
@@ -170,6 +170,7 @@ def _substitutions(stack: contextlib.ExitStack, *, w4a8: bool, int8: bool, batch
     )
     from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
     from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
+    from vllm.model_executor.layers.fused_moe.oracle.int8 import Int8MoeBackend
     from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import NvFp4MoeBackend
     from vllm.model_executor.layers.quantization import fp8 as native_fp8
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
@@ -178,11 +179,16 @@ def _substitutions(stack: contextlib.ExitStack, *, w4a8: bool, int8: bool, batch
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
         compressed_tensors_moe_w8a8_fp8 as moe_fp8,
     )
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_w8a8_int8 as moe_int8,
+    )
 
     stack.enter_context(_patched(ops, "scaled_fp8_quant", _scaled_fp8_quant_native))
     triton = (Fp8MoeBackend.TRITON, TritonExperts)
     for module in (moe_fp8, native_fp8):  # compressed-tensors' and the fp8 format's (Fp8MoEMethod) MoE
         stack.enter_context(_patched(module, "select_fp8_moe_backend", lambda *a, **k: triton))
+    int8_triton = (Int8MoeBackend.TRITON, TritonExperts)
+    stack.enter_context(_patched(moe_int8, "select_int8_moe_backend", lambda *a, **k: int8_triton))
     emulation = (NvFp4MoeBackend.EMULATION, Nvfp4QuantizationEmulationTritonExperts)
     stack.enter_context(_patched(moe_nvfp4, "select_nvfp4_moe_backend", lambda *a, **k: emulation))
     stack.enter_context(_patched(torch.accelerator, "empty_cache", lambda: None))
@@ -288,7 +294,8 @@ class VllmLinear:
     expert: int | None = None
 
 
-_EXPERT = re.compile(r"^(?P<moe>.+)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+# qatlib's expert names, or the hub's Mixtral / MiniMax-M2 ones an export writes (w1 gate, w3 up, w2 down)
+_EXPERT = re.compile(r"^(?P<moe>.+)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)$")
 
 
 def _locate(vmodel, name: str) -> tuple[torch.nn.Module, int, int | None, str | None]:
@@ -297,8 +304,8 @@ def _locate(vmodel, name: str) -> tuple[torch.nn.Module, int, int | None, str | 
     m = _EXPERT.match(name)
     if m:
         layer = mods[f"{m['moe']}.experts.routed_experts"]
-        shard = {"gate_proj": 0, "up_proj": 1, "down_proj": 0}[m["proj"]]
-        return layer, shard, int(m["e"]), "w2" if m["proj"] == "down_proj" else "w13"
+        shard = {"gate_proj": 0, "up_proj": 1, "down_proj": 0, "w1": 0, "w3": 1, "w2": 0}[m["proj"]]
+        return layer, shard, int(m["e"]), "w2" if m["proj"] in ("down_proj", "w2") else "w13"
     parent, _, child = name.rpartition(".")
     for fused, members in getattr(vmodel, "packed_modules_mapping", {}).items():
         if child in members and f"{parent}.{fused}" in mods:

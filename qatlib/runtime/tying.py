@@ -37,11 +37,11 @@ from ..quant.quantizer import Quantizer
 from ..quant.spec import Granularity, QuantScheme, QuantSpec
 from ..quant.tying import TIED_KINDS, tie
 from .facts import DENSE_ONLY, EXPERTS_ONLY, TARGETS, Layout, Transform, layout_of, transforms
-from .fusion import GroupKind, fused_groups
+from .fusion import DENSE_FUSED, GroupKind, fused_groups
 
 log = logging.getLogger(__name__)
 
-_PAIRS = (GroupKind.QKV, GroupKind.GATE_UP)
+_PAIRS = DENSE_FUSED  # q/k/v, gate/up, MLA's q_a / kv_a, linear attention's qkv / z and b / a
 _EXPERTS = (GroupKind.EXPERTS_W13, GroupKind.EXPERTS_W2)
 # load-time transformation -> (the fused groups it merges, the quantizer of each member it merges)
 _TIES: dict[Transform, tuple[tuple[GroupKind, ...], str]] = {

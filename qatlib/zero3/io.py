@@ -11,7 +11,8 @@ live in `qatlib.zero3.load`, the build / load half, step 6 in `qatlib.zero3.save
    so every parameter is partitioned at creation (per-rank peak ~ model / world).
 3. `stream_load_weights` fills the parameters: rank 0 reads the safetensors files tensor by tensor
    and every rank takes part in the same ``GatheredParameters(modifier_rank=0)`` in the same order,
-   following a plan of `qatlib.checkpoint.safetensors` (which key fills which parameter slice).
+   following a plan of `qatlib.checkpoint.safetensors` (which key fills which parameter slice, by
+   transformers' key conversion for the class: `qatlib.checkpoint.conversion`).
 4. `prepare_zero3` swaps linears for `QuantLinear` under a fp32 ``zero.Init``, so the new scales are
    partitioned fp32 masters; `stream_load_scales` fills them from a PTQ checkpoint (it works on a
    plain model too, with no collective: `qatlib.models.load_prepared` uses it for every warm start).

@@ -143,7 +143,13 @@ def _partition_wise(
         return False
     e = chunk[0]
     a = e.assigns[0]
-    if len(e.assigns) != 1 or a.dst is not None or a.src is not None or a.target not in params:
+    if (
+        len(e.assigns) != 1
+        or a.dst is not None
+        or a.src is not None
+        or a.perm is not None
+        or a.target not in params
+    ):
         return False
     p = params[a.target]
     return e.info.end - e.info.start > chunk_bytes and sliced_evenly(p)
@@ -281,9 +287,12 @@ def stream_load_weights(
     ``model_path`` (``model.safetensors`` or a ``model.safetensors.index.json`` with shards).
 
     Under ZeRO-3 rank 0 alone reads, a chunk (<= ``chunk_bytes`` of one file) at a time, and every
-    rank gathers the same parameters in the same order with ``modifier_rank=0``. Per-expert keys and
-    fused ``.experts.gate_up_proj`` / ``.experts.down_proj`` keys both load into linearised experts
-    (and into fused ones). Missing / unexpected / shape-mismatched / duplicate keys raise one
+    rank gathers the same parameters in the same order with ``modifier_rank=0``. Keys are placed by
+    transformers' own key conversion for the model's class (`qatlib.checkpoint.conversion`: a
+    Mixtral hub checkpoint's ``block_sparse_moe.experts.{e}.w1`` fills expert e's ``gate_proj``, as
+    ``from_pretrained`` + linearisation would); per-expert and fused ``.experts.gate_up_proj`` /
+    ``.experts.down_proj`` keys both load into linearised experts (and into fused ones).
+    Missing / unexpected / unconvertible / shape-mismatched / duplicate keys raise one
     `Zero3Error` listing them, on every rank; tied parameters need only one of their names; keys
     matching ``ignore`` (regexes) are skipped; quantizer parameters (of a prepared model) are filled
     when the checkpoint has them under their module names and left alone otherwise (their keys are

@@ -27,6 +27,7 @@ from ..checkpoint.layout import (
     name_weight_shards,
     write_json,
 )
+from ..checkpoint.saved_keys import expert_names
 from ..checkpoint.st_write import TensorFileWriter
 from ..device import collective_device
 from ..quant import Quantizer, QuantLinear, QuantScheme
@@ -265,8 +266,9 @@ def save_consolidated(
 ) -> Path | None:
     """Save a (prepared, maybe partitioned) model so that it reloads WITHOUT DeepSpeed:
 
-    - ``model.safetensors`` (or shards + index): plain HF weights under the model's names (linearised
-      experts as the per-expert keys ``save_pretrained`` writes), plus ``config.json``;
+    - ``model.safetensors`` (or shards + index): plain HF weights under the keys ``from_pretrained``
+      reads (`qatlib.checkpoint.saved_keys.expert_names`: linearised experts under the hub's
+      per-expert keys, Mixtral's ``block_sparse_moe.experts.{e}.w1.weight``), plus ``config.json``;
       ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads them;
     - ``scales.safetensors`` + ``quant_scheme.json`` (prepared models): the quantizer parameters
       under the docs/design.md keys (LWC: the derived ``weight_scale`` and the clip factors), so the
@@ -323,6 +325,9 @@ def save_consolidated(
         shards.append((path, [full]))
 
     quant_prefixes = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, Quantizer))
+    # a linearised expert's weight under the key from_pretrained fills it from (Mixtral:
+    # ``block_sparse_moe.experts.{e}.w1.weight``); every other tensor under its module name
+    key = expert_names(model, lambda p: p.ds_shape if is_zero3_param(p) else p.shape)
 
     def streamed(full: str) -> bool:
         """Every rank, the same answer: an assembled tensor streams to its file, but a quantizer
@@ -337,14 +342,14 @@ def save_consolidated(
                 flush()  # alone in its shard: the buffer never holds it beside a full shard
             for full, t in tensors.items():
                 if isinstance(t, _PartitionStream):
-                    write_streamed(full, t)
+                    write_streamed(key(full), t)
                     continue
                 if full.startswith(quant_prefixes):
                     for name_ in (full, *aliases.get(full, ())):  # a tied scale: under every member's key
                         if name_ in param_key:
                             scales[param_key[name_]] = t.float().contiguous().clone()  # own storage per key
                     continue
-                pending[full] = t.contiguous()
+                pending[key(full)] = t.contiguous()
                 pending_bytes += t.numel() * t.element_size()
             if isinstance(m, QuantLinear) and m.weight_quantizer is not None and m.weight_quantizer.uses_lwc:
                 with (
