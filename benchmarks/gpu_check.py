@@ -19,7 +19,8 @@ On a machine without CUDA it says so and exits 0 (nothing to check). With CUDA i
     (the bf16 parameter bytes + fp32 scales the run metadata counts).
 ``step``
     For fp8_static, w4a8_fp8 and int4 g128: the QAT step (quantizers on) vs the same step with
-    quantizers off (`benchmarks.speed.StepBench`: frozen weights, AdamW on the scales, LM loss),
+    quantizers off (`benchmarks.speed.TrainerStep`: the default experiment's `QATTrainer` step, KD
+    teacher, frozen codes, AdamW on the weight scales),
     ``--tokens`` (>= 4096) tokens per step, eager and with ``compile_fake_quant``; target <= 1.10x.
 ``fake_quant``
     The weight fake-quant op alone (forward, and forward + scale gradient) on a 8192^2 bf16
@@ -278,8 +279,9 @@ def run_pipeline(work: Path, dev: torch.device, *, tiny: bool, layers: int, toke
 def run_steps(dev: torch.device, *, tiny: bool, tokens: int, repeats: int, compile_fq: bool) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
-    from .speed import StepBench
+    from .speed import TrainerStep, experiment_config
 
+    exp = experiment_config()  # the default experiment's trainer step (benchmarks.speed)
     cfg = model_config(tiny, 1)
     seq = min(tokens, 2048)
     torch.manual_seed(0)
@@ -288,11 +290,12 @@ def run_steps(dev: torch.device, *, tiny: bool, tokens: int, repeats: int, compi
     x = torch.randint(0, cfg.vocab_size, (max(tokens // seq, 1), seq), device=dev)
     rows = []
     for name in formats(tiny):
-        sb = StepBench(base, scheme_of(name), x)
-        fns = {"qat": sb.qat, "plain": sb.plain}
-        if compile_fq:
-            fns["qat_compiled"] = sb.qat_compiled
-        t = interleaved({k: synced(f, dev) for k, f in fns.items()}, repeats=repeats, warmup=1)
+        with tempfile.TemporaryDirectory(prefix="gpu-check-step-") as d:
+            sb = TrainerStep(base, name, exp, x, d)
+            fns = {"qat": sb.qat, "plain": sb.plain}
+            if compile_fq:
+                fns["qat_compiled"] = sb.compiled
+            t = interleaved({k: synced(f, dev) for k, f in fns.items()}, repeats=repeats, warmup=1)
         row = {"format": name, "tokens": int(x.numel()), "qat_vs_plain": paired_ratio(t["qat"], t["plain"])}
         if compile_fq:
             row["qat_compiled_vs_plain"] = paired_ratio(t["qat_compiled"], t["plain"])

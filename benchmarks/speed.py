@@ -1,174 +1,268 @@
-"""Speed: what fake quantization costs in a QAT training step, and whether torch.compile helps.
+"""What QAT costs: the training step as the trainer runs it, against the same step with quantizers off.
 
-Measured on the default tiny model (the pre-trained one when it exists, else the same
-architecture from its config), every figure a ratio of interleaved measurements
-(`benchmarks.common.interleaved`):
+    python -m benchmarks.speed [--quick] [--out results/bench]      # -> results/bench/speed.json
+    python -m benchmarks.run --only speed                          # the same, through the runner
+
+Every figure is a ratio of interleaved measurements (`benchmarks.common.interleaved`: each round
+runs every variant once, so all see the same load) with its median, min and max over rounds.
 
 ``step``
-    For each format, ONE prepared model (`qatlib.quant.prepare` + RTN calibration), frozen
-    weights, AdamW over the weight and activation scales (the default experiment's ``learnable``),
-    the LM loss of `qatlib.losses.qat_loss`, ``batch x seq`` tokens per step. Three variants of
-    the same step on the same model object:
+    Per model (the default SmolLM2-135M, and the upcycled MoE) and per format, ONE prepared model
+    (`qatlib.ptq.calibrate`: RTN), driven by `qatlib.trainers.end2end.QATTrainer` built from the
+    default experiment's own config (config/experiments/smollm2-135m.yaml: forward-KL distillation
+    from the model itself with its quantizers off, weight scales learned in log space, AdamW, the
+    HF ``training_step``). Two variants of that same trainer step on the same model object, at
+    each tokens-per-step count (sequences of ``seq`` tokens):
 
-    - ``qat``: quantizers on (what QAT runs);
-    - ``plain``: the same step inside `quantization_disabled` (the scales get no gradient, so the
-      backward only propagates activation gradients through the frozen weights);
-    - ``plain_wgrad``: ``plain`` with the quantized linears' weights requiring grad (gradients
-      computed, never applied): the backward work a scale gradient forces (``dL/dW_q`` for every
-      quantized linear), without any fake-quant op.
+    - ``qat``: what QAT runs (teacher forward, fake-quantized student forward + backward, step);
+    - ``plain``: the same step inside `qatlib.quant.quantization_disabled` (what fine-tuning the
+      same model with the same trainer costs; no scale gets a gradient, so AdamW skips them).
 
-    ``qat / plain`` is the issue's target (<= 1.15). It splits into ``plain_wgrad / plain`` (the
-    weight-gradient GEMMs that ANY learnable weight scale needs) times ``qat / plain_wgrad`` (the
-    fake-quant ops themselves, forward and backward).
-``moe_linearization``
-    ``prepare`` replaces fused experts (``grouped_mm``) by per-expert ``nn.Linear``s; the same frozen
-    step on the unprepared model vs the prepared one with quantizers disabled.
+    ``int4_g64_frozen`` is the default experiment's recipe (RTN codes frozen,
+    `qatlib.quant.codes.freeze_codes`); ``int4_g64_lsq`` learns the scales of the continuous weight
+    (LSQ, additive steps); the others use the default recipe on their own format.
 ``fake_quant``
-    The weight quantizer alone on an ``N x N`` tensor (fp32 and bf16): ``fake_quantize`` forward
-    (no grad) and forward + backward (scale gradient) vs ``tensor.clone()`` (read + write, the
-    floor of any elementwise op), as effective GB/s (input + output bytes / time) and ratios.
-``compile``
-    qatlib's opt-in ``quant_config.compile_fake_quant`` (`qatlib.quant.functional.compiled`:
-    ``torch.compile``, inductor; CPU needs a C++ compiler), switched on in the same prepared
-    model: compiled vs eager QAT step and fake-quant op; the cold compile time (fresh inductor
-    cache) is reported separately.
-``profile``
-    torch.profiler over QAT and plain steps: the ops taking the most self CPU time, and the
-    forward time spent inside the quantizers (a ``record_function`` around `Quantizer.forward`).
+    The weight fake-quant op alone (`qatlib.quant.functional.fake_quantize`, forward, no grad) on
+    an ``N x N`` fp32 weight, in GB/s of weights processed (weight bytes / median time), against
+    ``tensor.clone()`` of the same tensor in the same rounds (the machine's copy bandwidth, the
+    floor of any elementwise op over the weights).
+``zero3``
+    The same trainer step under DeepSpeed ZeRO-3 at 1 and 2 ranks (torchrun, gloo) on the same
+    global batch (`benchmarks.speed_zero3`).
+``dag_qat``
+    The default DAG's QAT stage's tokens/s from its own records (``results/<exp>/timings/zero3_qat.json``
+    and the trainer's ``train_log.jsonl``).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
-import os
+import json
 import statistics
 import tempfile
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from qatlib.quant.spec import Granularity, QuantSpec
-
 from .common import (
+    DEFAULT_OUT,
     FORMATS,
     IGNORE,
-    default_model,
+    REPO,
+    base_models_spec,
+    find_base_model,
     format_scheme,
     interleaved,
     load_avg,
     log,
-    median_ms,
+    machine,
     paired_ratio,
-    target,
+    rounded,
+    write_result,
 )
-from .fused_prototype import check_fused, fake_quantize_swapped, fused_fake_quantize
 
-SPEED_FORMATS = ("fp8_static", "int4_g32", "w4a8_fp8_g32", "int8_w8a8", "int3_g32")
-TARGET_STEP_RATIO = 1.15
+DEFAULT_EXPERIMENT = REPO / "config" / "experiments" / "smollm2-135m.yaml"
+DENSE_MODEL = "smollm2-135m"
+MOE_MODEL = "smollm2-moe"
+
+# step variant -> (benchmark format, frozen codes, scale update); None: the experiment's own
+STEP_FORMATS: dict[str, tuple[str, bool, str | None]] = {
+    "int4_g64_frozen": ("int4_g64", True, None),
+    "int4_g64_lsq": ("int4_g64", False, "additive"),
+    "fp8_static": ("fp8_static", True, None),
+    "int8_w8a8": ("int8_w8a8", True, None),
+    "nvfp4": ("nvfp4", True, None),
+}
+FQ_FORMATS = ("int4_g64", "fp8_static", "int8_w8a8", "nvfp4")
+
+# the issue's targets (#62)
+TARGET_FORMATS = ("int4_g64_frozen", "fp8_static")
+TARGET_LARGE = (2048, 1.10)  # QAT step <= 1.10x plain at >= 2048 tokens per step
+TARGET_MID = (512, 1.25)  # <= 1.25x at 512
+TARGET_FQ_COPY = 0.5  # fake-quant op >= 50% of the copy bandwidth
 
 
 @dataclass
 class SpeedSettings:
-    batch: int = 8
-    seq: int = 256
-    repeats: int = 7
-    warmup: int = 1
-    formats: tuple[str, ...] = SPEED_FORMATS
-    fq_size: int = 4096
-    fq_repeats: int = 5
-    fq_dtypes: tuple[str, ...] = ("float32", "bfloat16")
-    compile: bool = True
-    compile_formats: tuple[str, ...] = SPEED_FORMATS
-    compile_warmup_steps: int = 3
-    profile_format: str | None = "w4a8_fp8_g32"
-    profile_steps: int = 2
-    # torch threads while timing. 1 by default: on a shared machine every multi-threaded op waits
-    # for descheduled threads (stalls of 20-50 ms per op were measured at load 9 on 2 cores), which
-    # turns the step ratio into a count of parallel regions. Pass --threads N on an idle machine.
+    models: tuple[str, ...] = (DENSE_MODEL, MOE_MODEL)
+    tokens: tuple[int, ...] = (128, 512, 2048, 4096)
+    seq: int = 128  # the default experiment's max_seq_length
+    repeats: int = 5
+    warmup: int = 1  # rounds before timing, at <= 512 tokens (a longer step is its own warm-up)
+    formats: tuple[str, ...] = tuple(STEP_FORMATS)
+    large_formats: tuple[str, ...] = TARGET_FORMATS  # the formats also run at >= 2048 tokens (budget)
+    # the MoE at fewer token counts and repeats (its step costs ~the dense one's; 2 cores)
+    moe_tokens: tuple[int, ...] = (512,)
+    moe_repeats: int = 5
+    moe_formats: tuple[str, ...] = ("int4_g64_frozen", "fp8_static")
+    wgrad: bool = True  # also time ``plain_wgrad`` (the plain step's backward with weight gradients)
+    fq_size: int = 2048
+    fq_repeats: int = 9
+    fq_formats: tuple[str, ...] = FQ_FORMATS
+    zero3: bool = True
+    # the DAG's global batch (2 x 128); 1 warm-up + 3 timed steps: a 1-rank ZeRO-3 step of the
+    # default model took 78-91 s on this machine (2 ranks: ~18 s, the DAG's own record)
+    zero3_tokens: int = 256
+    zero3_repeats: int = 3
+    # torch threads while timing: 1 by default (on a shared machine every multi-threaded op waits
+    # for descheduled threads, which turns the ratio into a count of parallel regions)
     threads: int | None = 1
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 QUICK = SpeedSettings(
-    batch=2,
-    seq=32,
+    models=("tiny",),
+    tokens=(16, 32),
+    seq=16,
     repeats=2,
-    formats=("w4a8_fp8_g32",),
+    formats=("int4_g64_frozen", "fp8_static"),
     fq_size=128,
     fq_repeats=2,
-    fq_dtypes=("float32",),
-    compile=False,
-    profile_steps=1,
+    fq_formats=("int4_g64", "fp8_static"),
+    zero3=False,
 )
 
 
+# --------------------------------------------------------------------------- models
+def tiny_model(seed: int = 0):
+    """A 2-layer Llama (hidden 128) for the quick mode: the step's code paths in seconds."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        use_cache=False,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).float()
+
+
+def load_model(name: str, results: str, seed: int = 0):
+    """``(model, source)``: the pipeline's base model folder (``results/base/<name>``) when it
+    exists; the MoE without one is upcycled from the dense model in memory with its routers
+    untrained (`qatlib.offline.upcycle.upcycle_weights`: the same architecture and weights
+    but the router's fit, which the step time does not depend on)."""
+    from .common import load_base
+
+    if name == "tiny":
+        return tiny_model(seed), "tiny 2-layer Llama (random init; --quick)"
+    path = find_base_model(results, name)
+    if path is not None:
+        return load_base(path), str(path)
+    if name == MOE_MODEL:
+        from qatlib.offline.upcycle import UpcycleSpec, upcycle_weights
+
+        dense_path = find_base_model(results, DENSE_MODEL)
+        if dense_path is None:
+            raise FileNotFoundError(f"no {results}/base/{DENSE_MODEL} to upcycle {MOE_MODEL} from")
+        spec = UpcycleSpec.from_dict(base_models_spec(MOE_MODEL)["upcycle"])
+        spec = replace(spec, cluster=False)  # contiguous expert slices: no calibration forward
+        moe = upcycle_weights(load_base(dense_path), spec)[0].float()
+        moe.config.use_cache = False
+        return moe, f"upcycled in memory from {dense_path} (routers untrained, contiguous experts)"
+    raise FileNotFoundError(
+        f"no {results}/base/{name}: build it with the default DAG (snakemake) or pass --quick"
+    )
+
+
+def experiment_config(path: Path = DEFAULT_EXPERIMENT):
+    """The default experiment's config, one process (no DeepSpeed): loss, learnable, scale update
+    and the HF training arguments the trainer is built from."""
+    from qatlib.config import load_config
+
+    return load_config(path, overrides=["compression.QAT.hf_args.deepspeed=null"])
+
+
 # --------------------------------------------------------------------------- the step
-class StepBench:
-    """One prepared model and the three step variants of the module docstring.
+class TrainerStep:
+    """One prepared model and its `QATTrainer`; ``qat()`` and ``plain()`` are one trainer step
+    each (HF ``training_step`` = `QATTrainer.compute_loss` with its teacher + backward, then the
+    trainer's optimizer step), on the same model, inputs and optimizer."""
 
-    The step is written out here rather than run through `qatlib.trainers.end2end.QATTrainer` on
-    purpose: the variants time single steps of ONE model and optimizer, round-robin, which the
-    trainer's loop (data loader, scheduler, logging) would blur. Its pieces are qatlib's:
-    `qatlib.ptq.calibrate`, `qatlib.trainers.params` and the loss `qatlib.losses.qat_loss`."""
-
-    def __init__(self, base: torch.nn.Module, scheme, x: torch.Tensor) -> None:
-        from qatlib.losses import LossConfig
+    def __init__(
+        self,
+        base,
+        fmt: str,
+        cfg,
+        x: torch.Tensor,
+        out_dir: str,
+        *,
+        frozen: bool = True,
+        scale_update: str | None = None,
+    ) -> None:
         from qatlib.ptq import calibrate
-        from qatlib.quant import quant_linears
-        from qatlib.trainers.params import Learnable, apply_learnable, param_groups
+        from qatlib.quant.codes import freeze_codes
+        from qatlib.trainers.end2end import QATTrainer, training_arguments
 
         self.model = model = copy.deepcopy(base)
-        calibrate(model, scheme, [x[:1]], ignore=IGNORE)
-        trainable = apply_learnable(model, Learnable(act_scale=True, weight_scale=True))
-        self.n_trainable = trainable.numel()
-        self.opt = torch.optim.AdamW(param_groups(trainable, lr=1e-6, weight_decay=0.0))
-        model.enable_input_require_grads()  # the plain variants have no trainable tensor
-        model.train()
+        calibrate(model, format_scheme(fmt), [x[:1]], ignore=IGNORE)
+        self.frozen = freeze_codes(model) if frozen else 0
+        args = training_arguments(
+            cfg,
+            output_dir=out_dir,
+            per_device_train_batch_size=x.shape[0],
+            disable_tqdm=True,
+            logging_steps=10**9,
+        )
+        self.trainer = QATTrainer(
+            model,
+            args,
+            loss_config=cfg.loss_config(),
+            learnable=cfg.learnable(),
+            scale_update=scale_update or cfg.scale_update,
+            log_file=False,
+        )
+        self.optimizer = self.trainer.create_optimizer()
+        # the plain variant has no trainable tensor: its backward runs from the embedding output
+        # (the activation gradients the QAT step's backward also computes)
+        model.enable_input_require_grads()
+        self.inputs = {"input_ids": x, "labels": x, "attention_mask": torch.ones_like(x)}
+        self.n_items = torch.tensor(x.shape[0] * (x.shape[1] - 1))
+        self.n_trainable = self.trainer.trainable.numel()
+        self.last_loss: torch.Tensor | None = None
+        from qatlib.quant import quant_linears
+
         self.weights = [ql.weight for _, ql in quant_linears(model)]
-        self.x = x
-        self.loss_cfg = LossConfig()
-
-    def _step(self) -> None:
-        from qatlib.losses import qat_loss
-
-        self.model.zero_grad(set_to_none=True)
-        out = self.model(input_ids=self.x, use_cache=False)
-        qat_loss(out.logits, self.x, self.loss_cfg).loss.backward()
-        self.opt.step()
 
     def qat(self) -> None:
-        self._step()
+        self.last_loss = self.trainer.training_step(self.model, self.inputs, self.n_items)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def plain(self) -> None:
         from qatlib.quant import quantization_disabled
 
         with quantization_disabled(self.model):
-            self._step()
+            self.qat()
 
-    def qat_compiled(self) -> None:
-        """The QAT step with ``compile_fake_quant`` on (what `PrepareOptions` sets in qatlib)."""
+    def compiled(self) -> None:
+        """``qat`` with qatlib's ``compile_fake_quant`` switched on (torch.compile of the op)."""
         from qatlib.quant import quantizers
 
         qs = [q for _, q in quantizers(self.model)]
         for q in qs:
             q.compile_fake_quant = True
         try:
-            self._step()
+            self.qat()
         finally:
             for q in qs:
                 q.compile_fake_quant = False
 
-    def qat_fused(self) -> None:
-        """The QAT step with the fused prototype in place of `fake_quantize`."""
-        with fake_quantize_swapped(fused_fake_quantize):
-            self._step()
-
     def plain_wgrad(self) -> None:
+        """``plain`` with the quantized linears' weights requiring grad (computed, never applied):
+        the backward of plain fine-tuning, whose weight-gradient GEMMs a learned weight scale
+        needs too (``dL/ds = sum(dL/dW_q * dW_q/ds)``)."""
         for w in self.weights:
             w.requires_grad_(True)
         try:
@@ -179,362 +273,327 @@ class StepBench:
                 w.grad = None
 
 
-def frozen_step(model: torch.nn.Module, x: torch.Tensor) -> Callable[[], None]:
-    """Forward + backward (activation gradients only) of a frozen model."""
+def step_rows(model_name: str, base, s: SpeedSettings, tokens: tuple[int, ...], repeats: int, formats):
+    """One row per (format, tokens per step): ``qat / plain`` median, min, max over rounds."""
+    cfg = experiment_config()
+    rows = []
+    gen = torch.Generator().manual_seed(s.seed)
+    vocab = base.config.vocab_size
+    for n_tok in tokens:
+        if n_tok % s.seq:
+            raise ValueError(f"tokens per step {n_tok} is not a multiple of seq {s.seq}")
+        x = torch.randint(0, vocab, (n_tok // s.seq, s.seq), generator=gen)
+        for variant in [f for f in formats if n_tok < TARGET_LARGE[0] or f in s.large_formats]:
+            log(f"speed: {model_name} {variant} {n_tok} tokens/step (load {load_avg()})")
+            with tempfile.TemporaryDirectory(prefix="bench-speed-") as d:
+                fmt, frozen, update = STEP_FORMATS[variant]
+                sb = TrainerStep(base, fmt, cfg, x, d, frozen=frozen, scale_update=update)
+                fns = {"qat": sb.qat, "plain": sb.plain}
+                if s.wgrad:
+                    fns["plain_wgrad"] = sb.plain_wgrad
+                t = interleaved(fns, repeats=repeats, warmup=s.warmup if n_tok <= 512 else 0)
+            rows.append(
+                {
+                    "model": model_name,
+                    "format": variant,
+                    "weights": FORMATS[STEP_FORMATS[variant][0]],
+                    "frozen_codes": bool(sb.frozen),
+                    "tokens_per_step": n_tok,
+                    "batch": n_tok // s.seq,
+                    "seq": s.seq,
+                    **spread(t["qat"], t["plain"]),
+                    **(
+                        {
+                            "qat_over_plain_wgrad": paired_ratio(t["qat"], t["plain_wgrad"])["ratio"],
+                            "plain_wgrad_over_plain": paired_ratio(t["plain_wgrad"], t["plain"])["ratio"],
+                            "plain_wgrad_ms": round(1000 * statistics.median(t["plain_wgrad"]), 2),
+                        }
+                        if "plain_wgrad" in t
+                        else {}
+                    ),
+                    "trainable_scale_elements": sb.n_trainable,
+                }
+            )
+            del sb
+    return rows
+
+
+def spread(num: list[float], den: list[float]) -> dict[str, Any]:
+    """``num / den`` per round: median (the figure), min, max; and each side's median ms."""
+    per = [a / b for a, b in zip(num, den)]
+    return {
+        "qat_over_plain": paired_ratio(num, den)["ratio"],
+        "min": rounded(min(per)),
+        "max": rounded(max(per)),
+        "qat_ms": round(1000 * statistics.median(num), 2),
+        "qat_ms_min": round(1000 * min(num), 2),
+        "qat_ms_max": round(1000 * max(num), 2),
+        "plain_ms": round(1000 * statistics.median(den), 2),
+        "plain_ms_min": round(1000 * min(den), 2),
+        "plain_ms_max": round(1000 * max(den), 2),
+        "rounds": len(per),
+    }
+
+
+def plain_step_is_the_model(base, x: torch.Tensor) -> dict[str, Any]:
+    """The ``plain`` variant computes what the unprepared model computes: its first trainer step's
+    loss (quantizers off, the teacher is the same model: KL 0) against the unprepared model's own
+    KL to itself and LM loss (`qatlib.losses.qat_loss`), bit for bit (a check of the harness, not
+    a timing)."""
     from qatlib.losses import LossConfig, qat_loss
 
-    cfg = LossConfig()
+    cfg = experiment_config()
+    with tempfile.TemporaryDirectory(prefix="bench-speed-") as d:
+        sb = TrainerStep(base, "int4_g64", cfg, x, d)
+        sb.plain()
+    with torch.no_grad():
+        logits = base(input_ids=x, use_cache=False).logits
+    ref = qat_loss(logits, x, cfg.loss_config(), logits).loss
+    lm = LossConfig()
+    from qatlib.quant import quantization_disabled
 
-    def run() -> None:
-        model.zero_grad(set_to_none=True)
-        qat_loss(model(input_ids=x, use_cache=False).logits, x, cfg).loss.backward()
-
-    return run
-
-
-# --------------------------------------------------------------------------- torch.compile
-@contextlib.contextmanager
-def fresh_inductor_cache() -> Iterator[str]:
-    """A fresh inductor / dynamo state so that compile times are cold."""
-    import torch._dynamo
-
-    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    with tempfile.TemporaryDirectory(prefix="bench-inductor-") as d:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = d
-        torch._dynamo.reset()
-        try:
-            yield d
-        finally:
-            torch._dynamo.reset()
-            if old is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            else:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
-
-
-def compiled_fake_quantize() -> Callable:
-    """qatlib's compiled fake-quant (``compile_fake_quant``), as `Quantizer` calls it."""
-    from qatlib.quant import functional as F
-
-    return F.compiled(F.fake_quantize)
+    with torch.no_grad(), quantization_disabled(sb.model):
+        prep = sb.model(input_ids=x, use_cache=False).logits
+    return {
+        "plain_step_loss": float(sb.last_loss),
+        "unprepared_loss": float(ref),
+        "loss_bit_equal": bool(torch.equal(sb.last_loss.detach().float(), ref.float())),
+        "logits_bit_equal": bool(torch.equal(prep, logits)),
+        "unprepared_lm_loss": float(qat_loss(logits, x, lm).loss),
+        "prepared_off_lm_loss": float(qat_loss(prep, x, lm).loss),
+    }
 
 
 # --------------------------------------------------------------------------- fake-quant op
-def fake_quant_bench(
-    spec_name: str, spec, n: int, dtype: torch.dtype, repeats: int, compiled: Callable | None
-):
+def fake_quant_row(fmt: str, n: int, repeats: int) -> dict[str, Any]:
+    """GB/s of fp32 weights through the weight fake-quant (forward) against ``clone`` (copy)."""
     from qatlib.quant import functional as F
 
-    g = torch.Generator().manual_seed(0)
-    x = (torch.randn(n, n, generator=g) * 0.02).to(dtype)
-    scale, zp = F.compute_qparams(x, spec)
-    scale = scale.clone().requires_grad_(True)
-    grad_out = torch.ones_like(x)
-    nbytes = 2 * x.numel() * x.element_size()  # read + write
+    spec = format_scheme(fmt).weight
+    w = torch.randn(n, n, generator=torch.Generator().manual_seed(0)) * 0.02
+    gs = F.fp4_global_scale(w.abs().amax()) if spec.has_global_scale else None
+    scale, zp = F.compute_qparams(w, spec, **({"global_scale": gs} if gs is not None else {}))
 
-    def fwd(fn):
-        def run():
-            with torch.no_grad():
-                fn(x, scale, zp, spec)
-
-        return run
-
-    def fwd_bwd(fn):
-        def run():
-            scale.grad = None
-            fn(x, scale, zp, spec).backward(grad_out)
-
-        return run
-
-    fns: dict[str, Callable[[], Any]] = {
-        "clone": lambda: x.clone(),
-        "fq_fwd": fwd(F.fake_quantize),
-        "fq_fwd_bwd": fwd_bwd(F.fake_quantize),
-        "fq_fwd_fused": fwd(fused_fake_quantize),
-        "fq_fwd_bwd_fused": fwd_bwd(fused_fake_quantize),
-    }
-    compile_s = None
-    if compiled is not None:
-        t0 = time.perf_counter()
-        fwd(compiled)()
-        fwd_bwd(compiled)()
-        compile_s = time.perf_counter() - t0
+    def fq():
         with torch.no_grad():
-            exact = torch.equal(compiled(x, scale, zp, spec), F.fake_quantize(x, scale, zp, spec))
-        fns["fq_fwd_compiled"] = fwd(compiled)
-        fns["fq_fwd_bwd_compiled"] = fwd_bwd(compiled)
-    t = interleaved(fns, repeats=repeats, warmup=1)
-    row: dict[str, Any] = {
-        "format": spec_name,
+            F.fake_quantize(w, scale, zp, spec, **({"global_scale": gs} if gs is not None else {}))
+
+    t = interleaved({"copy": w.clone, "fake_quant": fq}, repeats=repeats, warmup=1)
+    nbytes = w.numel() * w.element_size()
+    return {
+        "format": fmt,
         "weight_spec": spec.describe(),
         "shape": f"{n}x{n}",
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": "float32",
+        "weight_bytes": nbytes,
+        "fake_quant_s": statistics.median(t["fake_quant"]),
+        "copy_s": statistics.median(t["copy"]),
+        "fake_quant_GBps": rounded(nbytes / statistics.median(t["fake_quant"]) / 1e9, 3),
+        "copy_GBps": rounded(nbytes / statistics.median(t["copy"]) / 1e9, 3),
+        # per round: copy time / fake-quant time = (bytes / t_fq) / (bytes / t_copy)
+        "fraction_of_copy": paired_ratio(t["copy"], t["fake_quant"])["ratio"],
+        "rounds": repeats,
     }
-    for k, v in t.items():
-        row[f"{k}_GBps"] = round(nbytes / statistics.median(v) / 1e9, 3)
-    for k in t:
-        if k != "clone":
-            row[f"{k}_vs_clone"] = paired_ratio(t[k], t["clone"])["ratio"]
-    row["fused_vs_eager_fwd"] = paired_ratio(t["fq_fwd_fused"], t["fq_fwd"])["ratio"]
-    row["fused_vs_eager_fwd_bwd"] = paired_ratio(t["fq_fwd_bwd_fused"], t["fq_fwd_bwd"])["ratio"]
-    if compiled is not None:
-        row["compiled_vs_eager_fwd"] = paired_ratio(t["fq_fwd_compiled"], t["fq_fwd"])["ratio"]
-        row["compiled_vs_eager_fwd_bwd"] = paired_ratio(t["fq_fwd_bwd_compiled"], t["fq_fwd_bwd"])["ratio"]
-        row["compile_s"] = round(compile_s, 2)
-        row["compiled_forward_bit_exact"] = exact
-    return row
 
 
-# --------------------------------------------------------------------------- profile
-@contextlib.contextmanager
-def quantizer_ranges() -> Iterator[None]:
-    """``record_function("qatlib::Quantizer.forward")`` around every quantizer call (benchmark-only)."""
-    from torch.profiler import record_function
-
-    from qatlib.quant.quantizer import Quantizer
-
-    orig = Quantizer.forward
-
-    def forward(self, x):
-        with record_function("qatlib::Quantizer.forward"):
-            return orig(self, x)
-
-    Quantizer.forward = forward
-    try:
-        yield
-    finally:
-        Quantizer.forward = orig
-
-
-def profile_steps(sb: StepBench, steps: int, top: int = 15) -> dict[str, Any]:
-    """torch.profiler over ``steps`` QAT and plain steps: totals, the forward time inside quantizers,
-    the ops the QAT step adds (self CPU ms per step, QAT minus plain, with call counts) and the QAT
-    step's top ops."""
-    from torch.profiler import ProfilerActivity, profile
-
-    per: dict[str, dict[str, tuple[float, int]]] = {}
-    fq_ms: dict[str, float] = {}
-    for variant in ("qat", "plain"):
-        fn = getattr(sb, variant)
-        fn()  # warm
-        with quantizer_ranges(), profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(steps):
-                fn()
-        ka = prof.key_averages()
-        per[variant] = {e.key: (e.self_cpu_time_total / 1000 / steps, e.count // steps) for e in ka}
-        fq_ms[variant] = (
-            sum(e.cpu_time_total for e in ka if e.key == "qatlib::Quantizer.forward") / 1000 / steps
-        )
-    tot = {v: sum(ms for ms, _ in per[v].values()) for v in per}
-    none = (0, 0)
-    diff = {
-        k: per["qat"].get(k, none)[0] - per["plain"].get(k, none)[0]
-        for k in set(per["qat"]) | set(per["plain"])
-    }
-    added = tot["qat"] - tot["plain"]
+# --------------------------------------------------------------------------- the DAG's own record
+def dag_qat_record(results: str, experiment: str = DENSE_MODEL) -> dict[str, Any]:
+    """The default DAG's QAT stage from its own records: the stage's wall time
+    (``timings/zero3_qat.json``, the process from start to saved checkpoint) and the trainer's
+    token counts (``qat/train_log.jsonl``: valid label tokens per logging interval)."""
+    root = Path(results) / experiment
+    timing = root / "timings" / "zero3_qat.json"
+    log_file = root / "qat" / "train_log.jsonl"
+    if not timing.is_file() or not log_file.is_file():
+        return {"skipped": f"no {timing} / {log_file}: run the default DAG first"}
+    t = json.loads(timing.read_text())
+    lines = [json.loads(x) for x in log_file.read_text().splitlines() if x.strip()]
+    tokens = sum(int(r.get("tokens", 0)) for r in lines)
     return {
-        "summary": {
-            "qat_self_cpu_ms_per_step": round(tot["qat"], 2),
-            "plain_self_cpu_ms_per_step": round(tot["plain"], 2),
-            "quantizer_forward_ms_per_step": round(fq_ms["qat"], 2),
-            "quantizer_forward_share_of_qat": round(fq_ms["qat"] / tot["qat"], 4) if tot["qat"] else None,
-        },
-        "extra_ops": [
-            {
-                "op": k,
-                "extra_ms_per_step": round(diff[k], 2),
-                "share_of_added": round(diff[k] / added, 4) if added > 0 else None,
-                "calls_plain": per["plain"].get(k, none)[1],
-                "calls_qat": per["qat"].get(k, none)[1],
-            }
-            for k in sorted(diff, key=diff.__getitem__, reverse=True)[:top]
-        ],
-        "top_qat_ops": [
-            {"op": k, "self_cpu_ms_per_step": round(ms, 2), "share": round(ms / tot["qat"], 4), "calls": n}
-            for k, (ms, n) in sorted(per["qat"].items(), key=lambda kv: kv[1][0], reverse=True)[:top]
-        ],
+        "experiment": experiment,
+        "timing_file": str(timing),
+        "world_size": t.get("world_size"),
+        "steps": t.get("steps"),
+        "samples": t.get("samples"),
+        "wall_s": t.get("wall_s"),
+        "trained_tokens": tokens,
+        "tokens_per_s": round(tokens / t["wall_s"], 2) if t.get("wall_s") else None,
+        "note": "wall_s is the whole stage (load, ZeRO-3 init, training, save); tokens are the "
+        "trainer's valid label tokens over all ranks",
     }
 
 
-# --------------------------------------------------------------------------- driver
-def targets_of(rows: list[dict], compile_rows: list[dict]) -> list[dict]:
-    """The step targets of the step rows and the compiled-step rows (their `paired_ratio`s
-    compared unrounded)."""
-    tg = [
-        target(
-            f"QAT step / plain step [{r['format']}]",
-            r["qat_over_plain"],
-            TARGET_STEP_RATIO,
-            higher_is_better=False,
-            note=f"weight-grad GEMMs alone: x{r['plain_wgrad_over_plain']}, "
-            f"fake-quant ops on top: x{r['qat_over_plain_wgrad']}",
+# --------------------------------------------------------------------------- targets
+def target(name: str, value: float | None, bound: float, *, higher_is_better: bool, reason: str = ""):
+    """``{name, value, bound, met, reason}``; ``reason`` is kept only when the target is missed
+    (or unmeasured). A `Rounded` value is compared unrounded."""
+    from .common import exact
+
+    v = exact(value)
+    met = None if v is None else (v >= bound if higher_is_better else v <= bound)
+    out = {"name": name, "value": v, "bound": bound, "op": ">=" if higher_is_better else "<=", "met": met}
+    if met is not True:
+        out["reason"] = reason or "not measured"
+    return out
+
+
+def step_reason(r: dict[str, Any]) -> str:
+    """Why a step ratio is what it is: the weight-gradient GEMMs that the learned scales' gradient
+    needs (``plain_wgrad / plain``) and what the fake-quant adds on top (``qat / plain_wgrad``)."""
+    out = f"measured x{r['qat_over_plain']} (min {r['min']}, max {r['max']})"
+    if "plain_wgrad_over_plain" in r:
+        out += (
+            f"; the scale gradient needs dL/dW_q, one more GEMM per linear: plain step with weight "
+            f"gradients x{r['plain_wgrad_over_plain']}, QAT over that x{r['qat_over_plain_wgrad']}"
         )
-        for r in rows
-    ]
-    for r in rows:
+    return out
+
+
+def targets_of(step: list[dict], fq: list[dict], why: dict[str, str] | None = None) -> list[dict]:
+    """The issue's targets over the measured rows (``why``: a reason per target name when missed)."""
+    why = why or {}
+    tg = []
+    for r in step:
+        if r["format"] not in TARGET_FORMATS:
+            continue
+        n = r["tokens_per_step"]
+        bound = TARGET_LARGE[1] if n >= TARGET_LARGE[0] else TARGET_MID[1] if n == TARGET_MID[0] else None
+        if bound is None:
+            continue
+        name = f"QAT step / plain step [{r['model']}, {r['format']}, {n} tokens]"
         tg.append(
             target(
-                f"fused-prototype QAT step / plain step [{r['format']}]",
-                r["fused_qat_over_plain"],
-                TARGET_STEP_RATIO,
+                name,
+                r["qat_over_plain"],
+                bound,
                 higher_is_better=False,
-                note="proposal: hand-written STE/LSQ autograd.Function (benchmarks.speed.fused_fake_quantize)",
+                reason=why.get(name, step_reason(r)),
             )
         )
-    for r in compile_rows:
+    for r in fq:
+        name = f"fake-quant GB/s / copy GB/s [{r['format']}]"
         tg.append(
             target(
-                f"compiled QAT step / plain step [{r['format']}]",
-                r["compiled_qat_over_plain"],
-                TARGET_STEP_RATIO,
-                higher_is_better=False,
-                note="torch.compile on fake_quantize",
+                name,
+                r["fraction_of_copy"],
+                TARGET_FQ_COPY,
+                higher_is_better=True,
+                reason=why.get(
+                    name,
+                    f"{r['fake_quant_GBps']} GB/s vs copy {r['copy_GBps']} GB/s: the eager op makes "
+                    "several fp32 passes over the weight",
+                ),
             )
         )
     return tg
 
 
-def run(settings: SpeedSettings | None = None, *, results: str = "results") -> dict[str, Any]:
-    s = settings or SpeedSettings()
-    old_threads = torch.get_num_threads()
-    if s.threads:
-        torch.set_num_threads(s.threads)
+# --------------------------------------------------------------------------- driver
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    old = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
     try:
-        out = _run(s, results)
+        yield
     finally:
-        torch.set_num_threads(old_threads)
-    return out
+        torch.set_num_threads(old)
 
 
-def _run(s: SpeedSettings, results: str) -> dict[str, Any]:
+def run(
+    settings: SpeedSettings | None = None,
+    *,
+    results: str = "results",
+    models: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The speed record (the module docstring). ``models``: ``{name: (model, source)}`` to use
+    instead of loading them (tests)."""
+    s = settings or SpeedSettings()
+    with torch_threads(s.threads):
+        return _run(s, results, models or {})
+
+
+def _run(s: SpeedSettings, results: str, given: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(s.seed)
-    base, source = default_model(results)
-    vocab = base.config.vocab_size
-    x = torch.randint(0, vocab, (s.batch, s.seq), generator=torch.Generator().manual_seed(s.seed))
     out: dict[str, Any] = {
         "settings": asdict(s),
-        "model": {
-            "source": source,
-            "params": sum(p.numel() for p in base.parameters()),
-            "experts_implementation": getattr(base.config, "_experts_implementation", None),
-        },
-        "tokens_per_step": s.batch * s.seq,
         "torch_threads_used": torch.get_num_threads(),
         "load_avg_start": load_avg(),
+        "models": {},
+        "step": [],
     }
-
-    # 1. the QAT step vs the plain step, per format
-    rows = []
-    benches: dict[str, StepBench] = {}
-    for name in s.formats:
-        log(f"speed: step {name} (load {load_avg()})")
-        sb = StepBench(base, format_scheme(name), x)
-        t = interleaved(
-            {"qat": sb.qat, "plain": sb.plain, "plain_wgrad": sb.plain_wgrad, "qat_fused": sb.qat_fused},
-            repeats=s.repeats,
-            warmup=s.warmup,
+    for i, name in enumerate(s.models):
+        base, source = given.get(name) or load_model(name, results, s.seed)
+        base.eval()
+        out["models"][name] = {"source": source, "params": sum(p.numel() for p in base.parameters())}
+        moe = name == MOE_MODEL
+        tokens, repeats, formats = (
+            (s.moe_tokens, s.moe_repeats, s.moe_formats) if moe else (s.tokens, s.repeats, s.formats)
         )
-        r = paired_ratio(t["qat"], t["plain"])
-        rows.append(
-            {
-                "format": name,
-                "description": FORMATS[name],
-                "qat_over_plain": r["ratio"],
-                "qat_over_plain_q1": r["ratio_q1"],
-                "qat_over_plain_q3": r["ratio_q3"],
-                "plain_wgrad_over_plain": paired_ratio(t["plain_wgrad"], t["plain"])["ratio"],
-                "qat_over_plain_wgrad": paired_ratio(t["qat"], t["plain_wgrad"])["ratio"],
-                "fused_qat_over_plain": paired_ratio(t["qat_fused"], t["plain"])["ratio"],
-                "fused_over_eager_qat": paired_ratio(t["qat_fused"], t["qat"])["ratio"],
-                "qat_ms": median_ms(t["qat"]),
-                "plain_ms": median_ms(t["plain"]),
-                "plain_wgrad_ms": median_ms(t["plain_wgrad"]),
-                "qat_fused_ms": median_ms(t["qat_fused"]),
-                "trainable_scale_elements": sb.n_trainable,
-                "rounds": r["rounds"],
-            }
-        )
-        benches[name] = sb
-    out["step"] = rows
-
-    specs = [format_scheme(n).weight for n in s.formats] + [format_scheme(n).input for n in s.formats]
-    specs += [QuantSpec("int4", Granularity.GROUP, group_size=32, symmetric=False)]
-    out["fused_prototype_check"] = check_fused([sp for sp in specs if sp is not None])
-
-    # 2. what linearising the fused experts costs (format-independent)
-    first = benches[s.formats[0]]
-    frozen = copy.deepcopy(base).requires_grad_(False)
-    frozen.enable_input_require_grads()
-    frozen.train()
-    t = interleaved(
-        {"prepared_disabled": first.plain, "unprepared": frozen_step(frozen, x)},
-        repeats=s.repeats,
-        warmup=s.warmup,
-    )
-    out["moe_linearization"] = {
-        "prepared_disabled_over_unprepared": paired_ratio(t["prepared_disabled"], t["unprepared"])["ratio"],
-        "prepared_disabled_ms": median_ms(t["prepared_disabled"]),
-        "unprepared_ms": median_ms(t["unprepared"]),
-        "note": "same frozen step; prepare() replaces grouped_mm fused experts by per-expert nn.Linear",
-    }
-    del frozen
-
-    # 3. profile of the default format's step
-    if s.profile_format and s.profile_format in benches:
-        log("speed: profile")
-        prof = profile_steps(benches[s.profile_format], s.profile_steps)
-        out["profile"] = {"format": s.profile_format, "steps": s.profile_steps, **prof["summary"]}
-        out["profile_extra_ops_qat_minus_plain"] = prof["extra_ops"]
-        out["profile_top_ops_qat"] = prof["top_qat_ops"]
-
-    # 4. the fake-quant op alone (+ compiled)
-    fq_rows = []
-    compile_info: dict[str, Any] = {"enabled": s.compile}
-    with fresh_inductor_cache() if s.compile else contextlib.nullcontext():
-        compiled = compiled_fake_quantize() if s.compile else None
-        for dt in s.fq_dtypes:
-            for name in s.formats:
-                log(f"speed: fake-quant op {name} {dt}")
-                spec = format_scheme(name).weight
-                fq_rows.append(
-                    fake_quant_bench(name, spec, s.fq_size, getattr(torch, dt), s.fq_repeats, compiled)
-                )
-    out["fake_quant"] = fq_rows
-
-    # 5. compiled fake-quant inside the QAT step
-    if s.compile:
-        crow = []
-        for name in [f for f in s.compile_formats if f in benches]:
-            log(f"speed: compiled step {name}")
-            sb = benches[name]
-            with fresh_inductor_cache():
-                qat_compiled = sb.qat_compiled
-                eager_s = statistics.median(interleaved({"e": sb.qat}, repeats=2, warmup=0)["e"])
-                t0 = time.perf_counter()
-                for _ in range(s.compile_warmup_steps):
-                    qat_compiled()
-                warm_s = time.perf_counter() - t0
-                t = interleaved(
-                    {"eager": sb.qat, "compiled": qat_compiled, "plain": sb.plain},
-                    repeats=s.repeats,
-                    warmup=0,
-                )
-            crow.append(
-                {
-                    "format": name,
-                    "compiled_over_eager": paired_ratio(t["compiled"], t["eager"])["ratio"],
-                    "compiled_qat_over_plain": paired_ratio(t["compiled"], t["plain"])["ratio"],
-                    "eager_qat_over_plain": paired_ratio(t["eager"], t["plain"])["ratio"],
-                    "eager_ms": median_ms(t["eager"]),
-                    "compiled_ms": median_ms(t["compiled"]),
-                    "compile_s": round(max(warm_s - s.compile_warmup_steps * eager_s, 0.0), 1),
-                    "warmup_steps": s.compile_warmup_steps,
-                }
+        if i == 0:
+            gen = torch.Generator().manual_seed(s.seed)
+            x = torch.randint(0, base.config.vocab_size, (2, s.seq), generator=gen)
+            out["plain_check"] = {"model": name, **plain_step_is_the_model(base, x)}
+        out["step"] += step_rows(name, base, s, tokens, repeats, formats)
+        if moe:
+            out["models"][name]["reduced"] = (
+                f"tokens {list(tokens)}, formats {list(formats)}, {repeats} repeats (2-core budget)"
             )
-        out["compile_step"] = crow
-    out["compile"] = compile_info
+        del base
+    out["fake_quant"] = []
+    for fmt in s.fq_formats:
+        log(f"speed: fake-quant op {fmt}")
+        out["fake_quant"].append(fake_quant_row(fmt, s.fq_size, s.fq_repeats))
+    if s.zero3:
+        from .speed_zero3 import zero3_rows
 
-    # 6. targets
-    out["targets"] = targets_of(rows, out.get("compile_step", []))
+        out["zero3"] = zero3_rows(s, results)
+    out["dag_qat"] = dag_qat_record(results)
+    out["targets"] = targets_of(out["step"], out["fake_quant"])
     out["load_avg_end"] = load_avg()
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a tiny model, two token counts (seconds)")
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default results/bench)")
+    ap.add_argument("--results", default="results", help="where the pipeline's base models are")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads while timing (default 1)")
+    ap.add_argument("--no-zero3", action="store_true", help="skip the 1- vs 2-rank ZeRO-3 step")
+    ap.add_argument("--models", help=f"comma-separated (default {DENSE_MODEL},{MOE_MODEL})")
+    ap.add_argument("--tokens", help="tokens per step of the dense model, comma-separated")
+    ap.add_argument("--formats", help=f"step formats, comma-separated, of {', '.join(STEP_FORMATS)}")
+    ap.add_argument("--moe-tokens", help="tokens per step of the MoE, comma-separated (default 512)")
+    ap.add_argument("--repeats", type=int, help="rounds per step ratio (default 5)")
+    ap.add_argument("--no-wgrad", action="store_true", help="skip the plain_wgrad variant")
+    args = ap.parse_args(argv)
+    s = QUICK if args.quick else SpeedSettings()
+    if args.threads:
+        s = replace(s, threads=args.threads)
+    if args.no_zero3:
+        s = replace(s, zero3=False)
+    if args.no_wgrad:
+        s = replace(s, wgrad=False)
+    if args.repeats:
+        s = replace(s, repeats=args.repeats, moe_repeats=args.repeats)
+    if args.models:
+        s = replace(s, models=tuple(args.models.split(",")))
+    if args.tokens:
+        s = replace(s, tokens=tuple(int(t) for t in args.tokens.split(",")))
+    if args.moe_tokens:
+        s = replace(s, moe_tokens=tuple(int(t) for t in args.moe_tokens.split(",")))
+    if args.formats:
+        fs = tuple(args.formats.split(","))
+        if unknown := [f for f in fs if f not in STEP_FORMATS]:
+            ap.error(f"--formats: unknown {', '.join(unknown)}; choose from {', '.join(STEP_FORMATS)}")
+        s = replace(s, formats=fs, moe_formats=tuple(f for f in s.moe_formats if f in fs) or fs[:1])
+        s = replace(s, large_formats=tuple(f for f in s.large_formats if f in fs) or fs)
+    doc = {"machine": machine(), **run(s, results=args.results)}
+    path = write_result(args.out, "speed", doc)
+    log(f"speed: wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

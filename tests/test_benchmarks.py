@@ -54,14 +54,12 @@ def test_quick_speed_memory_pipeline(tmp_path):
         _check_common(doc, name)
         _report_renders(doc, name)
     speed = json.loads((out / "speed.json").read_text())
-    (row,) = speed["step"]
-    assert row["format"] == "w4a8_fp8_g32"
-    for key in ("qat_over_plain", "plain_wgrad_over_plain", "qat_over_plain_wgrad"):
-        assert row[key] > 0 and math.isfinite(row[key])
-    assert speed["fake_quant"][0]["fq_fwd_vs_clone"] > 0
-    assert speed["targets"][0]["met"] in (True, False)
-    assert speed["profile_top_ops_qat"] and speed["profile_extra_ops_qat_minus_plain"]
-    assert speed["fused_prototype_check"]["values_bit_exact"]
+    assert {(r["format"], r["tokens_per_step"]) for r in speed["step"]} == {
+        (f, n) for f in ("int4_g64_frozen", "fp8_static") for n in (16, 32)
+    }
+    assert all(r["qat_over_plain"] > 0 and math.isfinite(r["qat_over_plain"]) for r in speed["step"])
+    assert speed["fake_quant"][0]["fraction_of_copy"] > 0
+    assert all(t["met"] in (True, False) for t in speed["targets"])
     mem = json.loads((out / "memory.json").read_text())
     (kd,) = mem["kd_loss"]
     assert kd["tracker_chunked_peak_bytes"] > 0 and kd["tracker_full_peak_bytes"] > 0
@@ -113,12 +111,13 @@ def test_paired_ratio_and_interleaving():
 def test_fused_prototype_matches_fake_quantize():
     """The proposal measured by the speed benchmark computes exactly what qatlib computes."""
     from benchmarks import speed
+    from benchmarks.fused_prototype import check_fused
     from qatlib.quant.spec import Granularity, QuantSpec
 
-    specs = [common.format_scheme(n).weight for n in speed.SPEED_FORMATS]
-    specs += [common.format_scheme(n).input for n in speed.SPEED_FORMATS if common.format_scheme(n).input]
+    schemes = [common.format_scheme(n) for n in speed.FQ_FORMATS]
+    specs = [s.weight for s in schemes] + [s.input for s in schemes if s.input]
     specs += [QuantSpec("int4", Granularity.GROUP, group_size=32, symmetric=False)]
-    r = speed.check_fused(specs)
+    r = check_fused([sp for sp in specs if not sp.has_global_scale])  # the prototype has no NVFP4
     assert r["values_bit_exact"] and r["max_rel_grad_error"] < 1e-4
 
 
@@ -533,3 +532,45 @@ def test_served_benchmark_gain_bounds_and_page(tmp_path):
     page = render_page([Result(name="served", path="results/bench/served.json", doc=doc)])
     assert "## Served by vLLM's engine, per format" in page and "| `exp-w8a8` (w8a8) |" in page
     assert "-0.1000 ± 0.0577 (not separated)" in page and "OVER 0.008" in page
+
+
+def test_speed_quick_plain_step_is_the_model_and_gbps_is_bytes_over_time():
+    """`benchmarks.speed.run` in its quick mode on a tiny model: the record's structure, the
+    ``plain`` trainer step computes the unprepared model's logits bit for bit (its LM loss equals
+    cross-entropy computed here from the unprepared model), and each fake-quant GB/s is the weight
+    bytes over the recorded median time of that op."""
+    from dataclasses import replace
+
+    from benchmarks import speed
+
+    tiny = speed.tiny_model()
+    s = replace(speed.QUICK, tokens=(32,), repeats=1, fq_formats=("int4_g64",), fq_repeats=1, wgrad=False)
+    out = speed.run(s, models={"tiny": (tiny, "test model")})
+    (r1, r2) = out["step"]
+    assert {r1["format"], r2["format"]} == {"int4_g64_frozen", "fp8_static"}
+    for r in out["step"]:
+        assert r["tokens_per_step"] == 32 and r["batch"] * r["seq"] == 32 and r["rounds"] == 1
+        assert r["min"] <= r["qat_over_plain"] <= r["max"]
+    assert out["step"][0]["frozen_codes"] is True
+    chk = out["plain_check"]
+    assert chk["logits_bit_equal"] and chk["loss_bit_equal"]
+    gen = torch.Generator().manual_seed(s.seed)
+    x = torch.randint(0, tiny.config.vocab_size, (2, s.seq), generator=gen)
+    with torch.no_grad():
+        logits = tiny(input_ids=x).logits
+    ref = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)
+    )
+    assert chk["prepared_off_lm_loss"] == pytest.approx(ref.item(), rel=1e-6)
+    (fq,) = out["fake_quant"]
+    assert fq["weight_bytes"] == s.fq_size**2 * 4
+    assert fq["fake_quant_GBps"] == round(fq["weight_bytes"] / fq["fake_quant_s"] / 1e9, 3)
+    assert fq["copy_GBps"] == round(fq["weight_bytes"] / fq["copy_s"] / 1e9, 3)
+    assert fq["fraction_of_copy"] == pytest.approx(fq["copy_s"] / fq["fake_quant_s"], rel=1e-3)
+    for t in out["targets"]:
+        assert {"name", "value", "bound", "met"} <= set(t) and (t["met"] or t["reason"])
+    from qatlib.site.results import Result
+    from qatlib.site.speed import speed as render
+
+    lines = render(Result("speed", "results/bench/speed.json", out))
+    assert any("`int4_g64_frozen`" in line for line in lines)

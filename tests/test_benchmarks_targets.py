@@ -124,25 +124,32 @@ def test_w4a4_bound_compares_the_unrounded_z():
     assert z["met"] is False and z["value"] == pytest.approx(2.004, abs=1e-6)
 
 
-def _step_row(fmt: str, qat_over_plain: float) -> dict:
+def _step_row(fmt: str, qat_over_plain: float, tokens: int) -> dict:
     r = common.paired_ratio([qat_over_plain] * 3, [1.0] * 3)["ratio"]
-    return {
-        "format": fmt,
-        "qat_over_plain": r,
-        "plain_wgrad_over_plain": r,
-        "qat_over_plain_wgrad": r,
-        "fused_qat_over_plain": r,
-    }
+    return {"model": "m", "format": fmt, "tokens_per_step": tokens, "qat_over_plain": r, "min": r, "max": r}
 
 
 def test_speed_targets_compare_the_step_ratio_unrounded():
-    """`benchmarks.speed.targets_of`: a QAT step 1.15004x the plain one (recorded 1.15) is over 1.15."""
-    slow, ok = _step_row("int4_g64", 1.15004), _step_row("fp8_static", 1.14996)
-    assert slow["qat_over_plain"] == ok["qat_over_plain"] == 1.15
-    by = {t["target"]: t for t in speed.targets_of([slow, ok], [])}
-    t = by["QAT step / plain step [int4_g64] <= 1.15"]
-    assert t["met"] is False and t["value"] == pytest.approx(1.15004, abs=1e-9)
-    assert by["QAT step / plain step [fp8_static] <= 1.15"]["met"] is True
+    """`benchmarks.speed.targets_of`: a QAT step 1.10004x the plain one (recorded 1.1) is over
+    1.10 at 2048 tokens, 1.24996x meets 1.25 at 512; 128 tokens has no target; a miss says why."""
+    slow = _step_row("int4_g64_frozen", 1.10004, 2048)
+    ok = _step_row("fp8_static", 1.24996, 512)
+    other = _step_row("nvfp4", 3.0, 2048)  # not a target format
+    small = _step_row("fp8_static", 3.0, 128)
+    assert slow["qat_over_plain"] == 1.1
+    by = {t["name"]: t for t in speed.targets_of([slow, ok, other, small], [])}
+    assert set(by) == {
+        "QAT step / plain step [m, int4_g64_frozen, 2048 tokens]",
+        "QAT step / plain step [m, fp8_static, 512 tokens]",
+    }
+    t = by["QAT step / plain step [m, int4_g64_frozen, 2048 tokens]"]
+    assert t["met"] is False and t["value"] == pytest.approx(1.10004, abs=1e-9) and t["bound"] == 1.10
+    assert "x1.1" in t["reason"]
+    t = by["QAT step / plain step [m, fp8_static, 512 tokens]"]
+    assert t["met"] is True and t["bound"] == 1.25 and "reason" not in t
+    fq = {"format": "int4_g64", "fraction_of_copy": 0.49999, "fake_quant_GBps": 1.0, "copy_GBps": 2.0}
+    (t,) = speed.targets_of([], [fq])
+    assert t["met"] is False and t["bound"] == 0.5 and t["op"] == ">=" and t["reason"]
 
 
 def test_gpu_check_targets_compare_the_step_ratio_unrounded():

@@ -9,6 +9,8 @@
 ``formats``            the formats x runtimes table (README, docs/reference/formats.md), from
                        `qatlib.runtime.facts`
 ``plans``              the memory plan of the Qwen3-30B-A3B recipes on 8 GPUs (`qatlib.plan`)
+``families``           docs/reference/families.md: the supported-families table, from
+                       results/bench/families.json (``python -m benchmarks.families``)
 ``upstream totals``    the README's copy of docs/upstream-compat.md's ``Totals:`` line (that
                        page is tests/upstream_compat.py's)
 ``results``            docs/results.md and the README's results table, from results/bench/*.json
@@ -70,6 +72,15 @@ def _plans(repo: Path) -> Callable[[], str]:
     return make
 
 
+def _families(repo: Path) -> Callable[[], str]:
+    def make() -> str:
+        from .families import render
+
+        return render(repo)
+
+    return make
+
+
 def _upstream_totals(repo: Path) -> Callable[[], str]:
     def make() -> str:
         page = repo / "docs/upstream-compat.md"
@@ -98,6 +109,7 @@ def targets(repo: Path = REPO) -> dict[Target, Callable[[], str]]:
         Target("docs/reference/formats.md", "formats"): _formats_detailed,
         Target("README.md", "formats"): _formats_compact,
         Target("docs/how-to/memory-plan.md", "plan-qwen3-30b"): _plans(repo),
+        Target("docs/reference/families.md", "families"): _families(repo),
         Target("docs/results.md", "results"): _results("page", repo),
         Target("README.md", "results"): _results("readme", repo),
         Target("README.md", "upstream-totals"): _upstream_totals(repo),

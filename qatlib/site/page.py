@@ -1,12 +1,15 @@
 """The results page's table of contents: which renderer draws each benchmark JSON, under which
 title, in which order (`RENDERERS`), and the two generated blocks made from them (`render_page`:
 docs/results.md; `render_readme`: the README's table). The renderers live in `qatlib.site.results`
-(the workflow and quality benchmarks) and `qatlib.site.served` (vLLM's engine)."""
+(the workflow and quality benchmarks), `qatlib.site.served` (vLLM's engine) and `qatlib.site.speed`
+(what a QAT step costs)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from .families import body as families
+from .families import body_headline as families_headline
 from .results import (
     Result,
     default_experiment,
@@ -30,6 +33,7 @@ from .results import (
     targets_headline,
 )
 from .served import serve_moe, serve_moe_headline, serve_speed, serve_speed_headline, served, served_headline
+from .speed import speed, speed_headline
 
 TITLES = {
     "default_experiment": "The default experiment",
@@ -45,6 +49,9 @@ TITLES = {
     "served": "Served by vLLM's engine, per format (default DAG)",
     "serve_moe": "The upcycled MoE's architecture through vLLM-CPU's fused-MoE path",
     "serve_speed": "What deployment buys: tokens/s and memory in vLLM's engine",
+    "speed": "What QAT costs: the training step against a plain step and the machine's limit",
+    "families": "Every model family: PTQ -> ZeRO-3 QAT -> export -> vLLM's load",
+    "zero3_load_moe": "A hub-layout MoE checkpoint (Mixtral's keys) under the streamed ZeRO-3 load",
 }
 RENDERERS: dict[str, tuple[Callable[[Result], list[str]], Callable[[Result], tuple[str, str]]]] = {
     "default_experiment": (default_experiment, default_experiment_headline),
@@ -60,6 +67,8 @@ RENDERERS: dict[str, tuple[Callable[[Result], list[str]], Callable[[Result], tup
     "served": (served, served_headline),
     "serve_moe": (serve_moe, serve_moe_headline),
     "serve_speed": (serve_speed, serve_speed_headline),
+    "speed": (speed, speed_headline),
+    "families": (families, families_headline),
 }
 ORDER = tuple(RENDERERS)
 
