@@ -138,11 +138,15 @@ def _expert_regions(model: ModelTensors) -> dict[str, tuple[tuple[int, ...], lis
     for p, blk in model.experts.items():
         if blk.fused:
             continue
+        # no recorded layout: Qwen3-MoE's, its hidden width read off an expert's down_proj [H, I]
+        layout = blk.layout or ExpertsLayout(
+            blk.num_experts, model.params[f"{p}.0.down_proj.weight"][0], blk.intermediate_dim
+        )
         regions: dict[str, list] = {}
         for e in range(blk.num_experts):
-            for local, sl in expert_slices(blk.layout, e).items():
+            for local, sl in expert_slices(layout, e).items():
                 regions.setdefault(sl.source, []).append((f"{p}.{e}.{local}", sl.index, sl.perm))
-        for source, shape in fused_shapes(blk.layout).items():
+        for source, shape in fused_shapes(layout).items():
             out[f"{p}.{source}"] = (shape, regions[source])
     return out
 
