@@ -11,6 +11,7 @@ import importlib
 import inspect
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -118,6 +119,21 @@ def local_texts(n_docs: int = 200) -> list[str]:
                 docs.append(d)
     docs = sorted(set(docs))
     return docs[:n_docs]
+
+
+def stage_inputs(tmp_path: Path, checkpoint: Path, tokenizer, scheme: list[str]) -> tuple[Path, list[str]]:
+    """A user's model folder (``checkpoint`` copied to ``tmp_path/base`` with ``tokenizer``), a short
+    training text, and the ``--set`` overrides a stage test runs ``scheme`` with on it."""
+    base = tmp_path / "base"
+    shutil.copytree(checkpoint, base)
+    tokenizer.save_pretrained(base)
+    (tmp_path / "train.txt").write_text("\n\n".join(local_texts(20)))
+    data = [
+        f"dataset.data_path={tmp_path / 'train.txt'}",
+        "dataset.num_samples=3",
+        "dataset.max_seq_length=32",
+    ]
+    return base, [*scheme, *data, f"model.model_path={base}"]
 
 
 @pytest.fixture(scope="session")

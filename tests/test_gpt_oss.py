@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, local_texts, one_thread, torchrun
+from conftest import VOCAB, one_thread, stage_inputs, torchrun
 from safetensors.torch import load_file
 
 from qatlib.checkpoint import safetensors as st
@@ -131,6 +131,13 @@ def test_zero3_streamed_load_is_from_pretrained_bit_for_bit(hub, tmp_path):
     assert [k for k in ref if not torch.equal(got[k], ref[k])] == []
 
 
+W8A8_INT8 = [
+    "compression.quantization.name=int8",
+    "compression.quantization.quant_method.weight=per-channel",
+    "compression.QAT.plugin_config.quant_config.use_activation_quant=true",
+]
+
+
 def _same_dir(a: Path, b: Path) -> int:
     """The same files; safetensors byte for byte. Returns the tensors compared."""
     fa = sorted(str(p.relative_to(a)) for p in a.rglob("*.safetensors"))
@@ -147,15 +154,9 @@ def test_streamed_ptq_and_export_equal_the_whole_model_paths(hub, tmp_path, tiny
     from qatlib.config import load_config
     from qatlib.pipeline import run_export, run_ptq
 
-    base = tmp_path / "base"
-    shutil.copytree(hub, base)
-    tiny_tokenizer.save_pretrained(base)
-    (tmp_path / "train.txt").write_text("\n\n".join(local_texts(20)))
     # W8A8 int8 (channel weights, dynamic token inputs): what vLLM 0.33 loads for gpt_oss experts
-    sets = ["compression.quantization.name=int8", "compression.quantization.quant_method.weight=per-channel",
-            "compression.QAT.plugin_config.quant_config.use_activation_quant=true",
-            f"dataset.data_path={tmp_path / 'train.txt'}", "dataset.num_samples=3", "dataset.max_seq_length=32",
-            f"model.model_path={base}", f"compression.QAT.from_ptq_ckpt={tmp_path / 'ptq-whole'}"]  # fmt: skip
+    base, sets = stage_inputs(tmp_path, hub, tiny_tokenizer, W8A8_INT8)
+    sets.append(f"compression.QAT.from_ptq_ckpt={tmp_path / 'ptq-whole'}")
 
     def cfg(out: str):
         return load_config(EXPS / "tiny-qwen3-moe.yaml", [*sets, f"global.save_path={tmp_path / out}"])
@@ -303,14 +304,8 @@ def test_zero3_qat_trains_the_quantized_experts_on_two_ranks(hub, tmp_path, tiny
     from qatlib.pipeline import run_ptq
     from qatlib.quant import preset
 
-    base = tmp_path / "base"
-    shutil.copytree(hub, base)
-    tiny_tokenizer.save_pretrained(base)
-    (tmp_path / "train.txt").write_text("\n\n".join(local_texts(20)))
-    sets = ["compression.quantization.name=int8", "compression.quantization.quant_method.weight=per-channel",
-            "compression.QAT.plugin_config.quant_config.use_activation_quant=true",
-            f"dataset.data_path={tmp_path / 'train.txt'}", "dataset.num_samples=3", "dataset.max_seq_length=32",
-            f"model.model_path={base}", f"global.save_path={tmp_path / 'ptq'}"]  # fmt: skip
+    base, sets = stage_inputs(tmp_path, hub, tiny_tokenizer, W8A8_INT8)
+    sets.append(f"global.save_path={tmp_path / 'ptq'}")
     run_ptq(load_config(EXPS / "tiny-qwen3-moe.yaml", sets), progress=False)
     ptq = load_file(str(tmp_path / "ptq" / "scales.safetensors"))
     steps = 3

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, local_texts, one_thread, torchrun
+from conftest import VOCAB, local_texts, one_thread, stage_inputs, torchrun
 from safetensors.torch import load_file, save_file
 
 from qatlib.checkpoint import safetensors as st
@@ -241,14 +241,10 @@ def test_streamed_ptq_and_export_read_the_hub_layout(hub, tmp_path, tiny_tokeniz
     from qatlib.config import load_config
     from qatlib.pipeline import run_export, run_ptq
 
-    base = tmp_path / "base"
-    shutil.copytree(hub[family], base)
-    tiny_tokenizer.save_pretrained(base)
-    (tmp_path / "train.txt").write_text("\n\n".join(local_texts(20)))
-    sets = ["compression.quantization.name=fp8_static", "compression.quantization.quant_method.weight=per-tensor",
-            "compression.QAT.plugin_config.quant_config.use_activation_quant=true",
-            f"dataset.data_path={tmp_path / 'train.txt'}", "dataset.num_samples=3", "dataset.max_seq_length=32",
-            f"model.model_path={base}", f"compression.QAT.from_ptq_ckpt={tmp_path / 'ptq-whole'}"]  # fmt: skip
+    fp8_static = ["compression.quantization.name=fp8_static", "compression.quantization.quant_method.weight=per-tensor",
+                  "compression.QAT.plugin_config.quant_config.use_activation_quant=true"]  # fmt: skip
+    base, sets = stage_inputs(tmp_path, hub[family], tiny_tokenizer, fp8_static)
+    sets.append(f"compression.QAT.from_ptq_ckpt={tmp_path / 'ptq-whole'}")
 
     def cfg(out: str):
         return load_config(EXPS / "tiny-qwen3-moe.yaml", [*sets, f"global.save_path={tmp_path / out}"])
